@@ -1,0 +1,39 @@
+"""pagedkv: a paged KV cache for LLM inference.
+
+Names are re-exported lazily so that the torch-free layers (`pagedkv.memory`,
+`pagedkv.sim`, the scheduler) import without pulling in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagedkv.engine.llm",
+    "SamplingParams": "pagedkv.engine.sampling_params",
+    "BeamSearchParams": "pagedkv.engine.sampling_params",
+    "RequestOutput": "pagedkv.engine.outputs",
+    "CompletionOutput": "pagedkv.engine.outputs",
+    "KVCacheManager": "pagedkv.memory",
+    "OutOfBlocks": "pagedkv.errors",
+    "InvalidRequest": "pagedkv.errors",
+    "PagedKVCache": "pagedkv.cache",
+    "paged_attention": "pagedkv.ops",
+    "write_kv": "pagedkv.ops",
+    "ModelConfig": "pagedkv.config",
+    "CacheConfig": "pagedkv.config",
+    "SchedulerConfig": "pagedkv.config",
+    "EngineConfig": "pagedkv.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

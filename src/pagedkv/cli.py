@@ -1,0 +1,49 @@
+"""`pagedkv` command line: one entry point, a subcommand per job.
+
+Each layer registers its own subcommands (`register(subparsers)`), and imports its heavy
+dependencies only inside the handler, so `pagedkv plan --help` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules that own subcommands, in the order `--help` lists them.
+_COMMAND_MODULES = (
+    "pagedkv.server.commands",  # serve, generate
+    "pagedkv.demo",  # demo
+    "pagedkv.sim.commands",  # plan, simulate
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description="A paged KV cache and LLM inference engine.")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in _COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad input is a one-line error and a non-zero exit, never a traceback.
+        print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
