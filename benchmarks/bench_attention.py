@@ -1,0 +1,317 @@
+"""Paged attention vs scaled_dot_product_attention on the same KV held contiguously.
+
+Decode (one new token per sequence) and prefill over GQA 32/8 heads, head_dim 128: time per
+call (median), achieved GB/s of KV read, the ratio to the contiguous SDPA baseline measured
+in the same run, and the machine's read bandwidth measured here. Also times `write_kv` for
+one decode step (32 tokens).
+
+Baselines. Decode: SDPA with the query viewed as [batch, num_kv_heads, group, head_dim]
+against K/V [batch, num_kv_heads, context, head_dim] (exact for decode: every query head of
+a group sees the same keys), not `enable_gqa=True`, which is much slower on the CPU.
+Prefill: SDPA with `enable_gqa=True, is_causal=True` on contiguous K/V, the same call the
+CPU backend makes after gathering, so the ratio is the price of paging.
+
+    python benchmarks/bench_attention.py --quick
+    python benchmarks/bench_attention.py                  # full grid (CPU)
+    python benchmarks/bench_attention.py --device cuda    # Triton backend vs SDPA on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.ops import AttentionMetadata, paged_attention, paged_attention_from_metadata, write_kv
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device: str, min_time: float, min_repeats: int = 3) -> float:
+    """Median seconds per call after one warm-up, repeating for at least `min_time` seconds."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_repeats or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 1000:
+            break
+    return statistics.median(times)
+
+
+def read_bandwidth(device: str, gib: float = 1.0) -> float:
+    """Bytes per second of a large float32 reduction (read-only, all threads)."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    seconds = timeit(lambda: x.sum(), device, min_time=1.0, min_repeats=5)
+    return x.numel() * 4 / seconds
+
+
+def make_paged(
+    batch: int, context: int, block_size: int, dtype: torch.dtype, device: str, gen: torch.Generator
+):
+    """Contiguous K/V [B, Hkv, L, D] and the same values in a shuffled paged cache."""
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    pad = blocks_per_seq * block_size - context
+    for src, dst in ((k, key_cache), (v, value_cache)):
+        # (B, Hkv, L, D) -> (B, L_padded, Hkv, D) -> (B * blocks, bs, Hkv, D), then scatter
+        rows = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad))
+        dst[tables.flatten().long()] = rows.reshape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    to = dict(device=device)
+    return k.to(**to), v.to(**to), key_cache.to(**to), value_cache.to(**to), tables.to(**to)
+
+
+def bench_decode(batch, context, block_size, dtype, device, backend, min_time, gen) -> dict:
+    k, v, key_cache, value_cache, tables = make_paged(
+        batch, context, block_size, dtype, device, gen
+    )
+    group = NUM_HEADS // NUM_KV_HEADS
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    md = AttentionMetadata.build(
+        tables.tolist(),
+        [context] * batch,
+        [1] * batch,
+        list(range(batch)),
+        device=device,
+        backend=backend,
+    )
+    q4 = query.view(batch, NUM_KV_HEADS, group, HEAD_DIM)  # (B, Hkv, group, D)
+    base = timeit(lambda: F.scaled_dot_product_attention(q4, k, v), device, min_time)
+    args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
+    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
+    planned = timeit(
+        lambda: paged_attention_from_metadata(query, key_cache, value_cache, md), device, min_time
+    )
+    out = paged_attention(*args, backend=backend).float()
+    ref = F.scaled_dot_product_attention(q4, k, v).reshape(batch, NUM_HEADS, HEAD_DIM).float()
+    kv_bytes = 2 * k.numel() * k.element_size()
+    return dict(
+        kind="decode",
+        batch=batch,
+        context=context,
+        block_size=block_size,
+        dtype=str(dtype)[6:],
+        baseline_s=base,
+        paged_s=paged,
+        planned_s=planned,
+        kv_bytes=kv_bytes,
+        max_abs_err=float((out - ref).abs().max()),
+    )
+
+
+def bench_prefill(batch, context, block_size, dtype, device, backend, min_time, gen) -> dict:
+    k, v, key_cache, value_cache, tables = make_paged(
+        batch, context, block_size, dtype, device, gen
+    )
+    query = torch.randn(batch * context, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    md = AttentionMetadata.build(
+        tables.tolist(),
+        [context] * batch,
+        [context] * batch,
+        list(range(batch * context)),
+        device=device,
+        backend=backend,
+    )
+    q4 = query.view(batch, context, NUM_HEADS, HEAD_DIM).transpose(1, 2)  # (B, H, L, D)
+    base = timeit(
+        lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True),
+        device,
+        min_time,
+    )
+    args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
+    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    return dict(
+        kind="prefill",
+        batch=batch,
+        context=context,
+        block_size=block_size,
+        dtype=str(dtype)[6:],
+        baseline_s=base,
+        paged_s=paged,
+        planned_s=None,
+        kv_bytes=kv_bytes,
+        max_abs_err=None,
+    )
+
+
+def bench_write(dtype: torch.dtype, device: str, min_time: float, gen: torch.Generator) -> float:
+    """Seconds to write one decode step's K/V (32 tokens, 8 KV heads, dim 128)."""
+    key_cache = torch.zeros(4096, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.randn(32, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    value = key.clone()
+    slots = (torch.randperm(4096 * 16, generator=gen)[:32]).to(device)
+    return timeit(lambda: write_kv(key, value, key_cache, value_cache, slots), device, min_time)
+
+
+def environment(device: str, threads: int) -> dict:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        sha = ""
+    info = dict(
+        git_sha=sha,
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        machine=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        threads=threads,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    try:
+        import numba
+
+        info["numba"] = numba.__version__
+    except ImportError:
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true", help="a short run: fewer shapes and repeats")
+    p.add_argument("--threads", type=int, default=2, help="torch and numba threads (both sides)")
+    p.add_argument("--batch", type=int, nargs="+")
+    p.add_argument("--context", type=int, nargs="+")
+    p.add_argument("--block-size", type=int, nargs="+")
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
+    p.add_argument(
+        "--max-kv-gib",
+        type=float,
+        default=None,
+        help="skip shapes whose KV (one copy) exceeds this",
+    )
+    p.add_argument("--max-prefill-context", type=int, default=None)
+    p.add_argument("--min-time", type=float, default=None, help="seconds of repeats per timing")
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results)")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    defaults = dict(
+        batch=[1, 8] if args.quick else ([1, 8, 32, 64] if cuda else [1, 8, 32]),
+        context=[512, 4096] if args.quick else [512, 4096, 32768],
+        block_size=[16] if cuda else ([16, 32] if args.quick else [16, 32, 128]),
+        dtype=["float32", "bfloat16"] if not cuda else ["bfloat16", "float16"],
+        max_kv_gib=24.0 if cuda else (0.6 if args.quick else 1.2),
+        max_prefill_context=(32768 if cuda else 4096),
+        min_time=0.15 if args.quick else 0.5,
+    )
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.out is None:
+        suffix = "_quick" if args.quick else ""
+        args.out = Path(__file__).parent / "results" / f"attention_{args.device}{suffix}.json"
+    return args
+
+
+def _row(r: dict, bandwidth: float) -> str:
+    gbs = r["kv_bytes"] / r["paged_s"] / 1e9
+    planned = f"{r['baseline_s'] / r['planned_s']:6.2f}x" if r["planned_s"] else "      -"
+    return (
+        f"{r['kind']:7s} {r['dtype']:8s} {r['batch']:5d} {r['context']:7d} "
+        f"{r['block_size']:5d} {r['baseline_s'] * 1e3:10.3f} {r['paged_s'] * 1e3:10.3f} "
+        f"{r['baseline_s'] / r['paged_s']:6.2f}x {planned} {gbs:8.1f} "
+        f"{100 * gbs * 1e9 / bandwidth:5.0f}%"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
+    if args.device == "cpu":
+        import numba
+
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    backend = "triton" if args.device == "cuda" else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = read_bandwidth(args.device, gib=4.0 if args.device == "cuda" else 1.0)
+    print(
+        f"threads={args.threads} (torch and numba), backend={backend}, "
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'kind':7s} {'dtype':8s} {'batch':>5s} {'context':>7s} {'block':>5s} "
+        f"{'sdpa ms':>10s} {'paged ms':>10s} {'ratio':>7s} {'planned':>7s} {'GB/s':>8s} "
+        f"{'%bw':>6s}"
+    )
+    results = []
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        element = torch.empty((), dtype=dtype).element_size()
+        for batch in args.batch:
+            for context in args.context:
+                kv_gib = batch * context * NUM_KV_HEADS * HEAD_DIM * element * 2 / 2**30
+                if kv_gib > args.max_kv_gib:
+                    print(
+                        f"skip decode {dtype_name} batch {batch} context {context}: "
+                        f"{kv_gib:.1f} GiB KV > --max-kv-gib {args.max_kv_gib}"
+                    )
+                    continue
+                for bs in args.block_size:
+                    r = bench_decode(
+                        batch, context, bs, dtype, args.device, backend, args.min_time, gen
+                    )
+                    results.append(r)
+                    print(_row(r, bandwidth), flush=True)
+        for context in [] if args.no_prefill else args.context:
+            if context > args.max_prefill_context:
+                continue
+            r = bench_prefill(
+                1, context, args.block_size[0], dtype, args.device, backend, args.min_time, gen
+            )
+            results.append(r)
+            print(_row(r, bandwidth), flush=True)
+    writes = {
+        name: bench_write(DTYPES[name], args.device, args.min_time, gen) for name in args.dtype
+    }
+    for name, seconds in writes.items():
+        print(f"write_kv {name}, 32 tokens x 8 heads x 128: {seconds * 1e6:.1f} us")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    payload = dict(
+        benchmark="attention",
+        config=config,
+        environment=environment(args.device, args.threads),
+        read_bandwidth_bytes_per_s=bandwidth,
+        results=results,
+        write_kv_32_tokens_s=writes,
+    )
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Block pool benchmark: allocate+free under churn, prefix hits, build time, bytes per block.
+
+For each pool size it measures, in one run, side by side:
+
+* churn: the pool kept ~90 % full; each step frees a random sequence and allocates new ones
+  (1-64 blocks each) until 90 % is used again. Reported in microseconds per block
+  (one allocation plus one free). Through `BlockPool` (the layer vLLM's BlockPool figures
+  compare with), through `KVCacheManager` without prefix caching (prompts of 16-token blocks,
+  sequence dicts, validation), and through the seed's first-free-scan allocator (a Python
+  port of FindFreePage + AllocatePages), timed on fewer steps at large sizes.
+* prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
+  (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
+  hit block, then `free` separately.
+* build: seconds to construct `KVCacheManager(num_blocks, 16)`, and pool bookkeeping bytes
+  per block measured with tracemalloc (pool arrays, then pool plus the prefix index's key list).
+
+    python benchmarks/bench_block_pool.py                 # 10K, 100K, 1M, 2,097,152 blocks
+    python benchmarks/bench_block_pool.py --sizes 10000 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_table, write_results  # noqa: E402
+
+from pagedkv.memory import BlockPool, KVCacheManager, PrefixIndex  # noqa: E402
+
+BLOCK_SIZE = 16
+MAX_SEQ_BLOCKS = 64
+DEFAULT_SIZES = (10_000, 100_000, 1_000_000, 2_097_152)
+
+
+class ScanAllocator:
+    """The seed's allocator, ported faithfully: a first-free linear scan per page.
+
+    `allocate_pages` keeps its bug (pages taken before running out stay attached to the
+    table); the churn below never runs out, so the bug does not affect the timing.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.is_used = [False] * num_pages
+
+    def find_free_page(self) -> int:
+        is_used = self.is_used
+        for page in range(self.num_pages):
+            if not is_used[page]:
+                return page
+        return -1
+
+    def allocate_pages(self, table: list[int], num: int) -> bool:
+        for _ in range(num):
+            page = self.find_free_page()
+            if page < 0:
+                return False
+            self.is_used[page] = True
+            table.append(page)
+        return True
+
+    def free_pages(self, table: list[int]) -> None:
+        for page in table:
+            self.is_used[page] = False
+
+
+def _workload(num_steps: int, seed: int) -> tuple[list[int], list[float]]:
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, MAX_SEQ_BLOCKS) for _ in range(4 * num_steps + 10_000)]
+    picks = [rng.random() for _ in range(num_steps)]
+    return sizes, picks
+
+
+def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
+          time_budget_s: float = float("inf")) -> tuple[float, int]:  # fmt: skip
+    """Run the 90 %-full churn; return (microseconds per block, steps timed)."""
+    sizes, picks = _workload(num_steps, seed)
+    target = int(0.9 * num_blocks)
+    held: list[object] = []
+    used = next_size = 0
+
+    def refill() -> None:
+        nonlocal used, next_size
+        while used + sizes[next_size] <= target:
+            held.append(alloc(sizes[next_size]))
+            used += sizes[next_size]
+            next_size += 1
+
+    refill()  # untimed fill to 90 %
+    start_size, freed, steps = next_size, 0, 0
+    start = time.perf_counter()
+    for pick in picks:
+        i = int(pick * len(held))
+        held[i], held[-1] = held[-1], held[i]
+        victim = held.pop()
+        n = free(victim)
+        used -= n
+        freed += n
+        refill()
+        steps += 1
+        if time.perf_counter() - start > time_budget_s:
+            break
+    elapsed = time.perf_counter() - start
+    allocated = sum(sizes[start_size:next_size])
+    return elapsed / ((allocated + freed) / 2) * 1e6, steps
+
+
+def churn_pool(num_blocks: int, num_steps: int, seed: int) -> float:
+    pool = BlockPool(num_blocks, PrefixIndex(num_blocks))
+
+    def free(block_ids: list[int]) -> int:
+        pool.free(block_ids)
+        return len(block_ids)
+
+    return churn(pool.allocate, free, num_blocks, num_steps, seed)[0]
+
+
+def churn_manager(num_blocks: int, num_steps: int, seed: int) -> float:
+    manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+    prompts = {n: list(range(n * BLOCK_SIZE)) for n in range(1, MAX_SEQ_BLOCKS + 1)}
+    counter = iter(range(10**12))
+
+    def alloc(num: int) -> tuple[int, int]:
+        seq_id = next(counter)
+        manager.allocate(seq_id, prompts[num])
+        return seq_id, num
+
+    def free(seq: tuple[int, int]) -> int:
+        manager.free(seq[0])
+        return seq[1]
+
+    return churn(alloc, free, num_blocks, num_steps, seed)[0]
+
+
+def churn_scan(num_blocks: int, num_steps: int, seed: int, budget_s: float) -> tuple[float, int]:
+    scan = ScanAllocator(num_blocks)
+
+    def alloc(num: int) -> list[int]:
+        table: list[int] = []
+        assert scan.allocate_pages(table, num), "scan allocator ran out"
+        return table
+
+    def free(table: list[int]) -> int:
+        scan.free_pages(table)
+        return len(table)
+
+    return churn(alloc, free, num_blocks, num_steps, seed, budget_s)
+
+
+def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float]:
+    """(us per hit block in allocate, us per block in the following free)."""
+    rng = random.Random(seed)
+    manager = KVCacheManager(num_blocks, BLOCK_SIZE)
+    # Occupy ~90 % of the pool with other prompts' blocks: half held, half cached-free,
+    # so the index and the LRU queue are pool-sized.
+    filler, seq_no = int(0.9 * num_blocks) - MAX_SEQ_BLOCKS - 1, 0
+    while filler >= MAX_SEQ_BLOCKS:
+        base = rng.randrange(1 << 40)
+        manager.allocate(("fill", seq_no), range(base, base + MAX_SEQ_BLOCKS * BLOCK_SIZE))
+        if seq_no % 2:
+            manager.free(("fill", seq_no))
+        filler, seq_no = filler - MAX_SEQ_BLOCKS, seq_no + 1
+    prompt = [rng.randrange(50_000) for _ in range(MAX_SEQ_BLOCKS * BLOCK_SIZE + 1)]
+    manager.allocate("warm", prompt)
+    manager.free("warm")
+    hit, release = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        num_cached = manager.allocate(i, prompt)
+        t1 = time.perf_counter()
+        manager.free(i)
+        t2 = time.perf_counter()
+        assert num_cached == MAX_SEQ_BLOCKS * BLOCK_SIZE, "expected every full block to hit"
+        hit.append((t1 - t0) / MAX_SEQ_BLOCKS * 1e6)
+        release.append((t2 - t1) / (MAX_SEQ_BLOCKS + 1) * 1e6)
+    return statistics.median(hit), statistics.median(release)
+
+
+def build(num_blocks: int) -> tuple[float, float, float]:
+    """(seconds to build KVCacheManager, pool bytes/block, pool+key-list bytes/block)."""
+    gc.collect()
+    start = time.perf_counter()
+    manager = KVCacheManager(num_blocks, BLOCK_SIZE)
+    seconds = time.perf_counter() - start
+    del manager
+    gc.collect()
+    tracemalloc.start()
+    pool = BlockPool(num_blocks)
+    pool_bytes = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(num_blocks)
+    total_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del pool, index
+    return seconds, pool_bytes / num_blocks, total_bytes / num_blocks
+
+
+def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int]:
+    builds = [build(num_blocks) for _ in range(args.repeats)]
+    pool_us = [churn_pool(num_blocks, args.steps, args.seed + r) for r in range(args.repeats)]
+    manager_us = [churn_manager(num_blocks, args.steps, args.seed + r)
+                  for r in range(args.repeats)]  # fmt: skip
+    hit_us, free_us = prefix_hit(num_blocks, args.hit_repeats, args.seed)
+    scan_us, scan_steps = churn_scan(num_blocks, args.steps, args.seed, args.scan_budget)
+    pool_median = statistics.median(pool_us)
+    return {
+        "num_blocks": num_blocks,
+        "pool_us_per_block": pool_median,
+        "manager_us_per_block": statistics.median(manager_us),
+        "scan_us_per_block": scan_us,
+        "scan_steps": scan_steps,
+        "speedup_vs_scan": scan_us / pool_median,
+        "hit_us_per_block": hit_us,
+        "hit_free_us_per_block": free_us,
+        "build_s": statistics.median(b[0] for b in builds),
+        "pool_bytes_per_block": builds[0][1],
+        "pool_index_bytes_per_block": builds[0][2],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
+    parser.add_argument("--steps", type=int, default=3000, help="churn steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    parser.add_argument("--hit-repeats", type=int, default=200)
+    parser.add_argument("--scan-budget", type=float, default=3.0,
+                        help="seconds of churn for the scan baseline per size")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_block_pool", help="results file name")
+    args = parser.parse_args(argv)
+    rows = []
+    for num_blocks in args.sizes:
+        rows.append(run_size(num_blocks, args))
+        print_table(rows[-1:])
+    print()
+    print_table(rows)
+    flat = {
+        key: max(r[key] for r in rows) / min(r[key] for r in rows)
+        for key in ("pool_us_per_block", "hit_us_per_block")
+    }
+    print("largest/smallest: " + ", ".join(f"{k} {v:.2f}x" for k, v in flat.items()))
+    path = write_results(args.out, config=vars(args), results={"rows": rows, "flatness": flat})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

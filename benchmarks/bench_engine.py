@@ -1,0 +1,525 @@
+"""End-to-end engine throughput against transformers on the same model, prompts and machine.
+
+A ~125M-parameter random Llama (hidden 768, 12 layers, 12 heads, 4 KV heads, intermediate
+2048, vocab 32000), float32 and bfloat16, 32 seeded prompts of 32-512 tokens, greedy with EOS
+ignored. Workloads: *fixed* (64 new tokens each) and *variable* (16-256 new tokens per
+request, the serving case). In the same run:
+
+- pagedkv `LLM`'s engine (continuous batching, chunked prefill, paged attention);
+- transformers' static `generate`: prompts sorted by length, batches of 8 (left padded),
+  each batch decoding until its longest request is done (only requested tokens count);
+- transformers' continuous batching: its manager's `add_request` with per-request
+  `max_new_tokens` (`generate_batch` takes only one for all).
+
+Efficiency is the matmul floor over the measured time: (prompt + output tokens) x 2 x the
+layers' matmul parameters, plus output tokens x 2 x the LM head's, over the `torch.mm` rate
+measured in this run at the model's MLP shapes. Issue 5's runs: memory pressure (pool at
+~30 % of the workload's blocks), recompute vs swap; parallel sampling (n = 4, seeded) vs
+the same samples as separate requests without prefix caching (peak blocks, throughput).
+
+Threads: this machine has 2 cores, shared. Every run uses 2 torch threads (`--threads`),
+1 inter-op thread, as many Numba threads, and OMP_WAIT_POLICY=PASSIVE, set before torch
+loads: spinning OpenMP waits made 2-thread transformers up to 45x slower next to a busy core.
+
+    python benchmarks/bench_engine.py --quick          # tiny model: a smoke run
+    python benchmarks/bench_engine.py                  # full: long (tens of minutes)
+    python benchmarks/bench_engine.py --dtype float32 --workload fixed --skip-hf
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.config import ModelConfig  # noqa: E402
+from pagedkv.models import save_random_checkpoint  # noqa: E402
+
+FULL_MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+QUICK_MODEL = {
+    **FULL_MODEL,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 2048,
+}
+BLOCK_SIZE = 16
+Tokens = list[list[list[int]]]  # per request, per sample, the generated ids
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def blocks(self, block_size: int = BLOCK_SIZE) -> list[int]:
+        """Per request, the blocks its prompt and output fill."""
+        pairs = zip(self.prompts, self.max_tokens, strict=True)
+        return [-(-(len(p) + t) // block_size) for p, t in pairs]
+
+    def repeated(self, n: int) -> Workload:
+        """Each request n times in a row."""
+        return Workload(
+            f"{self.name}x{n}",
+            [p for p in self.prompts for _ in range(n)],
+            [t for t in self.max_tokens for _ in range(n)],
+        )
+
+
+def make_workloads(vocab_size: int, *, quick: bool, seed: int = 0) -> dict[str, Workload]:
+    """Seeded prompts (ids avoid the special tokens 0-2) and per-request output lengths."""
+    rng = random.Random(seed)
+    num, low, high = (8, 8, 64) if quick else (32, 32, 512)
+    lengths = [rng.randint(low, high) for _ in range(num)]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+    variable = [rng.randint(4, 32) if quick else rng.randint(16, 256) for _ in prompts]
+    return {
+        "fixed": Workload("fixed", prompts, [8 if quick else 64] * num),
+        "variable": Workload("variable", prompts, variable),
+    }
+
+
+def matmul_parameters(config: ModelConfig) -> tuple[int, int]:
+    """(matmul parameters of all layers, of the LM head): what each token multiplies by."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return config.num_layers * (2 * h * q + 2 * h * kv + 3 * h * inter), h * config.vocab_size
+
+
+def measure_mm_rate(config: ModelConfig, dtype: torch.dtype, rows: int = 256) -> float:
+    """Best FLOP/s of `torch.mm` over 1 s at the model's MLP shapes (`rows` tokens)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    a, b = torch.randn(rows, h, dtype=dtype), torch.randn(h, inter, dtype=dtype)
+    c, d = torch.randn(rows, inter, dtype=dtype), torch.randn(inter, h, dtype=dtype)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        t0 = time.perf_counter()
+        torch.mm(a, b), torch.mm(c, d)
+        best = min(best, time.perf_counter() - t0)
+    return 4 * rows * h * inter / best
+
+
+def floor_seconds(workload: Workload, config: ModelConfig, mm_rate: float) -> float:
+    """The time the workload's matmuls alone take at the measured rate."""
+    layers, head = matmul_parameters(config)
+    tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    return (tokens * 2 * layers + workload.num_output_tokens * 2 * head) / mm_rate
+
+
+def run_pagedkv(
+    model_dir: Path,
+    dtype: str,
+    workload: Workload,
+    *,
+    n: int = 1,
+    sample: bool = False,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """Time the engine on the workload; peak blocks in use read after every step."""
+    llm_kwargs.setdefault("num_blocks", n * sum(workload.blocks()) + 64)
+    llm = LLM(str(model_dir), dtype=dtype, block_size=BLOCK_SIZE, seed=0, **llm_kwargs)
+    warm = SamplingParams(temperature=0.0, max_tokens=2)  # compiles the kernels
+    llm.generate([{"prompt_token_ids": workload.prompts[0][:8]}], warm, use_tqdm=False)
+    engine = llm.engine
+    for i, (prompt, max_tokens) in enumerate(
+        zip(workload.prompts, workload.max_tokens, strict=True)
+    ):
+        params = SamplingParams(
+            n=n, temperature=1.0 if sample else 0.0, seed=i, max_tokens=max_tokens, ignore_eos=True
+        )
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    outputs: dict[str, list[list[int]]] = {}
+    peak, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        peak = max(peak, engine.stats()["num_used_blocks"])
+    seconds = time.perf_counter() - start
+    tokens = [outputs[f"r{i}"] for i in range(len(workload.prompts))]
+    assert sum(len(t) for ts in tokens for t in ts) == n * workload.num_output_tokens
+    stats = engine.stats()
+    keys = (
+        "num_blocks",
+        "num_preemptions",
+        "num_swapped_out",
+        "num_cow_copies",
+        "prefix_cache_hits",
+    )
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "peak_used_blocks": peak,
+        **{key: stats[key] for key in keys},
+    }
+
+
+def run_hf_static(model: Any, workload: Workload, batch_size: int = 8) -> dict[str, Any]:
+    """transformers `generate`: prompts sorted by length, left-padded batches of 8."""
+    order = sorted(range(len(workload.prompts)), key=lambda i: len(workload.prompts[i]))
+    tokens: dict[int, list[int]] = {}
+    start = time.perf_counter()
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        width = max(len(workload.prompts[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.int64)
+        mask = torch.zeros(len(batch), width, dtype=torch.int64)
+        for row, i in enumerate(batch):
+            prompt = workload.prompts[i]
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        new = max(workload.max_tokens[i] for i in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        for row, i in enumerate(batch):
+            tokens[i] = out[row, width : width + workload.max_tokens[i]].tolist()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": [[tokens[i]] for i in range(len(order))]}
+
+
+def run_hf_continuous(
+    model: Any, workload: Workload, max_batch_tokens: int | None
+) -> dict[str, Any]:
+    """transformers' continuous batching manager, one `add_request` per prompt."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # Its pool sized to the workload (pages of 256 tokens): its attention mask grows with it.
+    need = sum(workload.blocks(256)) + 2
+    cb_config = ContinuousBatchingConfig(num_blocks=need, max_batch_tokens=max_batch_tokens)
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(workload.max_tokens), eos_token_id=-1, pad_token_id=0
+    )
+    results: dict[str, Any] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=gen,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        warmup=False,
+    ) as manager:
+        start = time.perf_counter()
+        for i, (prompt, new) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)
+        while len(results) < len(workload.prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+        seconds = time.perf_counter() - start
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"transformers' continuous batching failed: {errors[0]}")
+    tokens = [[results[f"r{i}"].generated_tokens] for i in range(len(workload.prompts))]
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def run_pressure(
+    model_dir: Path,
+    dtype: str,
+    workload: Workload,
+    config: ModelConfig,
+    share: float = 0.3,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """Recompute vs swap with the pool at `share` of the workload's blocks."""
+    need = sum(workload.blocks())
+    num_blocks = max(int(need * share), max(workload.blocks()) + 1)
+    element_bytes = torch.finfo(getattr(torch, dtype)).bits // 8
+    swap_space = need * BLOCK_SIZE * config.kv_bytes_per_token(element_bytes)
+    runs = {}
+    for mode, swap in (("recompute", 0), ("swap", swap_space)):
+        runs[mode] = run_pagedkv(
+            model_dir,
+            dtype,
+            workload,
+            num_blocks=num_blocks,
+            preemption_mode=mode,
+            swap_space=swap,
+            **llm_kwargs,
+        )
+    return {"num_blocks": num_blocks, "workload_blocks": need, "runs": runs}
+
+
+def run_parallel(
+    model_dir: Path, dtype: str, workload: Workload, n: int = 4, **llm_kwargs: Any
+) -> dict[str, Any]:
+    """n seeded samples per prompt: one request forked n ways vs n separate requests."""
+    shared = run_pagedkv(model_dir, dtype, workload, n=n, sample=True, **llm_kwargs)
+    separate = run_pagedkv(
+        model_dir,
+        dtype,
+        workload.repeated(n),
+        sample=True,
+        enable_prefix_caching=False,
+        **llm_kwargs,
+    )
+    saved = separate["peak_used_blocks"] - shared["peak_used_blocks"]
+    return {"n": n, "shared": shared, "separate": separate, "blocks_saved": saved}
+
+
+def bench_throughput(
+    args: argparse.Namespace,
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: str,
+    workloads: dict[str, Workload],
+) -> list[dict[str, Any]]:
+    """pagedkv vs transformers (static, continuous) on each workload, in one dtype."""
+    torch_dtype = getattr(torch, dtype)
+    mm_rate = measure_mm_rate(config, torch_dtype)
+    hf_model = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    rows: list[dict[str, Any]] = []
+    for name, workload in workloads.items():
+        floor = floor_seconds(workload, config, mm_rate)
+        runs = {"pagedkv": run_pagedkv(model_dir, dtype, workload, **_engine_kwargs(args))}
+        if hf_model is not None:
+            runs["hf_static"] = run_hf_static(hf_model, workload)
+            runs["hf_continuous"] = run_hf_continuous(hf_model, workload, args.hf_max_batch_tokens)
+        for system, run in runs.items():
+            row = {
+                "dtype": dtype,
+                "workload": name,
+                "system": system,
+                "seconds": run["seconds"],
+                "tokens_per_s": workload.num_output_tokens / run["seconds"],
+                "floor_seconds": floor,
+                "floor_efficiency": floor / run["seconds"],
+                "mm_gflops": mm_rate / 1e9,
+                "pagedkv_speedup": runs["pagedkv"]["seconds"] ** -1 * run["seconds"],
+                "same_tokens_as_pagedkv": _agreement(runs["pagedkv"]["tokens"], run["tokens"]),
+            }
+            rows.append(row)
+            print(_format_row(row), flush=True)
+    return rows
+
+
+def _agreement(ours: Tokens, theirs: Tokens) -> float:
+    """Share of requests with identical greedy tokens (near-ties make a few differ)."""
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"attention_backend": args.attention_backend}
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    return (
+        f"{row['dtype']:>9} {row['workload']:>9} {row['system']:>14} "
+        f"{row['seconds']:8.2f} s {row['tokens_per_s']:8.1f} tok/s  "
+        f"pagedkv x{row['pagedkv_speedup']:5.2f}  floor {row['floor_efficiency']:5.2f}  "
+        f"same tokens {row['same_tokens_as_pagedkv']:4.0%}"
+    )
+
+
+def _print_pressure(pressure: dict[str, Any], workload: Workload) -> None:
+    print(
+        f"memory pressure ({workload.name}): {pressure['num_blocks']} blocks for a workload "
+        f"of {pressure['workload_blocks']}"
+    )
+    for mode, run in pressure["runs"].items():
+        print(
+            f"  {mode:>9}: {workload.num_output_tokens / run['seconds']:8.1f} tok/s, "
+            f"{run['num_preemptions']} preemptions, {run['num_swapped_out']} swapped out"
+        )
+
+
+def _print_parallel(parallel: dict[str, Any], workload: Workload) -> None:
+    print(f"parallel sampling ({workload.name}, n={parallel['n']}):")
+    for kind in ("shared", "separate"):
+        run = parallel[kind]
+        rate = parallel["n"] * workload.num_output_tokens / run["seconds"]
+        print(f"  {kind:>8}: peak {run['peak_used_blocks']} blocks, {rate:8.1f} tok/s")
+    print(f"  blocks saved by sharing: {parallel['blocks_saved']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and workload")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    parser.add_argument("--workload", choices=["fixed", "variable", "both"], default="both")
+    parser.add_argument("--skip-hf", action="store_true", help="pagedkv runs only")
+    parser.add_argument("--skip-pressure", action="store_true")
+    parser.add_argument("--skip-parallel", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention-backend", default="auto", help="pagedkv's attention ops")
+    parser.add_argument(
+        "--hf-max-batch-tokens",
+        type=int,
+        default=None,
+        help="transformers' continuous batching token budget",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="reuse this random checkpoint (written there if missing)",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="JSON path")
+    return parser.parse_args(argv)
+
+
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    _set_threads(args.threads)
+    hf_config = QUICK_MODEL if args.quick else FULL_MODEL
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir or Path(tmp) / "model"
+        if not (model_dir / "config.json").exists():
+            save_random_checkpoint(model_dir, hf_config, seed=0)
+        config = ModelConfig.from_hf(model_dir)
+        workloads = make_workloads(config.vocab_size, quick=args.quick)
+        if args.workload != "both":
+            workloads = {args.workload: workloads[args.workload]}
+        results: dict[str, Any] = {"throughput": []}
+        for dtype in dtypes:
+            results["throughput"] += bench_throughput(args, model_dir, config, dtype, workloads)
+        # Issue 5's runs in the first dtype: pressure on the serving case, sharing on half
+        # the prompts (n = 4 quadruples the decode work).
+        pressure_load = workloads.get("variable") or workloads["fixed"]
+        if not args.skip_pressure:
+            pressure = run_pressure(
+                model_dir, dtypes[0], pressure_load, config, **_engine_kwargs(args)
+            )
+            _print_pressure(pressure, pressure_load)
+            results["pressure"] = pressure
+        if not args.skip_parallel:
+            load = workloads.get("fixed") or pressure_load
+            half = Workload(load.name, load.prompts[::2], load.max_tokens[::2])
+            parallel = run_parallel(model_dir, dtypes[0], half, **_engine_kwargs(args))
+            _print_parallel(parallel, half)
+            results["parallel"] = parallel
+    _write(args, hf_config, workloads, results)
+
+
+def _write(
+    args: argparse.Namespace,
+    hf_config: dict[str, Any],
+    workloads: dict[str, Workload],
+    results: dict[str, Any],
+) -> None:
+    """Write the figures (not the token lists) with the config and the environment."""
+    for run in [
+        *results.get("pressure", {}).get("runs", {}).values(),
+        *(results["parallel"][k] for k in ("shared", "separate") if "parallel" in results),
+    ]:
+        run.pop("tokens", None)
+    config = {
+        "model": hf_config,
+        "quick": args.quick,
+        "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "block_size": BLOCK_SIZE,
+        "attention_backend": args.attention_backend,
+        "hf_max_batch_tokens": args.hf_max_batch_tokens,
+        "workloads": {
+            name: {
+                "num_prompts": len(w.prompts),
+                "prompt_tokens": w.num_prompt_tokens,
+                "output_tokens": w.num_output_tokens,
+            }
+            for name, w in workloads.items()
+        },
+    }
+    name = "bench_engine_quick" if args.quick else "bench_engine"
+    path = args.output or Path(__file__).resolve().parent / "results" / f"{name}.json"
+    payload = {
+        "benchmark": name,
+        "config": config,
+        "environment": _environment(),
+        "results": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {path}")
+
+
+def _environment() -> dict[str, Any]:
+    import transformers
+
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        sha = None
+    return {
+        "git_sha": sha,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""PagedKVCache: the per-layer key/value block pools, plus an optional host pool for swapping.
+
+Memory layout (one allocation per pool, so that a copy or swap of many blocks across all
+layers is one indexed copy)::
+
+    device pool  [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+                  K/V  layer     block_id    row (slot % block_size)
+    key_caches[l]   = pool[0, l]   contiguous [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches[l] = pool[1, l]
+
+The host pool has the same layout with `num_host_blocks` blocks (pinned memory on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+    return dtype
+
+
+def _positive(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+class PagedKVCache:
+    """Key and value block pools for every layer, on one device, with an optional host pool.
+
+    Attributes:
+        key_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim] views.
+        value_caches: per layer, same shape.
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim, num_host_blocks, dtype, device.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+        num_host_blocks: int = 0,
+    ) -> None:
+        """Allocate the pools (zero-filled).
+
+        Raises:
+            ValueError: a size is not a positive int, or the dtype is unsupported.
+        """
+        self.num_layers = _positive("num_layers", num_layers)
+        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.block_size = _positive("block_size", block_size)
+        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
+        self.head_dim = _positive("head_dim", head_dim)
+        self.num_host_blocks = _positive("num_host_blocks", num_host_blocks, minimum=0)
+        self.dtype = _as_dtype(dtype)
+        self.device = torch.device(device)
+        block_shape = (block_size, num_kv_heads, head_dim)
+        self._pool = torch.zeros(
+            (2, num_layers, num_blocks, *block_shape), dtype=self.dtype, device=self.device
+        )
+        self.key_caches: list[torch.Tensor] = list(self._pool[0].unbind(0))
+        self.value_caches: list[torch.Tensor] = list(self._pool[1].unbind(0))
+        self._host_pool = torch.zeros(
+            (2, num_layers, num_host_blocks, *block_shape),
+            dtype=self.dtype,
+            device="cpu",
+            pin_memory=self.device.type == "cuda" and num_host_blocks > 0,
+        )
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+    ) -> int:
+        """Bytes of one block, all layers: 2 (K, V) x layers x block_size x heads x dim x elem."""
+        element = torch.empty((), dtype=_as_dtype(dtype)).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    @classmethod
+    def num_blocks_for_memory(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+    ) -> int:
+        """How many whole blocks fit in `memory_bytes` (rounded down).
+
+        Raises:
+            ValueError: `memory_bytes` is negative.
+        """
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes: expected >= 0, got {memory_bytes}")
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return int(memory_bytes) // per_block
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by the device pool."""
+        return self._pool.numel() * self._pool.element_size()
+
+    def _flat(self, pool: torch.Tensor) -> torch.Tensor:
+        # (2, L, N, bs, H, D) -> (2 * L, N, bs * H * D): a block is one row per (K/V, layer)
+        return pool.view(2 * self.num_layers, pool.shape[2], -1)
+
+    def _indices(
+        self, pairs: list[tuple[int, int]], src_limit: int, dst_limit: int, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = [int(p[0]) for p in pairs]
+        dst = [int(p[1]) for p in pairs]
+        for name, ids, limit in (("source", src, src_limit), ("destination", dst, dst_limit)):
+            bad = [i for i in ids if not 0 <= i < limit]
+            if bad:
+                raise ValueError(f"{what}: expected {name} block ids in [0, {limit}), got {bad[0]}")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"{what}: expected distinct destination blocks, got {dst}")
+        return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers, K and V) from `src` to `dst` (copy-on-write).
+
+        All sources are read before any destination is written, in one gather and one scatter.
+
+        Args:
+            pairs: (src block id, dst block id); destinations distinct.
+
+        Raises:
+            ValueError: an id is out of range or a destination repeats.
+        """
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, self.num_blocks, self.num_blocks, "copy_blocks")
+        flat = self._flat(self._pool)
+        src, dst = src.to(self.device), dst.to(self.device)
+        flat.index_copy_(1, dst, flat.index_select(1, src))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks (all layers, K and V).
+
+        Args:
+            pairs: (device block id, host block id); host ids distinct.
+
+        Raises:
+            ValueError: an id is out of range or a host block repeats.
+        """
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, self.num_blocks, self.num_host_blocks, "swap_out")
+        gathered = self._flat(self._pool).index_select(1, src.to(self.device))
+        self._flat(self._host_pool).index_copy_(1, dst, gathered.to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back into device blocks (all layers, K and V).
+
+        Args:
+            pairs: (host block id, device block id); device ids distinct.
+
+        Raises:
+            ValueError: an id is out of range or a device block repeats.
+        """
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, self.num_host_blocks, self.num_blocks, "swap_in")
+        gathered = self._flat(self._host_pool).index_select(1, src)
+        if self.device.type == "cuda":
+            gathered = gathered.pin_memory()
+        flat = self._flat(self._pool)
+        flat.index_copy_(1, dst.to(self.device), gathered.to(self.device, non_blocking=True))
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"num_host_blocks={self.num_host_blocks})"
+        )

@@ -1,0 +1,509 @@
+"""Beam search on the paged KV cache: beams share blocks through `fork`, dropped beams are freed.
+
+Selection follows Hugging Face transformers' `generate(num_beams=k, do_sample=False)` step for
+step (its vectorized `_beam_search`), per prompt:
+
+    candidates  top K = max(2, 1 + num_eos) x k of (beam cum_logprob + logprob of next token)
+                over every live beam and the whole vocabulary (each beam's top K suffice)
+    running     the best k candidates that do not end (EOS, or max_tokens reached)
+    finished    ending candidates ranked < k, scored cum_logprob / generated_len ** length_penalty
+                (EOS counted), merged with earlier ones, best k kept
+    stop        when no running beam can beat the worst of k finished (early_stopping False:
+                at the current length; "never": at max_tokens if length_penalty > 0), when
+                k are finished (early_stopping True), or at max_tokens
+
+Memory: each surviving candidate forks its parent's blocks to a new sequence, then every old
+beam is freed, then each new beam appends its token. A parent with one survivor thus hands
+over its blocks without a copy; siblings share all blocks up to where they diverge and the
+shared partial last block is copied on write (`KVCacheManager.pop_copies`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from pagedkv.engine.request import Request, SeqId
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.scheduler import ScheduledSequence, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedkv.engine.engine import LLMEngine, PromptType
+    from pagedkv.engine.sampler import SampleResult
+
+EarlyStopping = bool | Literal["never"]
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam.
+
+    Attributes:
+        tokens: prompt + generated token ids (vLLM's `BeamSearchSequence.tokens`).
+        token_ids: the generated token ids (an ending EOS is kept).
+        logprobs: per generated token, its logprob (float32 log-softmax of the raw logits).
+        cum_logprob: sum of `logprobs`.
+        score: `cum_logprob / len(token_ids) ** length_penalty`, the ranking key.
+        text: the detokenized generated tokens ("" without a tokenizer).
+        finish_reason: "stop" (ended with EOS) or "length" (reached max_tokens).
+    """
+
+    tokens: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    score: float
+    text: str = ""
+    finish_reason: Literal["stop", "length"] = "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first (`sequences[0]` is the answer)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class Beam:
+    """A live beam: a sequence in the KV cache manager and the tokens it generated."""
+
+    seq_id: SeqId  # (request id, serial): the runner finds the request by its first part
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A beam extended by one token."""
+
+    cum_logprob: float
+    parent: int  # index into the live beams
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """A finished candidate with its length-penalized score."""
+
+    score: float
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    cum_logprob: float
+    ended_with_eos: bool
+
+
+class BeamSelector:
+    """One prompt's beam bookkeeping, torch-free: what transformers' `_beam_search` does per row.
+
+    Args:
+        beam_width: k, the number of beams.
+        max_tokens: new tokens per beam at most.
+        eos_token_ids: tokens that end a beam (empty when EOS is ignored).
+        length_penalty: exponent of the generated length in the final score.
+        early_stopping: True, False or "never", as in `GenerationConfig.early_stopping`.
+
+    Raises:
+        ValueError: a parameter is out of range.
+    """
+
+    def __init__(
+        self,
+        beam_width: int,
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+    ) -> None:
+        if beam_width < 1 or max_tokens < 1:
+            raise ValueError(
+                f"expected beam_width >= 1 and max_tokens >= 1, got {beam_width} and {max_tokens}"
+            )
+        if early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping: expected True, False or 'never', got {early_stopping!r}"
+            )
+        self.beam_width = beam_width
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+        # Keep more candidates than beams so that k survive even if the top k all end.
+        self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * beam_width
+        self.finished: list[Hypothesis] = []  # best first, at most beam_width
+        self.num_generated = 0
+        self.is_done = False
+        self._can_improve = True
+        # Smallest gap between adjacent ranked scores that decided anything: below float
+        # rounding the choice is arbitrary (other implementations may pick the other one).
+        self.min_margin = math.inf
+
+    def step(
+        self, beams: Sequence[Beam], top_logprobs: Sequence[Sequence[tuple[int, float]]]
+    ) -> list[Candidate]:
+        """Advance one token: rank the candidates, record the finished ones, pick the runners.
+
+        Args:
+            beams: the live beams (all with `num_generated` tokens).
+            top_logprobs: per beam, its best `num_candidates` (token id, logprob) pairs, best
+                first (fewer only when the vocabulary is smaller).
+
+        Returns:
+            The candidates that keep running, best first (empty once `is_done`).
+
+        Raises:
+            ValueError: `beams` and `top_logprobs` disagree in length, or the search is done.
+        """
+        if self.is_done:
+            raise ValueError("expected a running beam search, got a finished one")
+        if len(beams) != len(top_logprobs) or not beams:
+            raise ValueError(
+                f"expected top logprobs for each of {len(beams)} beams, got {len(top_logprobs)}"
+            )
+        ranked = sorted(
+            (
+                Candidate(beam.cum_logprob + lp, i, token, lp)
+                for i, (beam, pairs) in enumerate(zip(beams, top_logprobs, strict=True))
+                for token, lp in pairs
+            ),
+            key=lambda c: -c.cum_logprob,
+        )[: self.num_candidates]
+        length = self.num_generated + 1
+        ends = [c.token_id in self.eos_token_ids or length >= self.max_tokens for c in ranked]
+        self._record_finished(beams, ranked, ends, length)
+        kept = [i for i, end in enumerate(ends) if not end][: self.beam_width]
+        running = [ranked[i] for i in kept]
+        # The ranking decided which candidates finish (top k) and where the runners stop.
+        last = max(self.beam_width, kept[-1] + 1 if kept else len(ranked))
+        self._note_margins([c.cum_logprob for c in ranked[: last + 1]])
+        self.num_generated = length
+        self._update_can_improve(running)
+        full = len(self.finished) == self.beam_width
+        self.is_done = (
+            not running or not self._can_improve or (full and self.early_stopping is True)
+        )
+        return [] if self.is_done else running
+
+    def _record_finished(
+        self, beams: Sequence[Beam], ranked: list[Candidate], ends: list[bool], length: int
+    ) -> None:
+        # Only candidates ranked within the top k may finish; the rest are spares that let
+        # k beams keep running.
+        new = [
+            Hypothesis(
+                c.cum_logprob / length**self.length_penalty,
+                (*beams[c.parent].token_ids, c.token_id),
+                (*beams[c.parent].logprobs, c.logprob),
+                c.cum_logprob,
+                c.token_id in self.eos_token_ids,
+            )
+            for c, end in zip(ranked[: self.beam_width], ends[: self.beam_width], strict=True)
+            if end
+        ]
+        if new:
+            merged = sorted(self.finished + new, key=lambda h: -h.score)
+            self._note_margins([h.score for h in merged[: self.beam_width + 1]])
+            self.finished = merged[: self.beam_width]
+
+    def _note_margins(self, scores: list[float]) -> None:
+        gaps = [a - b for a, b in itertools.pairwise(scores)]
+        self.min_margin = min(self.min_margin, *gaps) if gaps else self.min_margin
+
+    def _update_can_improve(self, running: list[Candidate]) -> None:
+        # transformers' early-stop heuristic: once k beams are finished, stop when the best
+        # running beam cannot beat the worst finished one at the most favourable length.
+        if len(self.finished) < self.beam_width or not running:
+            return
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = self.max_tokens
+        else:
+            best_length = self.num_generated
+        best_possible = running[0].cum_logprob / best_length**self.length_penalty
+        self._can_improve = best_possible > self.finished[-1].score
+
+
+@dataclass
+class _PromptSearch:
+    """One prompt's search: its request (for the runner), selector, live beams, prefill state."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    request: Request
+    selector: BeamSelector
+    num_reserved_blocks: int
+    beams: list[Beam] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens whose KV is in the cache (or computed this step)
+
+
+class BeamSearchRun:
+    """Runs beam search for a batch of prompts on an idle engine, step by step.
+
+    Every step schedules one decode token per live beam (all prompts together) and prompt
+    chunks of newly admitted prompts under the token budget, runs them through the engine's
+    `ModelRunner` in one forward pass (applying copy-on-write copies first), and advances
+    each prompt's `BeamSelector`. A prompt is admitted only when the blocks it could need in
+    the worst case (no sharing after the prompt) fit beside those of the admitted ones, so
+    `append` never runs out of blocks.
+
+    Attributes:
+        peak_num_used_blocks: most blocks held at once (after any step).
+        num_steps: forward passes run.
+        min_margins: per prompt, its selector's `min_margin` (closest call it made).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        early_stopping: EarlyStopping = False,
+    ) -> None:
+        """Args:
+            engine: an `LLMEngine` with no unfinished requests.
+            prompts: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}.
+            params: beam width, max_tokens, ignore_eos, length_penalty.
+            early_stopping: as transformers' (`False` is its default).
+
+        Raises:
+            ValueError: the engine is busy, a prompt is empty or malformed, or a prompt's
+                beams could never fit in the pool.
+        """
+        if engine.has_unfinished_requests():
+            raise ValueError("beam_search: expected an idle engine, got unfinished requests")
+        self.engine = engine
+        self.params = params
+        self.early_stopping = early_stopping
+        self.manager = engine.kv_manager
+        self.runner = engine.runner
+        self.block_size = self.manager.block_size
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
+        self.debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
+        eos = () if params.ignore_eos else tuple(sorted(engine.scheduler.eos_token_ids))
+        self._searches = [self._new_search(i, p, eos) for i, p in enumerate(prompts)]
+        self._serial = itertools.count()
+        self.peak_num_used_blocks = 0
+        self.num_steps = 0
+
+    def _new_search(self, index: int, prompt: PromptType, eos: tuple[int, ...]) -> _PromptSearch:
+        text, token_ids = self.engine._tokenize(prompt)  # same prompt forms as generate()
+        if not token_ids:
+            raise ValueError(f"prompt {index}: expected at least one token, got none")
+        k, num_new = self.params.beam_width, self.params.max_tokens
+        if len(token_ids) + num_new > self.engine.max_model_len:
+            raise ValueError(
+                f"prompt {index}: expected prompt + max_tokens <= "
+                f"{self.engine.max_model_len} (max_model_len), "
+                f"got {len(token_ids)} + {num_new}"
+            )
+        # Full prompt blocks are shared by every beam; past them each beam may own blocks.
+        reserved = len(token_ids) // self.block_size + k * -(
+            -(len(token_ids) % self.block_size + num_new) // self.block_size
+        )
+        if reserved > self.manager.num_blocks:
+            raise ValueError(
+                f"beam_search: prompt {index} needs up to {reserved} blocks for "
+                f"{k} beams, expected at most {self.manager.num_blocks} (the pool)"
+            )
+        selector = BeamSelector(k, num_new, eos, self.params.length_penalty, self.early_stopping)
+        num_logprobs = min(selector.num_candidates, self.engine.model_config.vocab_size)
+        request = Request(
+            f"beam-search-{id(self)}-{index}",
+            token_ids,
+            SamplingParams(
+                temperature=0.0, max_tokens=num_new, logprobs=num_logprobs, ignore_eos=True
+            ),
+            arrival_time=0.0,
+            arrival_index=index,
+            prompt=text,
+        )
+        return _PromptSearch(text, token_ids, request, selector, reserved)
+
+    def run(self) -> list[BeamSearchOutput]:
+        """Search every prompt to the end; every block is free again afterwards.
+
+        Returns:
+            Per prompt, in input order, its beams best first.
+        """
+        waiting = deque(self._searches)
+        active: list[_PromptSearch] = []
+        try:
+            while waiting or active:
+                self._admit(waiting, active)
+                step = self._schedule(active)
+                results = self.runner.execute(
+                    step, {s.request.request_id: s.request for s in active}
+                )
+                self.num_steps += 1
+                for search in [s for s in active if s.beams and s.beams[0].seq_id in results]:
+                    self._advance(search, results)
+                    if search.selector.is_done:
+                        self._release(search)
+                        active.remove(search)
+                self._after_step()
+        finally:
+            for search in active:
+                self._release(search)
+        return [self._output(s) for s in self._searches]
+
+    @property
+    def min_margins(self) -> list[float]:
+        return [s.selector.min_margin for s in self._searches]
+
+    def _admit(self, waiting: deque[_PromptSearch], active: list[_PromptSearch]) -> None:
+        reserved = sum(s.num_reserved_blocks for s in active)
+        max_beams = min(self.max_num_seqs, self.max_num_batched_tokens)
+        while waiting:
+            search = waiting[0]
+            fits = (
+                reserved + search.num_reserved_blocks <= self.manager.num_blocks
+                and (len(active) + 1) * self.params.beam_width <= max_beams
+            )
+            if active and not fits:
+                return
+            waiting.popleft()
+            active.append(search)
+            reserved += search.num_reserved_blocks
+            search.beams = [Beam((search.request.request_id, next(self._serial)))]
+
+    def _schedule(self, active: list[_PromptSearch]) -> SchedulerOutput:
+        """Decode tokens of every live beam first, then prompt chunks under the budget."""
+        seqs: list[ScheduledSequence] = []
+        budget = self.max_num_batched_tokens
+        for search in active:
+            if search.num_prefilled < len(search.prompt_token_ids):
+                continue
+            for beam in search.beams:
+                position = self.manager.num_tokens(beam.seq_id) - 1
+                seqs.append(
+                    ScheduledSequence(
+                        beam.seq_id,
+                        beam.token_ids[-1:],
+                        position,
+                        self.manager.block_table(beam.seq_id),
+                        [beam.seq_id],
+                    )
+                )
+                budget -= 1
+        for search in active:
+            if budget <= 0:
+                break
+            if search.num_prefilled < len(search.prompt_token_ids):
+                budget -= self._schedule_chunk(search, budget, seqs)
+        return SchedulerOutput(seqs=seqs, copies=self.manager.pop_copies())
+
+    def _schedule_chunk(
+        self, search: _PromptSearch, budget: int, seqs: list[ScheduledSequence]
+    ) -> int:
+        """Allocate (first chunk) or append the next prompt chunk; returns its length."""
+        prompt, root = search.prompt_token_ids, search.beams[0].seq_id
+        if root not in self.manager:
+            end = min(len(prompt), self.manager.num_cached_tokens(prompt) + budget)
+            start = self.manager.allocate(root, prompt[:end])
+        else:
+            start = search.num_prefilled
+            end = min(len(prompt), start + budget)
+            self.manager.append(root, prompt[start:end])
+        search.num_prefilled = end
+        sample = [root] if end == len(prompt) else []
+        seqs.append(
+            ScheduledSequence(
+                root, prompt[start:end], start, self.manager.block_table(root), sample
+            )
+        )
+        return end - start
+
+    def _advance(self, search: _PromptSearch, results: Mapping[SeqId, SampleResult]) -> None:
+        """Select the next beams; fork survivors, free the old beams, append the new tokens."""
+        tops = []
+        for beam in search.beams:
+            top = results[beam.seq_id].top_logprobs or {}
+            tops.append(sorted(top.items(), key=lambda pair: -pair[1]))
+        running = search.selector.step(search.beams, tops)
+        if search.selector.is_done:
+            return
+        new_beams = []
+        for candidate in running:
+            parent = search.beams[candidate.parent]
+            child = (search.request.request_id, next(self._serial))
+            self.manager.fork(parent.seq_id, child)
+            new_beams.append(
+                Beam(
+                    child,
+                    [*parent.token_ids, candidate.token_id],
+                    [*parent.logprobs, candidate.logprob],
+                    candidate.cum_logprob,
+                )
+            )
+        # Free before appending: a block only the child still holds is then written in
+        # place, and only blocks shared by surviving siblings are copied.
+        for beam in search.beams:
+            self.manager.free(beam.seq_id)
+        for beam in new_beams:
+            self.manager.append(beam.seq_id, beam.token_ids[-1:])
+        search.beams = new_beams
+
+    def _release(self, search: _PromptSearch) -> None:
+        for beam in search.beams:
+            if beam.seq_id in self.manager:
+                self.manager.free(beam.seq_id)
+        search.beams = []
+
+    def _after_step(self) -> None:
+        used = self.manager.num_blocks - self.manager.num_free_blocks
+        self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
+        if self.debug:
+            self.manager.check()
+
+    def _output(self, search: _PromptSearch) -> BeamSearchOutput:
+        tokenizer = self.engine.tokenizer
+        sequences = [
+            BeamSearchSequence(
+                tokens=[*search.prompt_token_ids, *h.token_ids],
+                token_ids=list(h.token_ids),
+                logprobs=list(h.logprobs),
+                cum_logprob=h.cum_logprob,
+                score=h.score,
+                text=tokenizer.decode(list(h.token_ids)) if tokenizer is not None else "",
+                finish_reason="stop" if h.ended_with_eos else "length",
+            )
+            for h in search.selector.finished
+        ]
+        return BeamSearchOutput(search.prompt, search.prompt_token_ids, sequences)
+
+
+def beam_search(
+    engine: LLMEngine,
+    prompts: Sequence[PromptType],
+    params: BeamSearchParams,
+    *,
+    early_stopping: EarlyStopping = False,
+) -> list[BeamSearchOutput]:
+    """Beam search over `prompts` on `engine`'s model and paged KV cache.
+
+    Args:
+        engine: an idle `LLMEngine` (no unfinished requests).
+        prompts: a list of prompts: text, token ids, or {"prompt_token_ids": [...]}.
+        params: `BeamSearchParams(beam_width, max_tokens, ignore_eos, length_penalty)`.
+        early_stopping: transformers' `early_stopping` (True, False or "never").
+
+    Returns:
+        Per prompt, in input order, a `BeamSearchOutput` whose `sequences` are its
+        `beam_width` beams, best (highest length-penalized score) first.
+
+    Raises:
+        ValueError: bad prompt, busy engine, or a prompt whose beams cannot fit the pool.
+    """
+    if isinstance(prompts, (str, dict)):
+        raise ValueError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
+    return BeamSearchRun(engine, prompts, params, early_stopping=early_stopping).run()

@@ -1,0 +1,300 @@
+"""`LLMEngine`: requests in, one step at a time, `RequestOutput`s out.
+
+A step is three calls: `scheduler.schedule()` -> `runner.execute()` -> postprocess
+(record tokens, detokenize, stop strings, outputs). The server drives `step()` in a loop;
+`LLM.generate` drives it until every request is done.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+from pagedkv.config import EngineConfig, ModelConfig
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.request import Request, Sequence
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import SampleResult
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """The serving core: a scheduler over a `KVCacheManager`, a model runner, a tokenizer."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv_manager: Any,
+        tokenizer: Tokenizer | None,
+        *,
+        max_model_len: int,
+    ) -> None:
+        """Prefer `from_engine_args`; this wires already-built parts together.
+
+        Args:
+            config: the engine's configuration (model, cache, scheduler).
+            runner: owns the model and the KV tensors.
+            kv_manager: the `KVCacheManager` over the same blocks.
+            tokenizer: None serves token-id prompts only.
+            max_model_len: longest sequence (prompt + output).
+        """
+        self.config = config
+        self.runner = runner
+        self.kv_manager = kv_manager
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            kv_manager,
+            num_blocks=runner.kv_cache.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=max_model_len,
+            eos_token_ids=eos,
+        )
+        self._rng = random.Random(config.seed)
+        self._arrivals = 0
+        self._debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str, **llm_kwargs: Any) -> LLMEngine:
+        """Load `model` (a local Hugging Face model directory) and size the KV cache.
+
+        Takes the keyword arguments of `LLM` (dtype, device, block_size, num_blocks,
+        kv_cache_memory, swap_space, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, preemption_mode, seed, max_model_len, max_preemptions,
+        attention_backend).
+
+        Raises:
+            ValueError: a bad argument, or a model directory that cannot be loaded.
+        """
+        from pagedkv.engine.builder import build_engine_parts
+
+        config, runner, kv_manager, tokenizer, extra = build_engine_parts(model, **llm_kwargs)
+        return cls(config, runner, kv_manager, tokenizer, **extra)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text (needs a tokenizer), token ids, or {"prompt_token_ids": [...]}
+                / {"prompt": "..."}.
+            params: how to sample.
+            arrival_time: for metrics (default: now, `time.monotonic()`).
+
+        Raises:
+            ValueError: a bad prompt or params, a duplicate id, or a request that can never
+                fit the model or the KV pool. The engine keeps serving the others.
+        """
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: expected a str, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_index=self._arrivals,
+            prompt=text,
+            seed=seed,
+        )
+        self.scheduler.add_request(request)
+        self._arrivals += 1
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(
+                    f"prompt: expected a dict with 'prompt_token_ids' or "
+                    f"'prompt', got keys {sorted(prompt)}"
+                )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt: expected token ids (this model dir has no tokenizer), got a string"
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(
+                f"prompt: expected a string, token ids or a dict, got {type(prompt).__name__}"
+            )
+        vocab = self.config.model.vocab_size
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {token!r}")
+        return text, list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now; its blocks go back to the pool. Unknown ids are ignored."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.runner.release(request)
+            request.metrics.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess.
+
+        Returns:
+            The cumulative output of every request that got tokens or finished this step.
+        """
+        # Taken before schedule(): a request can end inside it (no room to grow).
+        live = dict(self.scheduler.requests)
+        step = self.scheduler.schedule()
+        results = self.runner.execute(step, live)
+        outputs = self._postprocess(step, results, live)
+        if self._debug:
+            self.kv_manager.check()
+        self.num_steps += 1
+        return outputs
+
+    def _postprocess(
+        self, step: SchedulerOutput, results: dict[Any, SampleResult], live: dict[str, Request]
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        for scheduled in step.seqs:
+            metrics = live[scheduled.seq_id[0]].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        touched = self.scheduler.update(step, {k: r.token_id for k, r in results.items()})
+        for seq_id, result in results.items():
+            request = live[seq_id[0]]
+            self._record(request, request.seq(seq_id[1]), result)
+        ended = [live[r] for r in step.finished_request_ids]
+        outputs = []
+        for request in dict.fromkeys([*touched, *ended]):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.is_finished:
+                request.metrics.finished_time = now
+                self.runner.release(request)
+            outputs.append(self.make_output(request))
+        return outputs
+
+    def _record(self, request: Request, seq: Sequence, result: SampleResult) -> None:
+        """Logprobs, text and stop strings of the token `update` just appended."""
+        params = request.params
+        seq.cumulative_logprob += result.logprob
+        if params.logprobs is not None and result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+        if self.tokenizer is None:
+            return
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:-1])
+        start = len(seq.text)
+        seq.text += seq.detokenizer.add(result.token_id)
+        if params.stop_strings and seq.finish_reason in (None, "length"):
+            self._check_stop_strings(seq, params.stop_strings, start)
+
+    def _check_stop_strings(self, seq: Sequence, stops: tuple[str, ...], start: int) -> None:
+        # A stop string may straddle the previous text; search from just before it.
+        hits = []
+        for stop in stops:
+            index = seq.text.find(stop, max(0, start - len(stop) + 1))
+            if index >= 0:
+                hits.append((index, stop))
+        if not hits:
+            return
+        index, stop = min(hits)
+        seq.text = seq.text[:index]
+        if seq.finish_reason is None:
+            self.scheduler.finish_sequence(seq, "stop", stop)
+        else:  # it ended by length on the same token: the stop string wins, as in vLLM
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def make_output(self, request: Request) -> RequestOutput:
+        """The request's cumulative output now."""
+        completions = [_completion(request, seq) for seq in request.seqs]
+        for index in range(len(completions), request.n):
+            # Ended before the prompt was forked (aborted early): empty samples.
+            completions.append(
+                CompletionOutput(index, "", [], 0.0, None, request.seqs[0].finish_reason)
+            )
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            request.is_finished,
+            request.metrics,
+        )
+
+    # ---- observability ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Pool, prefix-cache, preemption and queue counters."""
+        memory = dict(self.kv_manager.stats())
+        num_blocks = self.runner.kv_cache.num_blocks
+        stats: dict[str, Any] = {
+            "num_blocks": num_blocks,
+            "num_free_blocks": self.kv_manager.num_free_blocks,
+            "num_host_blocks": self.runner.kv_cache.num_host_blocks,
+            "block_size": self.config.cache.block_size,
+        }
+        for key, value in memory.items():
+            stats.setdefault(key, value)
+        stats.setdefault("num_used_blocks", num_blocks - stats["num_free_blocks"])
+        stats.update(
+            num_preemptions=self.scheduler.num_preemptions,
+            num_swapped_out=self.scheduler.num_swapped_out,
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            num_requests_swapped=self.scheduler.num_swapped,
+            num_steps=self.num_steps,
+        )
+        return stats
+
+
+def _completion(request: Request, seq: Sequence) -> CompletionOutput:
+    return CompletionOutput(
+        index=seq.index,
+        text=seq.text,
+        token_ids=list(seq.output_token_ids),
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )

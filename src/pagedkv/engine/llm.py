@@ -1,0 +1,163 @@
+"""`LLM`: offline batched generation, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedkv.engine.engine import LLMEngine, PromptType
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.models.tokenizer import Tokenizer
+
+
+class LLM:
+    """Load a local Hugging Face model directory and generate for many prompts at once.
+
+    Example::
+
+        llm = LLM("path/to/model", num_blocks=512)
+        outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=32))
+        print(outputs[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        swap_space: int | str = 0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Args:
+            model: a local model directory (config.json, *.safetensors, tokenizer.json).
+            dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+            device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ...
+            block_size: tokens per KV block.
+            num_blocks: fixes the device pool size.
+            kv_cache_memory: otherwise, bytes (or "4GiB") for the pool.
+            swap_space: bytes (or "4GiB") of host memory for swapped-out blocks.
+            max_num_seqs: sequences in one step at most.
+            max_num_batched_tokens: tokens in one step at most (prefills are chunked).
+            enable_prefix_caching: reuse the KV of identical leading prompt blocks.
+            preemption_mode: "recompute" or "swap" when the pool runs out.
+            seed: seeds the requests that bring no seed of their own.
+            engine_kwargs: max_model_len, max_preemptions, attention_backend.
+
+        Raises:
+            ValueError: a bad argument or a model directory that cannot be loaded.
+        """
+        self.engine = LLMEngine.from_engine_args(
+            str(model),
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            swap_space=swap_space,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            seed=seed,
+            **engine_kwargs,
+        )
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters (see `LLMEngine.stats`)."""
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; returns when all are done.
+
+        Args:
+            prompts: a string, a list of strings, a list of token ids, a list of token-id
+                lists, or {"prompt_token_ids": [...]} dicts (or a list of them).
+            sampling_params: one for all prompts, or one per prompt (default:
+                `SamplingParams()`).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One finished `RequestOutput` per prompt, in input order.
+
+        Raises:
+            ValueError: a bad prompt or params (nothing is left queued).
+        """
+        batch = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(
+                    f"sampling_params: expected one per prompt ({len(batch)}), got {len(params)}"
+                )
+        request_ids = []
+        try:
+            for prompt, param in zip(batch, params, strict=True):
+                request_id = f"llm-{self._counter}"
+                self.engine.add_request(request_id, prompt, param)
+                self._counter += 1
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
+        try:
+            while len(finished) < len(wanted):
+                if not self.engine.has_unfinished_requests():
+                    missing = sorted(wanted - set(finished))
+                    raise RuntimeError(f"requests {missing} left the engine unfinished")
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    """Tell one prompt from a batch: a str, a dict or a flat list of ints is one prompt."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt, got an empty list")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise ValueError(f"prompts: expected str, list or dict, got {type(prompts).__name__}")

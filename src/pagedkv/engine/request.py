@@ -1,0 +1,155 @@
+"""A request and its sequences: the scheduler's bookkeeping (standard library only).
+
+A request holds one sequence per sample. With `n > 1` only sequence 0 exists until the
+prompt is prefilled; the scheduler then forks its blocks to sequences 1..n-1.
+
+Token layout of one sequence::
+
+    token_ids:   | prompt ............ | output ......... |
+                 0               prompt_len          len(token_ids)
+    num_computed: tokens whose KV is in the cache (the manager's `num_tokens`); the
+    tokens in [num_computed, len) are computed by the next steps, and the step that
+    computes the last one samples a new token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.engine.outputs import FinishReason, RequestMetrics
+from pagedkv.engine.sampling_params import SamplingParams
+
+SeqId = tuple[str, int]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its blocks in the host pool
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One sample of a request: its tokens and where its KV stands."""
+
+    seq_id: SeqId
+    token_ids: list[int]
+    prompt_len: int
+    num_computed: int = 0
+    is_allocated: bool = False  # holds device blocks in the manager
+    is_swapped: bool = False  # holds host blocks in the manager
+    num_swapped_blocks: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # Filled by the engine (the scheduler never reads them).
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    detokenizer: Any = None
+
+    @property
+    def index(self) -> int:
+        return self.seq_id[1]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next step computes exactly its newest token (a decode step)."""
+        return self.is_allocated and self.num_output_tokens > 0 and self.num_uncomputed == 1
+
+
+class Request:
+    """One prompt with its sampling parameters and its sequences."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        arrival_index: int,
+        prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Args:
+        request_id: unique among live requests.
+        prompt_token_ids: at least one token id.
+        params: the sampling parameters (`params.n` sequences in the end).
+        arrival_time: when it arrived (metrics only).
+        arrival_index: the engine's arrival counter; orders requests fairly.
+        prompt: the prompt text, when given as text.
+        seed: the seed of its generators (`params.seed`, or one the engine drew).
+        """
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index
+        self.seed = seed
+        self.status = RequestStatus.WAITING
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.seqs: list[Sequence] = [
+            Sequence((request_id, 0), list(prompt_token_ids), len(prompt_token_ids))
+        ]
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.metrics.num_preemptions
+
+    @property
+    def is_forked(self) -> bool:
+        return len(self.seqs) == self.n
+
+    def seq(self, index: int) -> Sequence:
+        """The sequence with sample index `index` (KeyError if none)."""
+        if index < len(self.seqs) and self.seqs[index].index == index:
+            return self.seqs[index]
+        for seq in self.seqs:
+            if seq.index == index:
+                return seq
+        raise KeyError(f"request {self.request_id!r} has no sequence {index}")
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def num_unfinished_target(self) -> int:
+        """Sequences this request will run at once: n before the fork, live ones after."""
+        if not self.is_forked:
+            return self.n
+        return sum(1 for s in self.seqs if not s.is_finished)
+
+    @property
+    def is_finished(self) -> bool:
+        # Before the fork only sequence 0 exists; if it ends there (abort, or no room to
+        # grow), the request ends with it.
+        return all(s.is_finished for s in self.seqs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"prompt_len={len(self.prompt_token_ids)}, seqs={len(self.seqs)}/{self.n})"
+        )

@@ -1,0 +1,117 @@
+"""Runs one scheduled step on the model: KV moves, one forward pass, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.engine.request import Request, SeqId
+from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.ops import AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; executes `SchedulerOutput`s."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: PagedKVCache, *, attention_backend: str = "auto"
+    ) -> None:
+        """Args:
+        model: a `pagedkv.models.CausalLM` (forward + compute_logits).
+        kv_cache: the K/V pools the scheduler's block ids index.
+        attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
+        """
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+        self.device = kv_cache.device
+        self.sampler = Sampler()
+        self._generators: dict[SeqId, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(
+        self, step: SchedulerOutput, requests: Mapping[str, Request]
+    ) -> dict[SeqId, SampleResult]:
+        """Apply the step's block moves, run its tokens, and sample where asked.
+
+        Order matters: swap-outs read blocks the step may hand to others, swap-ins fill
+        blocks before copies read them, and copies land before the forward writes new KV.
+
+        Args:
+            step: the scheduler's decision.
+            requests: live requests by id (their params and seeds drive sampling).
+
+        Returns:
+            For each id in any `sample_seq_ids`, its sampled token and logprobs.
+        """
+        self.kv_cache.swap_out(step.swap_out)
+        self.kv_cache.swap_in(step.swap_in)
+        self.kv_cache.copy_blocks(step.copies)
+        if not step.seqs:
+            return {}
+        input_ids, positions, slots = [], [], []
+        block_size = self.kv_cache.block_size
+        for seq in step.seqs:
+            input_ids.extend(seq.token_ids)
+            table = seq.block_table
+            for pos in range(seq.start_pos, seq.seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.extend(range(seq.start_pos, seq.seq_len))
+        metadata = AttentionMetadata.build(
+            [s.block_table for s in step.seqs],
+            [s.seq_len for s in step.seqs],
+            [len(s.token_ids) for s in step.seqs],
+            slots,
+            device=self.device,
+            backend=self.attention_backend,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_cache,
+            metadata,
+        )
+        return self._sample(step, hidden, requests)
+
+    def _sample(
+        self, step: SchedulerOutput, hidden: torch.Tensor, requests: Mapping[str, Request]
+    ) -> dict[SeqId, SampleResult]:
+        """hidden: [num_tokens, hidden_size]; logits only for the rows that sample."""
+        rows: list[int] = []
+        seq_ids: list[SeqId] = []
+        end = 0
+        for seq in step.seqs:
+            end += len(seq.token_ids)
+            for seq_id in seq.sample_seq_ids:
+                rows.append(end - 1)  # an n > 1 fork samples the same row n times
+                seq_ids.append(seq_id)
+        if not rows:
+            return {}
+        row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        for seq_id in seq_ids:
+            request = requests[seq_id[0]]
+            params.append(request.params)
+            generators.append(
+                None
+                if request.params.is_greedy
+                else self._generator(seq_id, request.seed, logits.device)
+            )
+        return dict(zip(seq_ids, self.sampler(logits, params, generators), strict=True))
+
+    def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(seq_id)
+        if generator is None:
+            generator = self._generators[seq_id] = create_generator(seed, seq_id[1], device)
+        return generator
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request's generators."""
+        for index in range(request.n):
+            self._generators.pop((request.request_id, index), None)

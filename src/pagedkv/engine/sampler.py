@@ -1,0 +1,155 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, logprobs.
+
+Each sampled row draws its randomness only from its own `torch.Generator`, so a seeded
+sequence gets the same tokens whatever else is in the batch. Sampling uses the
+exponential race (argmax of p / q with q ~ Exp(1)), which equals drawing from p and lets
+the filtering stay vectorized over the batch; only the noise is drawn per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """The sampled token of one row, with its logprob (float32 log-softmax of the raw
+    logits) and, when asked, the top `logprobs` tokens' logprobs (plus the sampled one)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+def create_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of sample `index` of a request seeded with `seed`.
+
+    The pair is mixed through a string-seeded `random.Random` (SHA-512 based, stable
+    across runs and processes), so (seed, index) pairs never collide in practice.
+    """
+    import random
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed(random.Random(f"pagedkv:{seed}:{index}").getrandbits(63))
+    return generator
+
+
+class Sampler:
+    """Samples one token per row of a logits batch."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[SampleResult]:
+        """Sample every row.
+
+        Args:
+            logits: [num_rows, vocab], float32 (raw: before temperature).
+            params: per row its sampling parameters.
+            generators: per row its generator (None only for greedy rows).
+
+        Returns:
+            Per row the sampled token and its logprobs.
+
+        Raises:
+            ValueError: the lists do not have one entry per row.
+        """
+        num_rows = logits.shape[0]
+        if len(params) != num_rows or len(generators) != num_rows:
+            raise ValueError(
+                f"expected {num_rows} params and generators (one per row), "
+                f"got {len(params)} and {len(generators)}"
+            )
+        if num_rows == 0:
+            return []
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = _argmax(logits)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            tokens[random_rows] = self._sample_rows(
+                logits[random_rows],
+                [params[i] for i in random_rows],
+                [generators[i] for i in random_rows],
+            )
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        max_top = max((p.logprobs or 0 for p in params), default=0)
+        top_values = top_ids = None
+        if max_top > 0:
+            top_values, top_ids = logprobs.topk(max_top, dim=-1)
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        results = []
+        for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist(), strict=True)):
+            top = None
+            if params[i].logprobs is not None:
+                k = params[i].logprobs
+                top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True)) if k else {}
+                top[token] = logprob
+            results.append(SampleResult(token, logprob, top))
+        return results
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Sample rows that are not greedy. logits: [rows, vocab] float32 -> [rows] int64."""
+        temperature = torch.tensor(
+            [p.temperature for p in params], dtype=torch.float32, device=logits.device
+        )
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        probs = _filter(probs, params)
+        noise = torch.empty_like(probs)
+        for row, generator in enumerate(generators):
+            if generator is None:
+                raise ValueError(f"expected a generator for sampled row {row}, got None")
+            noise[row].exponential_(generator=generator)
+        return _argmax(probs / noise)
+
+
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax [rows, vocab] -> [rows] int64 (the first maximum, as torch's).
+
+    On CPU through numpy: torch's CPU argmax does not vectorize and took ~30x longer at
+    [32, 32000], a few percent of a decode step.
+    """
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.from_numpy(values.numpy().argmax(axis=-1).astype("int64"))
+    return values.argmax(dim=-1)
+
+
+def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens top-k, top-p and min-p drop. probs: [rows, vocab] float32.
+
+    Filtered probabilities are not renormalized: the exponential race only compares
+    ratios within a row.
+    """
+    device, vocab = probs.device, probs.shape[-1]
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    top_k = [vocab if p.top_k < 0 else min(p.top_k, vocab) for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    if any(p < 1.0 for p in top_p):
+        # Keep the smallest prefix whose mass reaches top_p (of the top-k renormalized
+        # mass): a token is dropped when the mass before it already reaches top_p.
+        mass = sorted_probs.sum(-1, keepdim=True)
+        before = (sorted_probs.cumsum(-1) - sorted_probs) / mass
+        drop = before >= torch.tensor(top_p, device=device)[:, None]
+        drop[:, 0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -1,0 +1,110 @@
+"""Per-request generation parameters, shaped like vLLM's (standard library only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this a temperature is treated as greedy: dividing logits by it would overflow.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions.
+
+    Attributes:
+        n: completions per prompt; the prompt is prefilled once and its blocks forked.
+        max_tokens: new tokens per completion at most.
+        temperature: 0 is greedy; otherwise logits are divided by it.
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p.
+        top_k: keep the k most likely tokens; -1 keeps all.
+        min_p: drop tokens whose probability is below min_p x the top probability.
+        seed: seeds each completion's generator from (seed, index): reproducible whatever
+            else shares the batch. None draws a seed from the engine's seeded stream.
+        stop: strings that end a completion (the text is cut before them).
+        stop_token_ids: token ids that end a completion (kept in `token_ids`).
+        ignore_eos: keep generating past the model's EOS token.
+        logprobs: per generated token, return the logprobs of this many top tokens plus
+            the sampled one; None returns none.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k: expected -1 (disabled) or >= 1, got 0")
+        for name, low, high in (
+            ("temperature", 0.0, None),
+            ("top_p", 0.0, 1.0),
+            ("min_p", 0.0, 1.0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}: expected a number, got {value!r}")
+            if value != value or value < low or (high is not None and value > high):
+                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise ValueError(f"{name}: expected {bound}, got {value!r}")
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        if self.stop is None:
+            stop: tuple[str, ...] = ()
+        elif isinstance(self.stop, str):
+            stop = (self.stop,)
+        else:
+            stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
+        self.stop_strings = stop
+        if self.stop_token_ids is not None:
+            for token in self.stop_token_ids:
+                _check_int("stop_token_ids", token, minimum=0)
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search: keep the `beam_width` best continuations by cumulative logprob.
+
+    The final ranking divides the cumulative logprob by `length ** length_penalty`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        value = self.length_penalty
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"length_penalty: expected a number, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")

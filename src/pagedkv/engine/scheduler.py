@@ -1,0 +1,506 @@
+"""Continuous batching over the paged KV cache (standard library only: no torch).
+
+One `schedule()` call decides one step:
+
+1. running requests, oldest admitted first: each unfinished sequence gets its decode
+   token or its next prefill chunk. Decode tokens are reserved out of the token budget
+   before any prefill chunk, so decodes go first. When the blocks a request needs are not
+   free, the most recently admitted running request is preempted (recompute or swap),
+   repeatedly, until they are; if that request is the one asking, it is preempted itself.
+2. if nothing was preempted: swapped-out requests are swapped back in (oldest first),
+3. then waiting requests are admitted (first come, first served) while budget and blocks
+   last. Admission takes only the blocks of the first chunk, after the prefix cache.
+
+Invariant: preemptions are decided before appending to a sequence in a step. Running
+requests are visited oldest first and victims come from the newest end, so a victim was
+never appended to in this call. `append` makes full blocks prefix-cacheable at once; a
+freed block whose KV was never written must not stay in the prefix cache.
+
+The output is a plain `SchedulerOutput` of ids, token ids and block ids (never tensors),
+so the simulator can drive this scheduler without a model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.engine.outputs import FinishReason
+from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
+from pagedkv.errors import OutOfBlocks
+
+
+@dataclass
+class ScheduledSequence:
+    """Tokens of one sequence computed in this step.
+
+    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; their KV
+    goes to the slots of `block_table`. When `sample_seq_ids` is not empty, the last row's
+    logits are sampled once for each id in it (more than one only for the fork of n > 1).
+    """
+
+    seq_id: SeqId
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample_seq_ids: list[SeqId]
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached tokens plus the new ones)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work for the runner. Apply `swap_out`, then `swap_in`, then `copies`
+    to the KV tensors before the forward pass."""
+
+    seqs: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended inside schedule() (no room to grow even alone in the pool).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    reserved_decodes: int  # decode tokens of running requests not yet visited
+
+    @property
+    def prefill_tokens(self) -> int:
+        return max(0, self.tokens - self.reserved_decodes)
+
+
+# One planned piece of work: (sequence, first position to compute, tokens to compute).
+_Plan = list[tuple[Sequence, int, int]]
+
+
+class Scheduler:
+    """Decides, step by step, which tokens run and which blocks they use."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """Args:
+        config: batch limits, preemption mode, thrash bound.
+        kv_manager: a `pagedkv.memory.KVCacheManager` (the scheduler owns its seq ids).
+        num_blocks, block_size: the device pool, to reject requests that never fit.
+        max_model_len: longest sequence (prompt + output) the model accepts.
+        eos_token_ids: tokens that end a completion unless `ignore_eos`.
+        """
+        self.config = config
+        self.kv = kv_manager
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_swapped_out = 0
+        # Keep a little room when admitting next to running requests, so their next decode
+        # tokens do not immediately force a preemption.
+        self._watermark = max(1, num_blocks // 100)
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, or a prompt that can never run
+                (no room for one new token within `max_model_len` or the whole pool).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("expected a prompt of at least one token, got an empty prompt")
+        if prompt_len + 1 > self.max_model_len:
+            raise ValueError(
+                f"expected prompt + 1 token <= max_model_len "
+                f"({self.max_model_len}), got {prompt_len} prompt tokens"
+            )
+        blocks = -(-(prompt_len + 1) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"expected a prompt that fits the pool with one new token "
+                f"({self.num_blocks} blocks of {self.block_size} tokens), got "
+                f"{prompt_len} prompt tokens needing {blocks} blocks"
+            )
+        if request.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"expected n <= max_num_seqs ({self.config.max_num_seqs}), got n={request.n}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request now and give its blocks back; None for an unknown id."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.unfinished_seqs():
+            self.finish_sequence(seq, "abort")
+        return request
+
+    def finish_sequence(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """Mark `seq` finished and free its blocks; the request leaves once all are done."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.is_allocated or seq.is_swapped:
+            self.kv.free(seq.seq_id)
+            seq.is_allocated = seq.is_swapped = False
+        request = self.requests[seq.seq_id[0]]
+        if request.is_finished:
+            self._remove(request)
+            request.status = RequestStatus.FINISHED
+            del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: waiting for admission, preempted, or swapped out."""
+        return len(self.waiting) + len(self.swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring for the order)."""
+        out = SchedulerOutput()
+        budget = _Budget(
+            self.config.max_num_batched_tokens,
+            sum(1 for r in self.running for s in r.seqs if s.is_decode and not s.is_finished),
+        )
+        i = 0
+        while i < len(self.running):
+            if self._schedule_running(i, out, budget):
+                i += 1
+        if not out.preempted_request_ids:
+            self._resume_swapped(out, budget)
+            self._admit_waiting(out, budget)
+        out.copies = self.kv.pop_copies()
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int]) -> list[Request]:
+        """Record the tokens sampled by the step `output` described.
+
+        Forks sequence 0 to its siblings when an n > 1 prompt produced its first tokens,
+        appends each sampled token, and finishes sequences on EOS, a stop token id,
+        `max_tokens` or `max_model_len` (freeing their blocks at once).
+
+        Returns:
+            The requests that got new tokens, in step order.
+        """
+        touched: list[Request] = []
+        for scheduled in output.seqs:
+            if not scheduled.sample_seq_ids:
+                continue
+            request = self.requests[scheduled.seq_id[0]]
+            parent = request.seq(scheduled.seq_id[1])
+            if not request.is_forked:
+                self._fork(request, parent)
+            for seq_id in scheduled.sample_seq_ids:
+                seq = request.seq(seq_id[1])
+                seq.token_ids.append(int(sampled[seq_id]))
+            for seq_id in scheduled.sample_seq_ids:
+                self._check_stop(request, request.seq(seq_id[1]))
+            touched.append(request)
+        return touched
+
+    # ---- running requests ---------------------------------------------------------------
+
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Schedule running[index]; False when it left `running` (preempted or ended)."""
+        request = self.running[index]
+        plan = self._plan(request, budget)
+        if not plan:
+            return True
+        need = self._blocks_needed(plan)
+        while need > self.kv.num_free_blocks:
+            victim = self.running[-1]
+            if victim is not request:
+                self._preempt(victim, out, budget)
+                continue
+            if index > 0:
+                self._refund(plan, budget)
+                self._preempt(request, out, budget)
+                return False
+            # Alone in the pool: what does not fit now never will (see _run_alone).
+            return self._run_alone(request, plan, out, budget)
+        self._run_plan(request, plan, out, budget)
+        return True
+
+    def _run_alone(
+        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+    ) -> bool:
+        """Run what fits now of a request that is alone on the device.
+
+        Chunks that do not fit wait for its other samples to finish. If nothing fits at
+        all, the pool is smaller than the request: its newest blocked sample ends with
+        "length", so every step makes progress.
+        """
+        blocked: list[Sequence] = []
+        for seq, start, num in plan:
+            if self._blocks_needed([(seq, start, num)]) <= self.kv.num_free_blocks:
+                self._run_plan(request, [(seq, start, num)], out, budget)
+            else:
+                budget.tokens += num
+                blocked.append(seq)
+        if blocked and len(blocked) == len(plan):
+            self.finish_sequence(blocked[-1], "length")
+        if request.is_finished:
+            out.finished_request_ids.append(request.request_id)
+            return False
+        return True
+
+    def _plan(self, request: Request, budget: _Budget) -> _Plan:
+        """Pick each unfinished sequence's tokens for this step and charge the budget."""
+        plan: _Plan = []
+        for seq in request.unfinished_seqs():
+            if seq.is_decode:
+                budget.reserved_decodes = max(0, budget.reserved_decodes - 1)
+                if budget.tokens >= 1:
+                    plan.append((seq, seq.num_computed, 1))
+                    budget.tokens -= 1
+                continue
+            start = (
+                seq.num_computed if seq.is_allocated else self.kv.num_cached_tokens(seq.token_ids)
+            )
+            num = min(len(seq.token_ids) - start, budget.prefill_tokens)
+            if num > 0:
+                plan.append((seq, start, num))
+                budget.tokens -= num
+        return plan
+
+    def _refund(self, plan: _Plan, budget: _Budget) -> None:
+        for seq, _, num in plan:
+            budget.tokens += num
+            if seq.is_decode:
+                budget.reserved_decodes += 1
+
+    def _blocks_needed(self, plan: _Plan) -> int:
+        """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
+        need = 0
+        for seq, start, num in plan:
+            if seq.is_allocated:
+                need += self.kv.num_blocks_to_append(seq.seq_id, num)
+            else:
+                need += self.kv.num_blocks_to_allocate(seq.token_ids[: start + num])
+        return need
+
+    def _run_plan(
+        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+    ) -> None:
+        """Allocate or append each planned chunk and emit it. A chunk that no longer fits
+        (the conservative count was not enough) waits for the next step."""
+        for seq, start, num in plan:
+            end = start + num
+            try:
+                if seq.is_allocated:
+                    self.kv.append(seq.seq_id, seq.token_ids[start:end])
+                else:
+                    start = self.kv.allocate(seq.seq_id, seq.token_ids[:end])
+                    seq.is_allocated = True
+                    if request.metrics.num_computed_tokens == 0 and seq.index == 0:
+                        request.metrics.num_cached_tokens = start
+            except OutOfBlocks:
+                budget.tokens += num
+                continue
+            seq.num_computed = end
+            request.metrics.num_computed_tokens += end - start
+            sample_ids: list[SeqId] = []
+            if end == len(seq.token_ids):
+                sample_ids = (
+                    [seq.seq_id]
+                    if request.is_forked
+                    else [(request.request_id, i) for i in range(request.n)]
+                )
+            out.seqs.append(
+                ScheduledSequence(
+                    seq.seq_id,
+                    seq.token_ids[start:end],
+                    start,
+                    list(self.kv.block_table(seq.seq_id)),
+                    sample_ids,
+                )
+            )
+
+    # ---- preemption and resumption ------------------------------------------------------
+
+    def _preempt(self, request: Request, out: SchedulerOutput, budget: _Budget) -> None:
+        """Take `request` (never appended to in this step) off the device."""
+        self.running.remove(request)
+        budget.reserved_decodes = max(
+            0,
+            budget.reserved_decodes
+            - sum(1 for s in request.seqs if s.is_decode and not s.is_finished),
+        )
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(request.request_id)
+        held = [s for s in request.seqs if s.is_allocated]
+        if self.config.preemption_mode == "swap" and self._can_swap_out(held):
+            for seq in held:
+                pairs = self.kv.swap_out(seq.seq_id)
+                out.swap_out.extend(pairs)
+                seq.is_allocated, seq.is_swapped = False, True
+                seq.num_swapped_blocks = len(pairs)
+            request.status = RequestStatus.SWAPPED
+            request.metrics.num_swaps += 1
+            self.num_swapped_out += 1
+            if self._is_protected(request):
+                self.swapped.appendleft(request)
+            else:
+                self.swapped.append(request)
+            return
+        for seq in held:
+            # Recompute: prompt + outputs are prefilled again on resumption.
+            self.kv.free(seq.seq_id)
+            seq.is_allocated, seq.num_computed = False, 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _can_swap_out(self, held: list[Sequence]) -> bool:
+        # Counts shared blocks once per holder: an upper bound on the host blocks needed.
+        need = sum(len(self.kv.block_table(s.seq_id)) for s in held)
+        return need <= self.kv.num_free_host_blocks
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seqs = [s for s in request.seqs if s.is_swapped]
+            # Room for the blocks plus each sequence's next token.
+            margin = len(request.unfinished_seqs()) if self.running else 0
+            need = sum(s.num_swapped_blocks for s in seqs) + margin
+            if (
+                need > self.kv.num_free_blocks
+                or self._num_running_seqs() + request.num_unfinished_target
+                > self.config.max_num_seqs
+            ):
+                return
+            for seq in seqs:
+                out.swap_in.extend(self.kv.swap_in(seq.seq_id))
+                seq.is_allocated, seq.is_swapped = True, False
+            self.swapped.popleft()
+            self._start_running(request)
+            plan = self._plan(request, budget)
+            if self._blocks_needed(plan) <= self.kv.num_free_blocks:
+                self._run_plan(request, plan, out, budget)
+            else:
+                self._refund(plan, budget)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and budget.prefill_tokens > 0:
+            request = self.waiting[0]
+            if self._num_running_seqs() + request.num_unfinished_target > self.config.max_num_seqs:
+                return
+            plan = self._plan(request, budget)
+            watermark = self._watermark if self.running else 0
+            if not plan or self._blocks_needed(plan) + watermark > self.kv.num_free_blocks:
+                self._refund(plan, budget)
+                return
+            self.waiting.popleft()
+            self._start_running(request)
+            self._run_plan(request, plan, out, budget)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if not self._is_protected(request):
+            self.running.append(request)
+            return
+        # Thrash bound: a request preempted too often runs ahead of every unprotected one
+        # (protected ones among themselves by arrival), so victims come from the others.
+        position = 0
+        while (
+            position < len(self.running)
+            and self._is_protected(self.running[position])
+            and self.running[position].arrival_index < request.arrival_index
+        ):
+            position += 1
+        self.running.insert(position, request)
+
+    def _is_protected(self, request: Request) -> bool:
+        return request.num_preemptions > self.config.max_preemptions
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _fork(self, request: Request, parent: Sequence) -> None:
+        """Give sequences 1..n-1 the parent's blocks (shared, copied on write)."""
+        for index in range(1, request.n):
+            self.fork_sequence(request, parent, index)
+
+    def fork_sequence(self, request: Request, parent: Sequence, index: int) -> Sequence:
+        """Add sequence `index` to `request`, sharing every block of `parent` (no copy).
+
+        The child starts with the parent's tokens and computed count; a shared partial last
+        block is copied on the first append to either (queued for the next step's copies).
+        Beam search builds on this and on `finish_sequence` for dropped beams.
+
+        Raises:
+            ValueError: the parent holds no device blocks, or the index is in use.
+        """
+        if not parent.is_allocated:
+            raise ValueError(f"fork: expected a parent on the device, got {parent.seq_id!r}")
+        child = Sequence(
+            (request.request_id, index),
+            list(parent.token_ids),
+            parent.prompt_len,
+            num_computed=parent.num_computed,
+            is_allocated=True,
+        )
+        self.kv.fork(parent.seq_id, child.seq_id)
+        request.seqs.append(child)
+        return child
+
+    def _check_stop(self, request: Request, seq: Sequence) -> None:
+        token, params = seq.token_ids[-1], request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.finish_sequence(seq, "stop")
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            self.finish_sequence(seq, "stop", token)
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.finish_sequence(seq, "length")
+
+    def _num_running_seqs(self) -> int:
+        return sum(r.num_unfinished_target for r in self.running)
+
+    def _remove(self, request: Request) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)

@@ -1,0 +1,90 @@
+"""`KVCacheManager.check()`: recount every holder from scratch and compare.
+
+The counts are rebuilt from the sequences' block tables, never read from the pool, so a
+forgotten decrement (a block whose count exceeds its holders) or a leak (a block neither free
+nor held) cannot hide. O(num_blocks + tokens held): for tests and debug runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.memory.prefix import ROOT_UID
+
+if TYPE_CHECKING:
+    from pagedkv.memory.manager import KVCacheManager
+    from pagedkv.memory.sequence import SeqState
+
+
+def check_manager(manager: KVCacheManager) -> None:
+    """Assert every invariant of `manager` (see `KVCacheManager.check`).
+
+    Raises:
+        AssertionError: naming the first broken invariant.
+    """
+    pool, host, index = manager._pool, manager._host, manager._index
+    block_size = manager.block_size
+    holders = [0] * pool.num_blocks
+    host_holders = [0] * host.num_blocks
+    for seq_id, seq in manager._sequences():
+        num_tokens = len(seq.token_ids)
+        assert num_tokens > 0, f"sequence {seq_id!r} holds no token"
+        num_blocks = -(-num_tokens // block_size)
+        if seq.host_block_ids is not None:
+            assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
+            assert len(seq.host_block_ids) == num_blocks, (
+                f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for "
+                f"{num_tokens} tokens"
+            )
+            _count(host_holders, seq.host_block_ids, seq_id)
+            continue
+        assert len(seq.block_ids) == num_blocks, (
+            f"{seq_id!r}: {len(seq.block_ids)} blocks for {num_tokens} tokens "
+            f"(block_size {block_size})"
+        )
+        _count(holders, seq.block_ids, seq_id)
+        if index is not None:
+            assert seq.num_keyed == num_tokens // block_size, (
+                f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"
+            )
+            _check_keys(manager, seq_id, seq)
+    pool.check(holders)
+    host.check(host_holders)
+    if index is not None:
+        index.check()
+    for src, dst in manager._copies:
+        assert 0 <= src < pool.num_blocks and 0 <= dst < pool.num_blocks, (
+            f"queued copy ({src}, {dst}) names a block outside the pool"
+        )
+
+
+def _count(holders: list[int], block_ids: list[int], seq_id: object) -> None:
+    seen = set()
+    for b in block_ids:
+        assert 0 <= b < len(holders), f"{seq_id!r} holds {b}, not a block id"
+        assert b not in seen, f"{seq_id!r} holds block {b} twice"
+        seen.add(b)
+        holders[b] += 1
+
+
+def _check_keys(manager: KVCacheManager, seq_id: object, seq: SeqState) -> None:
+    """Each indexed block of the sequence holds exactly its key's tokens and parent."""
+    index, block_size = manager._index, manager.block_size
+    assert index is not None
+    block_ids, tokens = seq.block_ids, seq.token_ids
+    parent_uid: int | None = ROOT_UID
+    for i, b in enumerate(block_ids):
+        key = index.block_keys[b]
+        if key is not None:
+            expected = tuple(tokens[i * block_size : (i + 1) * block_size])
+            assert i < len(tokens) // block_size, (
+                f"{seq_id!r}: partial block {b} (position {i}) is in the prefix index"
+            )
+            assert key[1] == expected, (
+                f"{seq_id!r}: block {b} (position {i}) is indexed under other tokens"
+            )
+            assert parent_uid is None or key[0] == parent_uid, (
+                f"{seq_id!r}: block {b} (position {i}) chains from uid {key[0]}, "
+                f"its predecessor is {parent_uid}"
+            )
+        parent_uid = index.uid_of(b) if key is not None else None

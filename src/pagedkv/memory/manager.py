@@ -1,0 +1,430 @@
+"""KVCacheManager: sequences' block tables over a shared block pool.
+
+Prefix sharing, copy-on-write, swap to a host pool, all-or-nothing allocation and a
+consistency check. Standard library only: no tensors here. The engine applies what the
+manager decides: `pop_copies()` and the swap pairs, in the order they were produced.
+
+A sequence's blocks::
+
+    block_table   [ b0 | b1 | b2 | b3 ]       slot(p) = block_table[p // B] * B + p % B
+    tokens        |0..B-1|B..2B-1|...|  n-1|  (B = block_size; the last block may be partial)
+                   '- full blocks are keyed in the prefix index as soon as their tokens are known
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pagedkv.errors import OutOfBlocks
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.prefix import ROOT_UID, PrefixIndex, iter_full_blocks
+from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list
+
+
+class KVCacheManager:
+    """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
+
+    Args:
+        num_blocks: device blocks in the pool (> 0).
+        block_size: tokens per block (> 0).
+        enable_prefix_caching: keep full blocks findable by their token prefix, so a new
+            prompt reuses them; freed ones stay cached until the space is needed.
+        num_host_blocks: blocks of the host pool for `swap_out` (>= 0).
+
+    Raises:
+        ValueError: a non-positive size (or a negative `num_host_blocks`).
+
+    Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
+    blocks raises `OutOfBlocks` and leaves every piece of state unchanged.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        positive_int("num_blocks", num_blocks)
+        self._block_size = positive_int("block_size", block_size)
+        positive_int("num_host_blocks", num_host_blocks, minimum=0)
+        self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
+        self._pool = BlockPool(num_blocks, self._index)
+        self._host = BlockPool(num_host_blocks)
+        self._seqs: dict[SeqId, SeqState] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._num_queries = self._num_hits = self._num_cow = 0
+        self._num_swapped_out = self._num_swapped_in = 0
+
+    # ----- sizes and membership -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self._host.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._index is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks an allocation can use now: free plus cached (evictable)."""
+        return self._pool.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free_blocks
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[SeqId]:
+        """Ids of the live sequences (resident or swapped out), oldest first."""
+        return list(self._seqs)
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
+        return self._get(seq_id).host_block_ids is not None
+
+    def _get(self, seq_id: SeqId) -> SeqState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def _resident(self, seq_id: SeqId, op: str) -> SeqState:
+        seq = self._get(seq_id)
+        if seq.host_block_ids is not None:
+            raise ValueError(
+                f"{op}: expected a resident sequence, got {seq_id!r} swapped out "
+                "(only swap_in and free apply)"
+            )
+        return seq
+
+    # ----- prefix lookups -------------------------------------------------------------------
+    def _lookup(self, token_ids: Sequence[Any]) -> tuple[list[int], int]:
+        if self._index is None:
+            return [], ROOT_UID
+        # The last token is always computed (its logits are needed): at most n - 1 cached.
+        max_blocks = (len(token_ids) - 1) // self._block_size
+        return self._index.match(token_ids, self._block_size, max_blocks)
+
+    def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
+        """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
+
+        Returns:
+            A multiple of `block_size`, at most ``len(token_ids) - 1``.
+        """
+        return len(self._lookup(token_ids)[0]) * self._block_size
+
+    def num_blocks_to_allocate(self, token_ids: Sequence[Any]) -> int:
+        """Free blocks `allocate(_, token_ids)` would take now (after prefix hits).
+
+        A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
+        when the result is <= `num_free_blocks`.
+        """
+        hits, _ = self._lookup(token_ids)
+        num_needed = -(-len(token_ids) // self._block_size)
+        return num_needed - len(hits) + self._pool.num_evictable(hits)
+
+    def num_blocks_to_append(self, seq_id: SeqId, num_tokens: int) -> int:
+        """Free blocks `append(seq_id, <num_tokens tokens>)` would take now.
+
+        New blocks, plus one copy-on-write block if the partially filled last block is shared.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out, or `num_tokens` < 0.
+        """
+        seq = self._resident(seq_id, "num_blocks_to_append")
+        positive_int("num_tokens", num_tokens, minimum=0)
+        return self._append_cost(seq, num_tokens)[0]
+
+    def _append_cost(self, seq: SeqState, num_tokens: int) -> tuple[int, bool]:
+        block_size, num_cur = self._block_size, len(seq.token_ids)
+        num_new = -(-(num_cur + num_tokens) // block_size) - len(seq.block_ids)
+        is_cow = (
+            num_tokens > 0 and num_cur % block_size != 0 and self._pool.is_shared(seq.block_ids[-1])
+        )
+        return num_new + is_cow, is_cow
+
+    # ----- sequence lifecycle ---------------------------------------------------------------
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[Any]) -> int:
+        """Start sequence `seq_id` holding `token_ids`, reusing cached leading blocks.
+
+        Args:
+            seq_id: a new sequence id (any hashable).
+            token_ids: the prompt, or its first chunk (continue with `append`).
+
+        Returns:
+            Leading tokens whose KV is already cached: a multiple of `block_size`, at most
+            ``len(token_ids) - 1``. The engine computes the rest.
+
+        Raises:
+            ValueError: empty `token_ids`, or `seq_id` in use.
+            OutOfBlocks: not enough free blocks; nothing changed.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"allocate: expected a new seq_id, got {seq_id!r} already in use")
+        tokens = token_list(token_ids)
+        if not tokens:
+            raise ValueError("allocate: expected at least one token, got an empty prompt")
+        hits, chain_uid = self._lookup(tokens)
+        num_fresh = -(-len(tokens) // self._block_size) - len(hits)
+        if num_fresh + self._pool.num_evictable(hits) > self._pool.num_free_blocks:
+            raise OutOfBlocks(
+                f"allocate {seq_id!r}: need {num_fresh} new blocks after {len(hits)} cached, "
+                f"{self._pool.num_free_blocks} free"
+            )
+        # Take the hits off the LRU queue first so that the fresh blocks cannot evict them.
+        self._pool.touch(hits)
+        seq = SeqState(hits + self._pool.allocate(num_fresh), tokens, len(hits), chain_uid)
+        self._seqs[seq_id] = seq
+        self._key_full_blocks(seq)
+        num_cached = len(hits) * self._block_size
+        if self._index is not None:
+            self._num_queries += len(tokens)
+            self._num_hits += num_cached
+        return num_cached
+
+    def append(self, seq_id: SeqId, token_ids: Sequence[Any]) -> None:
+        """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk).
+
+        Allocates blocks on demand. If the partially filled last block is shared (after a
+        fork), it is copied first: a fresh block replaces it in this sequence's table and the
+        copy ``(src, dst)`` is queued for `pop_copies()`. Appending nothing is a no-op.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out.
+            OutOfBlocks: not enough free blocks; nothing changed.
+        """
+        seq = self._resident(seq_id, "append")
+        tokens = token_list(token_ids)
+        num_blocks, is_cow = self._append_cost(seq, len(tokens))
+        if num_blocks > self._pool.num_free_blocks:
+            raise OutOfBlocks(
+                f"append {seq_id!r}: need {num_blocks} blocks, {self._pool.num_free_blocks} free"
+            )
+        new_block_ids = self._pool.allocate(num_blocks)
+        if is_cow:
+            src, dst = seq.block_ids[-1], new_block_ids.pop(0)
+            self._pool.free([src])  # shared, so it stays held by the others
+            seq.block_ids[-1] = dst
+            self._copies.append((src, dst))
+            self._num_cow += 1
+        seq.block_ids += new_block_ids
+        seq.token_ids += tokens
+        self._key_full_blocks(seq)
+
+    def _key_full_blocks(self, seq: SeqState) -> None:
+        """Offer the sequence's newly full blocks to the prefix index (chained keys)."""
+        if self._index is None:
+            return
+        start = seq.num_keyed
+        uid, insert, block_ids = seq.chain_uid, self._index.insert, seq.block_ids
+        for i, tokens in enumerate(iter_full_blocks(seq.token_ids, self._block_size, start), start):
+            uid = insert(uid, tokens, block_ids[i])
+        seq.chain_uid = uid
+        seq.num_keyed = len(seq.token_ids) // self._block_size
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.
+
+        A shared, partially filled last block is copied on the first append to either
+        sequence (copy-on-write).
+
+        Raises:
+            KeyError: unknown `parent_id`.  ValueError: `child_id` in use, or the parent is
+            swapped out.
+        """
+        parent = self._resident(parent_id, "fork")
+        if child_id in self._seqs:
+            raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
+        self._pool.share(parent.block_ids)
+        self._seqs[child_id] = SeqState(
+            list(parent.block_ids), list(parent.token_ids), parent.num_keyed, parent.chain_uid
+        )
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence's references (its host blocks if swapped out).
+
+        With prefix caching its indexed full blocks stay cached, evictable least recently
+        used first; the sequence's last blocks are evicted before its first ones.
+
+        Raises:
+            KeyError: unknown `seq_id`.
+        """
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        if seq.host_block_ids is not None:
+            self._host.free(seq.host_block_ids)
+        else:
+            self._pool.free(seq.block_ids)
+
+    # ----- reading a sequence ---------------------------------------------------------------
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's block ids, logical block order. Raises as `num_tokens`."""
+        return list(self._resident(seq_id, "block_table").block_ids)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens the sequence holds.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out.
+        """
+        return len(self._resident(seq_id, "num_tokens").token_ids)
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
+
+        Raises:
+            KeyError: unknown `seq_id`.
+            ValueError: swapped out, or not ``0 <= start <= end <= num_tokens``.
+        """
+        seq = self._resident(seq_id, "slot_mapping")
+        if not (
+            isinstance(start, int)
+            and isinstance(end, int)
+            and 0 <= start <= end <= len(seq.token_ids)
+        ):
+            raise ValueError(
+                f"slot_mapping: expected 0 <= start <= end <= "
+                f"{len(seq.token_ids)}, got start={start!r}, end={end!r}"
+            )
+        block_size, slots = self._block_size, list[int]()
+        # One range per block touched, not one Python step per token.
+        for i in range(start // block_size, -(-end // block_size)):
+            base = seq.block_ids[i] * block_size
+            first = max(start - i * block_size, 0)
+            last = min(end - i * block_size, block_size)
+            slots += range(base + first, base + last)
+        return slots
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies ``(src, dst)`` queued since the last call, in order.
+
+        The engine copies each src block's KV into dst (in this order) before writing new KV.
+        """
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ----- swap -----------------------------------------------------------------------------
+    def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Move a sequence to the host pool.
+
+        Returns:
+            ``(device_block, host_block)`` pairs, one per block, in table order. The engine
+            copies them (after the copies queued before this call, before anything written
+            later) since the device blocks are free for reuse from now on.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: already swapped out.
+            OutOfBlocks: not enough free host blocks; nothing changed.
+        """
+        seq = self._resident(seq_id, "swap_out")
+        host_block_ids = self._host.allocate(len(seq.block_ids))
+        pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
+        self._pool.free(seq.block_ids)
+        seq.block_ids, seq.host_block_ids = [], host_block_ids
+        self._num_swapped_out += len(pairs)
+        return pairs
+
+    def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Bring a swapped-out sequence back to fresh device blocks.
+
+        Its full blocks are offered to the prefix index again.
+
+        Returns:
+            ``(host_block, device_block)`` pairs in table order, to copy before the sequence's
+            next step.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: not swapped out.
+            OutOfBlocks: not enough free device blocks; nothing changed.
+        """
+        seq = self._get(seq_id)
+        if seq.host_block_ids is None:
+            raise ValueError(f"swap_in: expected a swapped-out sequence, got {seq_id!r} resident")
+        block_ids = self._pool.allocate(len(seq.host_block_ids))
+        pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
+        self._host.free(seq.host_block_ids)
+        seq.block_ids, seq.host_block_ids = block_ids, None
+        seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+        self._key_full_blocks(seq)
+        self._num_swapped_in += len(pairs)
+        return pairs
+
+    def num_blocks_to_swap_in(self, seq_id: SeqId) -> int:
+        """Device blocks `swap_in(seq_id)` needs. Raises KeyError if unknown, ValueError if
+        resident."""
+        seq = self._get(seq_id)
+        if seq.host_block_ids is None:
+            raise ValueError(f"expected a swapped-out sequence, got {seq_id!r} resident")
+        return len(seq.host_block_ids)
+
+    # ----- cache control, checks, stats -----------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after new weights), if no device block is held.
+
+        Returns:
+            True if the cache is now empty; False (nothing changed) while any device block
+            is in use.
+        """
+        pool = self._pool
+        if pool.num_free_blocks != pool.num_blocks:
+            return False
+        pool.reset_cache()
+        for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
+            seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+        return True
+
+    def check(self) -> None:
+        """Prove the state consistent, or raise AssertionError naming what is wrong.
+
+        Every block's count equals its number of holders; no block is both free and held;
+        free + cached + held = num_blocks (device and host); every indexed block held by a
+        sequence holds exactly its key's tokens after its key's parent.
+
+        Raises:
+            AssertionError: the first inconsistency found.
+        """
+        from pagedkv.memory._check import check_manager
+
+        check_manager(self)
+
+    def stats(self) -> dict[str, int]:
+        """Counts of blocks and events since construction (prefix counts in tokens)."""
+        pool, host = self._pool, self._host
+        num_swapped = sum(s.host_block_ids is not None for s in self._seqs.values())
+        return {
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "num_indexed_blocks": len(self._index) if self._index is not None else 0,
+            "num_host_blocks": host.num_blocks,
+            "num_free_host_blocks": host.num_free_blocks,
+            "num_seqs": len(self._seqs),
+            "num_swapped_seqs": num_swapped,
+            "prefix_cache_queries": self._num_queries,
+            "prefix_cache_hits": self._num_hits,
+            "num_cow_copies": self._num_cow,
+            "num_evictions": pool.num_evictions,
+            "num_swapped_out_blocks": self._num_swapped_out,
+            "num_swapped_in_blocks": self._num_swapped_in,
+            "num_pending_copies": len(self._copies),
+        }
+
+    def _sequences(self) -> Iterator[tuple[SeqId, SeqState]]:
+        return iter(self._seqs.items())

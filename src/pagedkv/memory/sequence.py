@@ -1,0 +1,51 @@
+"""Per-sequence state of the KV-cache manager, and input validation (standard library only)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+SeqId = Hashable
+
+
+class SeqState:
+    """One sequence's state: its blocks (device or host) and its tokens."""
+
+    __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids")
+
+    def __init__(
+        self, block_ids: list[int], token_ids: list[Any], num_keyed: int, chain_uid: int
+    ) -> None:
+        self.block_ids = block_ids
+        self.token_ids = token_ids
+        # Leading full blocks already offered to the prefix index, and the uid naming the
+        # prefix through the last of them (the parent of the next full block's key).
+        self.num_keyed = num_keyed
+        self.chain_uid = chain_uid
+        # Host blocks while swapped out (block_ids is then empty), else None.
+        self.host_block_ids: list[int] | None = None
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """Return `value` if it is an int >= `minimum`.
+
+    Raises:
+        ValueError: otherwise, "name: expected an int >= minimum, got value".
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def token_list(token_ids: Sequence[Any]) -> list[Any]:
+    """Copy `token_ids` (a list, tuple, range, array, ...) into a list.
+
+    Raises:
+        ValueError: `token_ids` is not iterable, or is a str or bytes.
+    """
+    if not isinstance(token_ids, (str, bytes)):
+        try:
+            return list(token_ids)
+        except TypeError:
+            pass
+    raise ValueError(f"token_ids: expected a sequence of token ids, got {type(token_ids)}")

@@ -1,0 +1,133 @@
+"""Building blocks of the Llama family: RMSNorm and rotary position embeddings.
+
+Both follow Hugging Face transformers' numerics exactly (float32 statistics, `rotate_half`
+layout), so a float32 model here reproduces HF logits to rounding error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension.
+
+    The statistic is computed in float32 and the normalized value cast back to the input
+    dtype before the weight multiplies it, as HF Llama does (this order matters in bf16).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., size] -> same shape and dtype."""
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+def compute_inv_freq(
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int = 4096,
+) -> Tensor:
+    """Inverse rotary frequencies, one per pair of dimensions.
+
+    Args:
+        head_dim: rotary dimension (the full head dimension in this family).
+        rope_theta: the base.
+        rope_scaling: None (plain RoPE), or a dict with `rope_type` "linear" (`factor`) or
+            "llama3" (`factor`, `low_freq_factor`, `high_freq_factor`,
+            `original_max_position_embeddings`).
+        max_position_embeddings: fallback for a llama3 dict without the original length.
+
+    Returns:
+        [head_dim // 2] float32 on the CPU.
+
+    Raises:
+        ValueError: an unknown rope type or a missing scaling field.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    try:
+        if rope_type == "default":
+            return inv_freq
+        if rope_type == "linear":
+            return inv_freq / float(rope_scaling["factor"])
+        if rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, rope_scaling, max_position_embeddings)
+    except KeyError as exc:
+        raise ValueError(
+            f"rope_scaling {rope_type!r}: expected field {exc}, got {sorted(rope_scaling)}"
+        ) from None
+    raise ValueError(
+        f"rope_scaling: expected rope_type 'default', 'linear' or 'llama3', got {rope_type!r}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], max_positions: int) -> Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+    # between interpolated smoothly (same arithmetic as HF, so logits match bit for bit).
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling.get("original_max_position_embeddings") or max_positions)
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes per-token cos/sin once per forward; every layer reuses them."""
+
+    def __init__(self, inv_freq: Tensor, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        # Non-persistent: rebuilt from the config, never read from a checkpoint.
+        self.register_buffer(
+            "inv_freq", inv_freq.to(device=device, dtype=torch.float32), persistent=False
+        )
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, head_dim // 2] in dtype.
+
+        Only half of HF's `cat(freqs, freqs)` is kept: both halves are equal, and
+        `apply_rotary` uses the half form, which is arithmetically identical.
+        """
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x` by position, neox style (HF `rotate_half`).
+
+    Args:
+        x: [num_tokens, num_heads, head_dim].
+        cos, sin: [num_tokens, head_dim // 2], the dtype of `x`.
+
+    Returns:
+        [num_tokens, num_heads, head_dim], a new tensor.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2) broadcasts over heads
+    # HF: x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin); same products, same rounding.
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,227 @@
+"""Llama, Mistral, Qwen2 and Qwen3 in one implementation, switched by `ModelConfig` flags.
+
+Every forward is one flat batch: the new tokens of all sequences of a step (prefill chunks
+and decode tokens alike) concatenated into `[num_tokens, hidden]`, no padding. Each layer
+writes its new K/V through `attn_metadata.slot_mapping` and attends through the block tables.
+
+Differences within the family, all from the config:
+    attention_bias   q/k/v projections carry a bias (Qwen2)
+    qk_norm          RMSNorm over each q and k head before RoPE (Qwen3)
+    head_dim         may differ from hidden_size // num_heads (Qwen3)
+    sliding_windows  per-layer attention window (Mistral; Qwen2 layer_types)
+    tie_word_embeddings  the LM head reuses the embedding matrix (no `lm_head` weight)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedkv.config import ModelConfig
+from pagedkv.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, compute_inv_freq
+from pagedkv.ops import paged_attention_from_metadata, write_kv
+
+if TYPE_CHECKING:
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.ops import AttentionMetadata
+
+_Device = torch.device | str | None
+
+
+class Attention(nn.Module):
+    """Fused-QKV grouped-query attention over the paged KV cache of one layer."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        windows = config.sliding_windows
+        self.sliding_window = windows[layer_idx] if windows else None
+        factory = {"dtype": dtype, "device": device}
+        self.qkv_proj = nn.Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias,
+            **factory,
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.q_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+        )
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        key_cache = kv_cache.key_caches[self.layer_idx]
+        value_cache = kv_cache.value_caches[self.layer_idx]
+        write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        # The metadata variant reuses the backend's per-step plan across layers.
+        out = paged_attention_from_metadata(
+            q,
+            key_cache,
+            value_cache,
+            attn_metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: _Device) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * size, bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [T, hidden_size] -> [T, hidden_size]."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, device=device)
+        self.mlp = MLP(config, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: _Device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal language model running on a paged KV cache.
+
+    Parameter names mirror HF's with two fusions (`qkv_proj` = q|k|v, `gate_up_proj` =
+    gate|up); `pagedkv.models.loader` maps checkpoint names onto them.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: _Device = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, dtype=dtype, device=device)
+        inv_freq = compute_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+        self.rotary_emb = RotaryEmbedding(inv_freq, device=device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+            )
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """Run one step's tokens through the model, writing their K/V into `kv_cache`.
+
+        Args:
+            input_ids: [num_tokens] int64, every sequence's new tokens back to back, in the
+                order of `attn_metadata.query_start_loc`.
+            positions: [num_tokens] int64, each token's position in its sequence.
+            kv_cache: the paged K/V pools, one pair per layer.
+            attn_metadata: block tables, lengths and slot mapping of this step.
+
+        Returns:
+            [num_tokens, hidden_size] final-norm hidden states in the model dtype.
+
+        Raises:
+            ValueError: `input_ids` and `positions` differ in shape or are not 1-D.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"expected input_ids and positions of shape [num_tokens], "
+                f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [n, hidden_size] in the model dtype -> logits [n, vocab_size] float32.
+
+        The matmul runs in the model dtype (as HF does), only the result is upcast.
+        """
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,254 @@
+"""Load Llama-family weights from safetensors, and write random checkpoints.
+
+Only `safetensors` is needed at run time (no transformers). Every checkpoint tensor is
+validated by name and shape against what the config implies before it is copied into the
+(possibly fused) parameter it belongs to; whatever is missing or extra is reported by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedkv.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedkv.models.layers import compute_inv_freq
+from pagedkv.models.llama import CausalLM
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+# Checkpoint projection -> (fused parameter, index of its part in the fusion).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -> torch.dtype:
+    """Map "auto" (the config's dtype), a name such as "bfloat16", or a torch.dtype.
+
+    Raises:
+        ValueError: not float32, bfloat16 or float16.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        name = (config.dtype if config is not None else "float32").removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(
+            f"dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}"
+        )
+    return _DTYPES[name]
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF-layout checkpoint of `config` holds, with its shape.
+
+    `lm_head.weight` is listed only for untied models.
+    """
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            shapes[f"{p}self_attn.{name}.weight"] = (rows, h)
+            if config.attention_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (h, q_size)
+        if config.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+        shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _target(model: CausalLM, name: str) -> torch.Tensor:
+    """The slice of `model`'s parameters that checkpoint tensor `name` fills."""
+    module_path, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
+    parent, _, proj = module_path.rpartition(".")
+    if proj not in _FUSED:
+        return model.get_parameter(name)
+    fused_name, part = _FUSED[proj]
+    fused = model.get_parameter(f"{parent}.{fused_name}.{leaf}")
+    if fused_name == "qkv_proj":
+        attn = model.get_submodule(parent)
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    else:
+        sizes = [fused.shape[0] // 2] * 2
+    start = sum(sizes[:part])
+    return fused.data[start : start + sizes[part]]
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: expected a non-empty 'weight_map', got {weight_map!r}")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{model_dir}: expected model.safetensors or "
+            f"model.safetensors.index.json, found neither"
+        )
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"{model_dir}: the index names {path.name}, which is missing")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
+) -> CausalLM:
+    """Build the model `model_dir/config.json` describes and load its safetensors weights.
+
+    Args:
+        model_dir: a directory with config.json and model.safetensors (or a sharded
+            checkpoint with model.safetensors.index.json).
+        dtype: "auto" (the config's dtype, float32 if absent), "float32", "bfloat16",
+            "float16" or a torch.dtype; weights are cast to it.
+        device: where the parameters live ("auto": CUDA when available, else CPU).
+
+    Returns:
+        The model in eval mode.
+
+    Raises:
+        ValueError: no or broken config.json, an unsupported architecture, no weight files,
+            or a missing, unexpected or misshapen weight (named, with expected/got shape).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model dir: expected a directory, got {str(model_dir)!r}")
+    config = ModelConfig.from_hf(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    files = _checkpoint_files(model_dir)
+    # Parameters start on the meta device: no time spent on a random init that the
+    # checkpoint overwrites, and no second copy of the weights in memory.
+    with torch.device("meta"):
+        model = CausalLM(config, dtype=torch_dtype)
+    model.to_empty(device=device)
+    # to_empty left the (non-checkpoint) rotary buffer uninitialized: recompute it.
+    model.rotary_emb.inv_freq.copy_(
+        compute_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+    )
+    _load_weights(model, config, files)
+    return model.eval()
+
+
+def _load_weights(model: CausalLM, config: ModelConfig, files: list[Path]) -> None:
+    expected = checkpoint_shapes(config)
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in _iter_tensors(files):
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some tied checkpoints still store the (identical) head
+            if name not in expected:
+                raise ValueError(
+                    f"unexpected weight {name!r} (shape {tuple(tensor.shape)}) "
+                    f"for {config.architecture}"
+                )
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(
+                    f"weight {name!r}: expected shape {expected[name]}, got {tuple(tensor.shape)}"
+                )
+            _target(model, name).copy_(tensor)
+            seen.add(name)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ValueError(f"missing weight(s) in checkpoint: {shown}")
+
+
+def save_random_checkpoint(
+    model_dir: str | Path, config: dict[str, Any], *, seed: int = 0, dtype: str = "float32"
+) -> Path:
+    """Write config.json and model.safetensors with random weights (no transformers needed).
+
+    Matrices are drawn with std 0.02 (HF's initializer range); norm weights are 1 and
+    biases 0, so activations keep a sensible scale through many layers.
+
+    Args:
+        model_dir: created if needed.
+        config: an HF-style config dict (`architectures` or `model_type`, sizes, ...).
+        seed: seeds a private generator; the same seed gives the same weights.
+        dtype: "float32", "bfloat16" or "float16"; recorded in config.json.
+
+    Returns:
+        `model_dir` as a Path.
+
+    Raises:
+        ValueError: the config is invalid or unsupported, or the dtype unknown.
+    """
+    model_dir = Path(model_dir)
+    torch_dtype = resolve_dtype(dtype)
+    config = dict(config)
+    if (
+        not config.get("architectures")
+        and config.get("model_type") in SUPPORTED_ARCHITECTURES.values()
+    ):
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config["model_type"]]
+        config["architectures"] = [arch]
+    config["dtype"] = str(torch_dtype).removeprefix("torch.")
+    model_config = ModelConfig.from_hf(config)
+    config.setdefault("model_type", model_config.model_type)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in checkpoint_shapes(model_config).items():
+        if name.endswith("norm.weight"):
+            value = torch.ones(shape)
+        elif name.endswith(".bias"):
+            value = torch.zeros(shape)
+        else:
+            value = torch.randn(shape, generator=generator) * 0.02
+        tensors[name] = value.to(torch_dtype).contiguous()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return model_dir

@@ -1,0 +1,22 @@
+"""Attention ops over the paged KV cache: `write_kv`, `paged_attention` and their metadata.
+
+Backends (`reference`, `cpu`, `triton`) load lazily; see `pagedkv.ops.attention`.
+"""
+
+from __future__ import annotations
+
+from pagedkv.ops.attention import (
+    available_backends,
+    paged_attention,
+    paged_attention_from_metadata,
+    write_kv,
+)
+from pagedkv.ops.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "available_backends",
+    "paged_attention",
+    "paged_attention_from_metadata",
+    "write_kv",
+]

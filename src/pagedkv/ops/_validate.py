@@ -1,0 +1,168 @@
+"""Argument checks for the public ops, shared by every backend.
+
+The shape/dtype/device checks read only tensor metadata (no kernel launch, no device sync):
+they run twice per layer per engine step. The value checks (`check_lengths`) read the small
+integer tensors and therefore run only where those already live on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(name: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """Check the two cache pools and return their shape (num_blocks, block_size, kv_heads, dim)."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(cache, torch.Tensor):
+            raise _fail(name, "a torch.Tensor", type(cache).__name__)
+        if cache.dim() != 4:
+            raise _fail(
+                name,
+                "4 dims [num_blocks, block_size, num_kv_heads, head_dim]",
+                f"shape {tuple(cache.shape)}",
+            )
+        if cache.dtype not in SUPPORTED_DTYPES:
+            raise _fail(name, "float32, bfloat16, float16 (or float64)", cache.dtype)
+        if cache.stride(-1) != 1:
+            raise _fail(name, "a contiguous last dim (stride 1)", f"stride {cache.stride()}")
+    if value_cache.shape != key_cache.shape:
+        raise _fail(
+            "value_cache",
+            f"shape {tuple(key_cache.shape)} (as key_cache)",
+            tuple(value_cache.shape),
+        )
+    if value_cache.dtype != key_cache.dtype:
+        raise _fail("value_cache", f"dtype {key_cache.dtype} (as key_cache)", value_cache.dtype)
+    if value_cache.device != key_cache.device:
+        raise _fail("value_cache", f"device {key_cache.device}", value_cache.device)
+    return tuple(key_cache.shape)
+
+
+def check_index(
+    name: str,
+    tensor: torch.Tensor,
+    shape: tuple[int | None, ...],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...] = (torch.int32,),
+) -> None:
+    """Check an integer tensor's dtype, device and shape (None in `shape` matches any size)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(tensor).__name__)
+    if tensor.dtype not in dtypes:
+        raise _fail(name, " or ".join(str(d) for d in dtypes), tensor.dtype)
+    if tensor.device != device:
+        raise _fail(name, f"device {device}", tensor.device)
+    if tensor.dim() != len(shape) or any(
+        want is not None and want != got for want, got in zip(shape, tensor.shape, strict=True)
+    ):
+        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise _fail(name, f"shape {expected}", f"shape {tuple(tensor.shape)}")
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None,
+    sliding_window: int | None,
+) -> float:
+    """Check `paged_attention`'s arguments (metadata only) and return the resolved scale."""
+    _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
+    if not isinstance(query, torch.Tensor):
+        raise _fail("query", "a torch.Tensor", type(query).__name__)
+    if query.dim() != 3:
+        raise _fail(
+            "query", "3 dims [num_tokens, num_heads, head_dim]", f"shape {tuple(query.shape)}"
+        )
+    if query.dtype != key_cache.dtype:
+        raise _fail("query", f"dtype {key_cache.dtype} (as key_cache)", query.dtype)
+    if query.device != key_cache.device:
+        raise _fail("query", f"device {key_cache.device} (as key_cache)", query.device)
+    num_heads = query.shape[1]
+    if query.shape[2] != head_dim:
+        raise _fail("query", f"head_dim {head_dim} (as key_cache)", query.shape[2])
+    if num_heads % num_kv_heads != 0:
+        raise _fail("query", f"num_heads a multiple of num_kv_heads={num_kv_heads}", num_heads)
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() else None
+    check_index("seq_lens", seq_lens, (None,), query.device)
+    check_index("block_tables", block_tables, (num_seqs, None), query.device)
+    check_index("query_start_loc", query_start_loc, (num_seqs + 1,), query.device)
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise _fail("sliding_window", "None or a positive int", repr(sliding_window))
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise _fail("scale", "None or a finite float", repr(scale))
+    return float(scale)
+
+
+def check_lengths(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_tokens: int, max_context: int
+) -> None:
+    """Check the packed-layout invariants on CPU copies of the index tensors.
+
+    Invariant: 0 = qsl[0] <= qsl[1] <= ... <= qsl[-1] = num_tokens, and each sequence's new
+    tokens fit in its total length, which fits in its block table (max_blocks x block_size).
+    """
+    if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
+        raise _fail(
+            "query_start_loc",
+            f"to run from 0 to num_tokens={num_tokens}",
+            f"{int(query_start_loc[0])}..{int(query_start_loc[-1])}",
+        )
+    query_lens = np.diff(query_start_loc)
+    if (query_lens < 0).any():
+        raise _fail("query_start_loc", "non-decreasing offsets", query_start_loc.tolist())
+    bad = np.flatnonzero((seq_lens < query_lens) | (seq_lens > max_context))
+    if bad.size:
+        s = int(bad[0])
+        raise _fail(
+            "seq_lens",
+            f"query_len={int(query_lens[s])} <= seq_lens[{s}] <= "
+            f"max_blocks*block_size={max_context}",
+            int(seq_lens[s]),
+        )
+
+
+def check_write_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Check `write_kv`'s arguments (metadata only)."""
+    _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
+    for name, tensor in (("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise _fail(name, "a torch.Tensor", type(tensor).__name__)
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
+            raise _fail(
+                name,
+                f"shape [num_tokens, {num_kv_heads}, {head_dim}]",
+                f"shape {tuple(tensor.shape)}",
+            )
+        if tensor.dtype != key_cache.dtype:
+            raise _fail(name, f"dtype {key_cache.dtype} (as key_cache)", tensor.dtype)
+        if tensor.device != key_cache.device:
+            raise _fail(name, f"device {key_cache.device} (as key_cache)", tensor.device)
+    if value.shape[0] != key.shape[0]:
+        raise _fail("value", f"{key.shape[0]} tokens (as key)", value.shape[0])
+    check_index("slot_mapping", slot_mapping, (key.shape[0],), key.device, INDEX_DTYPES)

@@ -1,0 +1,278 @@
+"""The CPU backend: decode rows through a Numba kernel, prefill sequences through gather + SDPA.
+
+One call may mix both (the engine's continuous batches): sequences with at most
+`MAX_DECODE_QUERY` new tokens become kernel rows that read their blocks in place
+(`cpu_kernels`), longer ones gather their blocks and run `scaled_dot_product_attention` with
+a bottom-right causal mask, where the matrix-matrix products pay for the copy.
+float16 and float64 caches take the SDPA path for every sequence (Numba has no fast float16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedkv.ops import _validate, cpu_kernels, cpu_plan
+from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.reference import attention_mask
+
+MAX_DECODE_QUERY = 4
+"""Sequences with at most this many new tokens go to the kernel (measured crossover)."""
+SERIAL_BYTES = 1 << 19
+"""Below this much KV to read, the kernel runs on the calling thread (no parallel start)."""
+
+# dtype -> (parallel driver, serial driver)
+_KERNELS = {
+    torch.float32: (cpu_kernels.decode_f32_parallel, cpu_kernels.decode_f32_serial),
+    torch.bfloat16: (cpu_kernels.decode_bf16_parallel, cpu_kernels.decode_bf16_serial),
+}
+
+
+@dataclass
+class _Plan:
+    """How one batch is split; depends on the index tensors, cache geometry and window only."""
+
+    items: np.ndarray  # int64 [num_items, 6], see cpu_kernels
+    splits: np.ndarray  # int64 [num_split_rows, 3]
+    rows: np.ndarray  # int64 [num_rows], query row of each kernel output row
+    num_parts: int  # partial states the split rows need
+    is_serial: bool
+    prefill_seqs: list[int]
+    starts: list[int]  # query_start_loc as a list
+    seq_lens: list[int]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    covers_all: bool  # rows == arange(num_tokens): the kernel output is the whole output
+
+
+def _make_plan(
+    num_tokens: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    key_cache: torch.Tensor,
+    sliding_window: int | None,
+) -> _Plan:
+    """Validate the batch's lengths and block ids and split it; raises ValueError."""
+    tables, starts, lens = block_tables.numpy(), query_start_loc.numpy(), seq_lens.numpy()
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    use_kernel = key_cache.dtype in _KERNELS
+    items, splits, rows, prefill, total, error, seq = cpu_plan.plan_items(
+        starts,
+        lens,
+        tables,
+        num_tokens,
+        num_blocks,
+        block_size,
+        sliding_window or 0,
+        MAX_DECODE_QUERY if use_kernel else 0,
+        cpu_kernels.num_threads(),
+    )
+    if error == cpu_plan.BAD_BLOCK:
+        raise ValueError(
+            f"block_tables: expected block ids in [0, {num_blocks}) for the "
+            f"ceil(seq_len / block_size) blocks of sequence {seq}, "
+            f"got {tables[seq].tolist()[: -(-int(lens[seq]) // block_size)]}"
+        )
+    if error != cpu_plan.OK:
+        _validate.check_lengths(starts, lens, num_tokens, tables.shape[1] * block_size)
+        raise AssertionError(f"plan_items reported error {error} that check_lengths missed")
+    row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
+    return _Plan(
+        items=items,
+        splits=splits,
+        rows=rows,
+        num_parts=int(splits[-1, 2]) if splits.shape[0] else 0,
+        is_serial=total * row_bytes < SERIAL_BYTES or cpu_kernels.num_threads() == 1,
+        prefill_seqs=prefill.tolist(),
+        starts=starts.tolist(),
+        seq_lens=lens.tolist(),
+        block_tables=tables,
+        covers_all=rows.shape[0] == num_tokens,
+    )
+
+
+def _as_numba(cache: torch.Tensor) -> np.ndarray:
+    # bfloat16 has no numpy dtype: hand the raw bits over as uint16
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
+
+
+def _decode_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: _Plan,
+    scale: float,
+) -> torch.Tensor:
+    """Kernel rows' output, float32 [num_rows, num_heads, head_dim]."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    q = query.contiguous().numpy() if query.dtype == torch.float32 else query.float().numpy()
+    out = np.empty((plan.rows.shape[0], num_heads, head_dim), dtype=np.float32)
+    part_acc = np.empty((plan.num_parts, num_heads, head_dim), dtype=np.float32)
+    part_m = np.empty((plan.num_parts, num_heads), dtype=np.float32)
+    part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
+    kernel = _KERNELS[key_cache.dtype][plan.is_serial]
+    kernel(
+        q,
+        _as_numba(key_cache),
+        _as_numba(value_cache),
+        plan.block_tables,
+        plan.items,
+        plan.splits,
+        scale,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+    )
+    return torch.from_numpy(out)
+
+
+def _prefill_seq(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: np.ndarray,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence by gather + SDPA: query [q, H, D] -> [q, H, D]."""
+    query_len, block_size = query.shape[0], key_cache.shape[1]
+    # Blocks wholly before the window of the first new token are never read.
+    first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+    b0, b1 = first // block_size, -(-seq_len // block_size)
+    blocks = torch.from_numpy(block_table[b0:b1].astype(np.int64))
+    start = b0 * block_size
+    # (nb, bs, Hkv, D) -> (nb * bs, Hkv, D) -> (Hkv, L', D) with L' = seq_len - start
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
+    q = query.transpose(0, 1)  # (H, q, D)
+    if sliding_window is None and start == 0 and query_len == seq_len:
+        mask, causal = None, True
+    else:
+        mask = attention_mask(query_len, seq_len, sliding_window, query.device)[:, start:]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def _run(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: _Plan,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    has_rows = plan.rows.shape[0] > 0
+    if has_rows:
+        rows_out = _decode_rows(query, key_cache, value_cache, plan, scale)
+        if plan.covers_all:
+            return rows_out if query.dtype == torch.float32 else rows_out.to(query.dtype)
+    out = torch.empty_like(query)
+    if has_rows:
+        out[torch.from_numpy(plan.rows)] = rows_out.to(query.dtype)
+    for s in plan.prefill_seqs:
+        lo, hi = plan.starts[s], plan.starts[s + 1]
+        out[lo:hi] = _prefill_seq(
+            query[lo:hi],
+            key_cache,
+            value_cache,
+            plan.block_tables[s],
+            plan.seq_lens[s],
+            scale,
+            sliding_window,
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Backend entry point; the contract is `pagedkv.ops.paged_attention` (inputs validated)."""
+    plan = _make_plan(
+        query.shape[0], block_tables, seq_lens, query_start_loc, key_cache, sliding_window
+    )
+    return _run(query, key_cache, value_cache, plan, scale, sliding_window)
+
+
+def paged_attention_from_metadata(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """As `paged_attention`, reusing the step's plan (built by the first layer that asks)."""
+    md = attn_metadata
+    # Every layer of a step shares the geometry, so layer 0 plans and the others reuse it.
+    key = ("cpu", query.shape[0], tuple(key_cache.shape), key_cache.dtype, sliding_window)
+    plan = md.plans.get(key)
+    if plan is None:
+        plan = md.plans[key] = _make_plan(
+            query.shape[0],
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            key_cache,
+            sliding_window,
+        )
+    return _run(query, key_cache, value_cache, plan, scale, sliding_window)
+
+
+def _bits(tensor: torch.Tensor, rows: int) -> np.ndarray:
+    # (..., Hkv, D) -> (rows, Hkv * D) in a same-width integer dtype: a row copy is a bit copy
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.view(width).reshape(rows, -1).numpy()
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Backend entry point; the contract is `pagedkv.ops.write_kv` (inputs validated).
+
+    One serial Numba pass (no temporaries, no parallel start): a decode step writes only a
+    few rows per layer, so fixed costs dominate.
+
+    Raises:
+        ValueError: a slot is past the end of the cache.
+    """
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        from pagedkv.ops.reference import write_kv as write_strided
+
+        write_strided(key, value, key_cache, value_cache, slot_mapping)
+        return
+    num_tokens, num_slots = key.shape[0], key_cache.shape[0] * key_cache.shape[1]
+    bad = cpu_kernels.write_rows(
+        _bits(key.contiguous(), num_tokens),
+        _bits(value.contiguous(), num_tokens),
+        _bits(key_cache, num_slots),
+        _bits(value_cache, num_slots),
+        slot_mapping.numpy(),
+    )
+    if bad >= 0:
+        raise ValueError(
+            f"slot_mapping: expected slots < num_blocks * block_size = {num_slots}, "
+            f"got slot_mapping[{bad}] = {int(slot_mapping[bad])}"
+        )

@@ -1,0 +1,108 @@
+"""Per-step attention metadata: block tables and lengths as tensors, built once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention call needs about the batch, built once per engine step.
+
+    Packed layout: the batch's new tokens sit back to back; sequence s owns query rows
+    ``query_start_loc[s] : query_start_loc[s + 1]`` and has ``seq_lens[s]`` tokens in total
+    (cached prefix + new), so its new token i sits at position
+    ``seq_lens[s] - query_len_s + i``.
+
+    Attributes:
+        slot_mapping: int64 [num_tokens], where each new token's K/V row is written
+            (slot = block_id * block_size + offset; negative = padding, skipped).
+        block_tables: int32 [num_seqs, max_blocks], -1 past each sequence's blocks.
+        seq_lens: int32 [num_seqs].
+        query_start_loc: int32 [num_seqs + 1], cumulative query lengths from 0.
+        max_query_len: largest query length in the batch.
+        max_seq_len: largest total length in the batch.
+        backend: backend name for `paged_attention` ("auto", "cpu", "reference", "triton").
+        plans: backend-private precomputed data keyed by the backend (e.g. the CPU backend's
+            work split for a given block size), filled on first use and reused by later layers.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    backend: str = "auto"
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences in the batch."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new (query) tokens in the batch."""
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        slot_mapping: list[int],
+        *,
+        device: str | torch.device = "cpu",
+        backend: str = "auto",
+    ) -> AttentionMetadata:
+        """Build the tensors from plain lists (one host-to-device copy each).
+
+        Args:
+            block_tables: per sequence its physical block ids; ragged, padded here with -1.
+            seq_lens: per sequence its total length (cached + new tokens).
+            query_lens: per sequence its number of new tokens (>= 0, <= seq_len).
+            slot_mapping: per new token its slot, in packed order.
+            device: where the tensors live.
+            backend: passed through to `paged_attention`.
+
+        Returns:
+            The metadata.
+
+        Raises:
+            ValueError: lengths disagree ("expected X, got Y").
+        """
+        num_seqs = len(seq_lens)
+        if len(block_tables) != num_seqs or len(query_lens) != num_seqs:
+            raise ValueError(
+                f"block_tables/query_lens: expected {num_seqs} sequences (as seq_lens), "
+                f"got {len(block_tables)} and {len(query_lens)}"
+            )
+        if sum(query_lens) != len(slot_mapping):
+            raise ValueError(
+                f"slot_mapping: expected sum(query_lens)={sum(query_lens)} slots, "
+                f"got {len(slot_mapping)}"
+            )
+        for s, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if not 0 <= q <= n:
+                raise ValueError(f"query_lens[{s}]: expected 0 <= q <= seq_len={n}, got {q}")
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [-1] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
+                num_seqs, max_blocks
+            ),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            backend=backend,
+        )

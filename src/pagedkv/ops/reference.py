@@ -1,0 +1,97 @@
+"""The oracle: paged attention in plain PyTorch, one sequence at a time.
+
+Slow and obvious on purpose. Every other backend is tested against it, and it is tested
+against dense `scaled_dot_product_attention` on the same KV held contiguously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Read one sequence's keys (or values) through its block table.
+
+    Args:
+        cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_table: int [max_blocks]; only the first ceil(seq_len / block_size) are read.
+        seq_len: number of tokens to return.
+
+    Returns:
+        [seq_len, num_kv_heads, head_dim], a copy in the cache's dtype.
+    """
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    # (num_blocks, block_size, H, D) -> (num_blocks * block_size, H, D), then trim the tail
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def attention_mask(
+    query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Bottom-right causal mask, bool [query_len, seq_len], True where attention is allowed.
+
+    New token i sits at position seq_len - query_len + i and sees positions p with
+    pos - sliding_window < p <= pos.
+    """
+    positions = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    keys = torch.arange(seq_len, device=device)[None, :]
+    mask = keys <= positions
+    if sliding_window is not None:
+        mask &= keys > positions - sliding_window
+    return mask
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's key/value row at its slot; negative slots are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Paged attention over packed sequences (the contract of `pagedkv.ops.paged_attention`).
+
+    Computes in float32 (float64 for float64 inputs) and returns the query's dtype.
+    Inputs are assumed validated.
+    """
+    compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        # (H, q, D) queries against (H, L, D) keys: KV heads repeated for GQA
+        q = query[lo:hi].to(compute_dtype).transpose(0, 1)
+        k = gather_kv(key_cache, block_tables[s], seq_len).to(compute_dtype)
+        v = gather_kv(value_cache, block_tables[s], seq_len).to(compute_dtype)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q @ k.transpose(1, 2)) * scale  # (H, q, L)
+        mask = attention_mask(hi - lo, seq_len, sliding_window, query.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
+    return out

@@ -1,0 +1,211 @@
+"""Triton backend of the ops contract: paged attention and KV writes on CUDA.
+
+Loaded lazily by the ops registry as backend ``"triton"``; the public dispatcher
+in `pagedkv.ops` validates shapes, dtypes and devices before calling in here.
+Under ``TRITON_INTERPRET=1`` (set before this package is first imported) the same
+kernels run on CPU tensors, which is how the tests check them without a GPU.
+
+Routing, one launch per kind and no host sync (nothing is read back from the GPU):
+    decode batch  ->  the decode kernel, split across partitions (+ one reduce launch)
+    otherwise     ->  the general prefill/mixed kernel for all rows
+A decode batch is ``num_tokens == num_seqs`` for `paged_attention` and
+``max_query_len <= 1`` for `paged_attention_from_metadata`. Partitions are sized
+from an upper bound of the sequence lengths: ``max_seq_len`` from the metadata, or
+``block_tables.shape[1] * block_size`` without it (size block tables to the batch's
+longest sequence, not to the model's maximum, or short batches split too little).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.triton.decode import decode_attention
+from pagedkv.ops.triton.prefill import prefill_attention
+from pagedkv.ops.triton.write import write_kv_rows
+
+__all__ = ["paged_attention", "paged_attention_from_metadata", "write_kv"]
+
+_DECODE_TILE_LANES = 64  # keys per decode iteration: 16 KiB of K (bf16, d=128) per load
+_PREFILL_TILE_LANES = 64
+# Query rows (tokens x padded GQA group) per prefill program. float32 dots run on FMA
+# units and need their operands in registers: 64 rows spill even with 8 warps (ptxas, sm_90).
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_M_FP32 = 32
+_MIN_PARTITION = 256  # tokens; below this a partition's fixed cost (Q load, partial) dominates
+_MAX_PARTITIONS = 64  # the reduce kernel holds all partials of a head in registers
+_PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a constant per device, cached)."""
+    if device.type != "cuda":
+        return 4  # interpreter on CPU: only shapes the partition choice of tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile_blocks_for(block_size: int, lanes: int) -> int:
+    """Blocks per key tile: ``lanes`` keys (padded lanes included), at least one block."""
+    return max(1, lanes // triton.next_power_of_2(block_size))
+
+
+def choose_partition_size(
+    num_rows: int, num_kv_heads: int, max_context: int, tile_tokens: int, num_sms: int
+) -> int:
+    """Tokens per decode program: split only as far as needed to fill the GPU.
+
+    Batch 64 x 8 KV heads already gives 512 programs, so long partitions (no or
+    little split); batch 1 at 32K context gets up to 64 partitions of 512 tokens.
+
+    Returns:
+        A multiple of ``tile_tokens``; >= ``max_context`` when no split is wanted.
+    """
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_rows * num_kv_heads))
+    num_parts = min(wanted, _MAX_PARTITIONS, triton.cdiv(max_context, _MIN_PARTITION))
+    per_part = triton.cdiv(max_context, max(1, num_parts))
+    return triton.cdiv(per_part, tile_tokens) * tile_tokens
+
+
+def _check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            "expected key_cache and value_cache with equal strides, "
+            f"got {key_cache.stride()} and {value_cache.stride()}"
+        )
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"expected caches with unit stride in head_dim, got {key_cache.stride()}")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' paged KV.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim], float16 | bfloat16 | float32.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype.
+        block_tables: [num_seqs, max_blocks] int32; entries past a sequence's end unread.
+        seq_lens: [num_seqs] int32, total length including the new tokens.
+        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
+        scale: softmax scale.  sliding_window: keys > position - window only, or None.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype (float32 accumulation).
+
+    Raises:
+        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
+    """
+    num_tokens = query.shape[0]
+    # Without host lengths, max_blocks * block_size bounds every sequence. num_tokens ==
+    # num_seqs is decode (or q_len 0 next to q_len 2+, which the decode kernel handles too).
+    return _run(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=scale,
+        sliding_window=sliding_window, is_decode=num_tokens == seq_lens.shape[0],
+        max_seq_len=block_tables.shape[1] * key_cache.shape[1],
+    )  # fmt: skip
+
+
+def paged_attention_from_metadata(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """As `paged_attention`, routed by the step's host-side lengths.
+
+    ``max_query_len <= 1`` selects the decode kernel even when some sequences have no
+    new token, and ``max_seq_len`` sizes the decode partitions (tighter than the table).
+
+    Args:
+        query, key_cache, value_cache: as `paged_attention`.
+        attn_metadata: the step's metadata; its tensors are on query's device.
+        scale, sliding_window: as `paged_attention`.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    md = attn_metadata
+    return _run(
+        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+        scale=scale, sliding_window=sliding_window, is_decode=md.max_query_len <= 1,
+        max_seq_len=md.max_seq_len,
+    )  # fmt: skip
+
+
+def _run(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    is_decode: bool,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Pick the kernel and its launch parameters from host-side bounds only."""
+    _check_cache_layout(key_cache, value_cache)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if not is_decode:
+        return prefill_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale=scale, sliding_window=sliding_window,
+            block_m=_PREFILL_BLOCK_M_FP32 if query.dtype == torch.float32 else _PREFILL_BLOCK_M,
+            tile_blocks=tile_blocks_for(block_size, _PREFILL_TILE_LANES),
+        )  # fmt: skip
+    max_span = max_seq_len
+    if sliding_window is not None:
+        # Keys from the block holding (position - window + 1) to the position itself.
+        max_span = min(max_span, sliding_window + block_size - 1)
+    tile_blocks = tile_blocks_for(block_size, _DECODE_TILE_LANES)
+    partition = choose_partition_size(
+        query.shape[0], num_kv_heads, max_span, tile_blocks * block_size, _num_sms(query.device)
+    )
+    return decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=scale,
+        sliding_window=sliding_window, max_span=max_span, partition_size=partition,
+        tile_blocks=tile_blocks,
+    )  # fmt: skip
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V rows at its slot; tokens with a negative slot are skipped.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache's).
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        slot_mapping: [num_tokens] int32 | int64, slot = block_id * block_size + offset.
+
+    Raises:
+        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
+    """
+    _check_cache_layout(key_cache, value_cache)
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    write_kv_rows(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -1,0 +1,258 @@
+"""Decode attention (one new token per sequence) as flash-decoding over a paged cache.
+
+Grid ``(num_tokens, num_kv_heads, num_partitions)``: each program reads one
+partition of one row's context for one KV head and computes all query heads of
+that KV head's GQA group at once (the group is the M dimension of ``tl.dot``), so
+every K/V row is read from HBM once per step. With more than one partition, each
+program writes a partial (running max, sum, unnormalized output) and
+``_reduce_kernel`` merges them.
+
+Expected speed on an H200 (bf16, GQA 32/8, head_dim 128, batch 64, context 4096;
+not measured in this session): 1.07 GB of KV per step, so 224 us at the 4.8 TB/s
+peak. 64 x 8 x 2 partitions = 1024 programs stream 64-token tiles (16 KiB of K and
+of V) with cp.async one tile ahead; at 94 registers and 39 KiB of shared memory
+(compile_check.py, sm_90) 5 programs fit per SM, so ~5 x 32 KiB of loads are in
+flight per SM, several times the ~30 KiB Little's law asks (4.8 TB/s x ~0.8 us /
+132 SMs). The dots (M = 16 padded group, N = 64, K = 128) sit far below the
+tensor-core roof, so memory bounds the kernel: 80-90 % of peak is the expectation.
+Within a block, one head's rows are 256 B runs (NHD), full 32 B sectors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.ops.triton.indexing import find_seq, kv_tile_rows
+
+_LOG2E = 1.4426950408889634
+# Scores start from a finite floor, not -inf: a row whose tile is fully masked then
+# gets exp2(-inf - floor) = 0 instead of exp2(-inf + inf) = nan.
+_NEG_FLOOR = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _attend_partition(
+    q, key_cache, value_cache, table_row, head_offset, dims, dim_ok, start, end, key_lo,
+    scale_log2, stride_kb, stride_kt,
+    GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of q (GROUP_PAD, D) over keys [start, end), masked below key_lo.
+
+    Returns (running max in log2 units, sum of exp2, unnormalized output).
+    """
+    m_i = tl.full([GROUP_PAD], _NEG_FLOOR, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(start, end, TILE_BLOCKS * BLOCK_SIZE):
+        row_offset, position, is_valid = kv_tile_rows(
+            table_row, tile_start // BLOCK_SIZE, end, stride_kb, stride_kt,
+            BLOCK_SIZE, BLOCK_SIZE_PAD, TILE_BLOCKS,
+        )  # fmt: skip
+        kv_offset = head_offset + row_offset[:, None] + dims[None, :]  # (N, D)
+        kv_mask = is_valid[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache + kv_offset, mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        keep = is_valid & (position >= key_lo)
+        scores = tl.where(keep[None, :], scores * scale_log2, float("-inf"))  # (GROUP_PAD, N)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache + kv_offset, mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+    part_max, part_sum, part_acc, scale_log2, window, partition_size, num_seqs, max_parts,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)  # one query row
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    # Row r belongs to sequence r when every sequence has one new token; otherwise (some
+    # have none) search for it. Both ways end with qsl[seq] <= token < qsl[seq + 1].
+    seq = tl.minimum(token, num_seqs - 1)
+    q_start = tl.load(query_start_loc + seq)
+    if (q_start != token) | (tl.load(query_start_loc + seq + 1) != token + 1):
+        seq = find_seq(query_start_loc, num_seqs, token, 1, False)
+        q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
+    pos = seq_len - q_len + (token - q_start)  # this token's position
+    # The partition grid starts at the block holding the first key the token sees:
+    #   |<- part 0 ->|<- part 1 ->| ...      partition_size tokens each, block-aligned
+    #   ^ (key_lo // BLOCK_SIZE) * BLOCK_SIZE                  keys end at pos (incl.)
+    key_lo = 0
+    if USE_WINDOW:
+        key_lo = tl.maximum(pos - window + 1, 0)
+    start = (key_lo // BLOCK_SIZE) * BLOCK_SIZE + part * partition_size
+    end = tl.minimum(start + partition_size, pos + 1)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        query + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    ).to(key_cache.dtype.element_ty)  # (GROUP_PAD, D)
+    m_i, l_i, acc = _attend_partition(
+        q, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh, dims,
+        dim_ok, start, end, key_lo, scale_log2, stride_kb, stride_kt,
+        GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD, TILE_BLOCKS, FP32_DOT,
+    )  # fmt: skip
+    if IS_SPLIT:
+        # Every partition writes, empty ones too (max = floor, sum = 0): the reduce then
+        # merges all max_parts entries of a row without knowing its sequence.
+        # Layout: [num_tokens, num_heads, max_parts] (+ [HEAD_DIM_PAD] for acc).
+        slot = (token * tl.num_programs(1) * GROUP + heads) * max_parts + part
+        tl.store(part_max + slot, m_i, mask=row_ok)
+        tl.store(part_sum + slot, l_i, mask=row_ok)
+        tl.store(part_acc + slot[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+    else:
+        o = acc / l_i[:, None]  # l_i > 0: the single partition holds pos itself
+        tl.store(
+            out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            o.to(out.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+@triton.jit
+def _reduce_kernel(
+    out, part_max, part_sum, part_acc, max_parts, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = tl.arange(0, PARTS_PAD)
+    part_ok = parts < max_parts
+    base = (token * tl.num_programs(1) + head) * max_parts
+    m = tl.load(part_max + base + parts, mask=part_ok, other=_NEG_FLOOR)
+    l = tl.load(part_sum + base + parts, mask=part_ok, other=0.0)  # noqa: E741
+    weight = tl.exp2(m - tl.max(m, 0))  # 0 for empty partitions (max = floor, sum = 0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(
+        part_acc + (base + parts)[:, None] * HEAD_DIM_PAD + dims[None, :],
+        mask=part_ok[:, None],
+        other=0.0,
+    )  # (PARTS_PAD, D)
+    o = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(
+        out + token * stride_ot + head * stride_oh + dims,
+        o.to(out.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def decode_meta(
+    *, is_fp32: bool, group: int, head_dim: int, block_size: int, tile_blocks: int,
+    use_window: bool, is_split: bool,
+) -> dict:  # fmt: skip
+    """Compile-time parameters and launch options of `_decode_kernel`."""
+    return dict(
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        BLOCK_SIZE_PAD=triton.next_power_of_2(block_size), TILE_BLOCKS=tile_blocks,
+        USE_WINDOW=use_window, IS_SPLIT=is_split, FP32_DOT=is_fp32,
+        # One tile of K and V in flight while the previous one is multiplied (ptxas, sm_90,
+        # bf16/d128/bs16: 39 KiB shared, 94 registers, so 5 programs per SM).
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+
+
+def reduce_meta(*, head_dim: int, num_parts: int) -> dict:
+    """Compile-time parameters and launch options of `_reduce_kernel`."""
+    return dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=4,
+    )  # fmt: skip
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    max_span: int,
+    partition_size: int,
+    tile_blocks: int,
+) -> torch.Tensor:
+    """Attention for batches of (mostly) one new token per sequence, one program per row.
+
+    Built for q_len == 1 (row s is sequence s); rows of a sequence with q_len > 1 next to
+    sequences with none are found by binary search and stay exact, each rereading its KV.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim], float16 | bfloat16 | float32.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], equal strides.
+        block_tables: [num_seqs, max_blocks] int32.  seq_lens: [num_seqs] int32.
+        query_start_loc: [num_seqs + 1] int32.
+        scale: softmax scale.  sliding_window: window in tokens, or None.
+        max_span: bound on any row's key range, from the block holding its first
+            visible key to its own position (sizes the partition grid; no device read).
+        partition_size: tokens per program, a multiple of ``tile_blocks * block_size``;
+            ``>= max_span`` disables the split and the reduce launch.
+        tile_blocks: blocks per key tile.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    num_parts = max(1, triton.cdiv(max_span, partition_size))
+    is_split = num_parts > 1
+    if is_split:
+        head_dim_pad = triton.next_power_of_2(head_dim)
+        part_max = torch.empty(num_tokens, num_heads, num_parts, dtype=torch.float32,
+                               device=query.device)  # fmt: skip
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(num_tokens, num_heads, num_parts, head_dim_pad,
+                               dtype=torch.float32, device=query.device)  # fmt: skip
+    else:
+        part_max = part_sum = part_acc = out  # unused by the kernel when IS_SPLIT is false
+    meta = decode_meta(
+        is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
+        head_dim=head_dim, block_size=key_cache.shape[1], tile_blocks=tile_blocks,
+        use_window=sliding_window is not None, is_split=is_split,
+    )  # fmt: skip
+    _decode_kernel[(num_tokens, num_kv_heads, num_parts)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        part_max, part_sum, part_acc, scale * _LOG2E, sliding_window or 0, partition_size,
+        seq_lens.shape[0], num_parts, query.stride(0), query.stride(1), key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1), **meta,
+    )  # fmt: skip
+    if is_split:
+        _reduce_kernel[(num_tokens, num_heads)](
+            out, part_max, part_sum, part_acc, num_parts, out.stride(0), out.stride(1),
+            **reduce_meta(head_dim=head_dim, num_parts=num_parts),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,57 @@
+"""Scatter new tokens' K/V rows into their cache slots (one program per token)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key, value, key_cache, value_cache, slot_mapping, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot < 0:
+        return  # padding token
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    # The token's row [num_kv_heads, head_dim] is contiguous in an NHD cache: one store.
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+    dst = dst + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(key + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    tl.store(key_cache + dst, k.to(key_cache.dtype.element_ty), mask=mask)
+    v = tl.load(value + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(value_cache + dst, v.to(value_cache.dtype.element_ty), mask=mask)
+
+
+def write_meta(*, num_kv_heads: int, head_dim: int) -> dict:
+    """Compile-time parameters and launch options of `_write_kv_kernel`."""
+    return dict(
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+    )  # fmt: skip
+
+
+def write_kv_rows(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch the scatter; shapes as in `pagedkv.ops.triton.write_kv`."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim),
+    )  # fmt: skip

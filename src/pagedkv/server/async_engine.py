@@ -1,0 +1,283 @@
+"""An asyncio front for the (single-threaded) `LLMEngine`.
+
+One engine thread owns the engine: it steps continuous batching while requests exist and
+sleeps on a condition otherwise. Requests and aborts reach it through a command list
+guarded by that condition; each request's deltas go back to its asyncio queue with
+`loop.call_soon_threadsafe`. Nothing but the engine thread touches the engine, so the engine
+needs no locks, and an abort frees the request's blocks at the engine thread's next turn
+(before its next step).
+
+    event loop (HTTP handlers)            engine thread
+    add_request ── ("add", fut) ──────▶   engine.add_request -> fut result / ValueError
+    stream.abort ── ("abort") ────────▶   engine.abort_request (blocks back to the pool)
+    queue.get() ◀── call_soon_threadsafe ─ engine.step() -> DeltaTracker.update
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.server.streaming import DeltaTracker, RequestDelta
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestDelta | BaseException]
+    tracker: DeltaTracker
+
+
+@dataclass
+class _Command:
+    kind: str  # "add" | "abort"
+    request_id: str
+    prompt: Any = None
+    params: Any = None
+    stream: _Stream | None = None
+    future: concurrent.futures.Future[None] | None = None
+
+
+@dataclass
+class RequestStream:
+    """One admitted request: iterate it for `RequestDelta`s; `abort()` if you stop early."""
+
+    request_id: str
+    _engine: AsyncEngine
+    _queue: asyncio.Queue[RequestDelta | BaseException]
+    is_finished: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        try:
+            while not self.is_finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.is_finished = True
+                    raise item
+                self.is_finished = item.finished
+                yield item
+        finally:
+            if not self.is_finished:
+                self.abort()
+
+    def abort(self) -> None:
+        """Abort the request (idempotent); its blocks go back to the pool at once."""
+        if not self.is_finished:
+            self.is_finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on its own thread and serves requests to asyncio code.
+
+    Args:
+        engine: an `LLMEngine` (duck-typed: add_request, abort_request, step,
+            has_unfinished_requests, num_waiting, stats, tokenizer, model_config).
+        max_waiting_requests: at most this many admitted requests may wait for the engine;
+            more raise `EngineOverloaded` instead of queueing without bound. None: no bound.
+    """
+
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests: expected >= 0, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._num_pending_adds = 0  # guarded by _cond
+        self._stats: dict[str, Any] = {}
+        self._is_stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(
+        cls, model: str, *, max_waiting_requests: int | None = None, **engine_kwargs: Any
+    ) -> AsyncEngine:
+        """Load `LLMEngine.from_engine_args(model, **engine_kwargs)` behind an AsyncEngine."""
+        from pagedkv.engine.engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(model, **engine_kwargs), max_waiting_requests)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._is_stopping
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight end with `EngineDead`."""
+        with self._cond:
+            self._is_stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's `stats()` as of its last step or abort (safe from any thread)."""
+        return dict(self._stats)
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: Any
+    ) -> RequestStream:
+        """Admit a request to the engine; returns its stream once the engine accepted it.
+
+        Raises:
+            ValueError: the engine rejected the request (bad or impossible; the message says).
+            EngineOverloaded: `max_waiting_requests` requests are already waiting.
+            EngineDead: the engine thread is not running.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        stream = _Stream(loop, queue, DeltaTracker(stop=getattr(params, "stop", None)))
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._cond:
+            if not self.is_running:
+                raise EngineDead("the engine is not running")
+            num_waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+            if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(
+                    f"server overloaded: {num_waiting} requests waiting "
+                    f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+                )
+            self._num_pending_adds += 1
+            self._commands.append(_Command("add", request_id, prompt, params, stream, future))
+            self._cond.notify()
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added before the cancellation
+            raise
+        return RequestStream(request_id, self, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; unknown or finished ids are ignored."""
+        with self._cond:
+            self._commands.append(_Command("abort", request_id))
+            self._cond.notify()
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                has_work = self.engine.has_unfinished_requests()
+                with self._cond:
+                    while not (self._commands or has_work or self._is_stopping):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    if self._is_stopping:
+                        break
+                self._apply(commands)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._refresh_stats()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, never vanish
+            logger.exception("engine thread crashed")
+            self.error = exc
+        finally:
+            with self._cond:
+                self._is_stopping = True
+            self._fail_all(EngineDead("the engine stopped"))
+
+    def _apply(self, commands: list[_Command]) -> None:
+        for cmd in commands:
+            if cmd.kind == "abort":
+                if self._streams.pop(cmd.request_id, None) is not None:
+                    self.engine.abort_request(cmd.request_id)
+                continue
+            assert cmd.future is not None and cmd.stream is not None, "add without a stream"
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
+                cmd.future.set_exception(exc)
+            else:
+                self._streams[cmd.request_id] = cmd.stream
+                cmd.future.set_result(None)
+            finally:
+                with self._cond:
+                    self._num_pending_adds -= 1
+        if commands:
+            self._refresh_stats()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            logger.exception("engine step failed; aborting %d requests", len(self._streams))
+            for request_id in list(self._streams):
+                self._fail(request_id, RuntimeError(f"engine step failed: {exc}"))
+                self.engine.abort_request(request_id)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while its step ran
+            delta = stream.tracker.update(output)
+            if delta.finished:
+                del self._streams[output.request_id]
+            if delta.samples or delta.finished:
+                _deliver(stream, delta)
+
+    def _refresh_stats(self) -> None:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 - stale metrics beat a dead server
+            logger.exception("engine.stats() failed")
+            return
+        stats.setdefault("num_requests_running", self.engine.num_running)
+        stats.setdefault("num_requests_waiting", self.engine.num_waiting)
+        self._stats = stats  # one reference swap: readers see a whole snapshot
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _deliver(stream, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._fail(request_id, exc)
+        with self._cond:
+            commands, self._commands = self._commands, []
+        for cmd in commands:
+            if cmd.future is not None and not cmd.future.done():
+                cmd.future.set_exception(exc)
+
+
+def _deliver(stream: _Stream, item: RequestDelta | BaseException) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass  # the client's event loop is closed: nobody is listening any more

@@ -1,0 +1,148 @@
+"""Prometheus metrics of one server instance (its own registry: no global state).
+
+Two kinds: engine gauges/counters read from the engine thread's latest `stats()` snapshot
+at scrape time (a custom collector), and request-level histograms and counters the HTTP
+handlers update as tokens stream out. Every name starts with `pagedkv_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (stats key, metric name, help); gauges are levels, counters only ever grow.
+_GAUGES = (
+    ("num_blocks", "pagedkv_kv_blocks_total", "KV cache blocks in the device pool."),
+    ("num_used_blocks", "pagedkv_kv_blocks_used", "KV cache blocks referenced by requests."),
+    ("num_free_blocks", "pagedkv_kv_blocks_free", "KV cache blocks free (cached ones included)."),
+    ("num_cached_blocks", "pagedkv_kv_blocks_cached", "Blocks holding a reusable cached prefix."),
+    ("num_requests_running", "pagedkv_num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "pagedkv_num_requests_waiting", "Requests waiting to be scheduled."),
+    ("num_requests_swapped", "pagedkv_num_requests_swapped", "Requests swapped out to host."),
+)
+_COUNTERS = (
+    (
+        "prefix_cache_queries",
+        "pagedkv_prefix_cache_queries_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "prefix_cache_hits",
+        "pagedkv_prefix_cache_hits_tokens",
+        "Prompt tokens found in the prefix cache (their computation skipped).",
+    ),
+    ("num_preemptions", "pagedkv_num_preemptions", "Requests preempted (recompute or swap)."),
+    ("num_cow_copies", "pagedkv_num_cow_copies", "Blocks copied on write."),
+    ("num_swapped_out", "pagedkv_num_swap_outs", "Swap-outs of a request to host memory."),
+)
+# Latency buckets (seconds) from sub-millisecond CPU steps to multi-second prefills.
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
+        self._stats_fn = stats_fn
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats_fn()
+        for key, name, doc in _GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        if "num_blocks" in stats and stats["num_blocks"]:
+            used = float(stats.get("num_used_blocks", 0))
+            yield GaugeMetricFamily(
+                "pagedkv_kv_cache_usage_ratio",
+                "Fraction of KV blocks in use.",
+                value=used / stats["num_blocks"],
+            )
+        for key, name, doc in _COUNTERS:
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
+        queries = float(stats.get("prefix_cache_queries", 0))
+        hits = float(stats.get("prefix_cache_hits", 0))
+        yield GaugeMetricFamily(
+            "pagedkv_prefix_cache_hit_rate",
+            "Prefix cache hits / queries (tokens), since start.",
+            value=hits / queries if queries else 0.0,
+        )
+
+
+class ServerMetrics:
+    """The metrics of one server; `render()` is the `/metrics` body.
+
+    Args:
+        stats_fn: returns the engine's latest stats dict (called at every scrape).
+    """
+
+    def __init__(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(stats_fn))
+        reg = self.registry
+        self.time_to_first_token = Histogram(
+            "pagedkv_time_to_first_token_seconds",
+            "Request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.inter_token_latency = Histogram(
+            "pagedkv_inter_token_latency_seconds",
+            "Time between consecutive tokens of a sample.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.request_latency = Histogram(
+            "pagedkv_e2e_request_latency_seconds",
+            "Request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "pagedkv_prompt_tokens", "Prompt tokens of finished requests.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "pagedkv_generation_tokens", "Tokens generated (all samples).", registry=reg
+        )
+        self.requests = Counter(
+            "pagedkv_requests",
+            "Requests ended, by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.rejected = Counter(
+            "pagedkv_rejected_requests",
+            "Requests refused before admission, by HTTP status.",
+            ["status"],
+            registry=reg,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,287 @@
+"""Running one OpenAI request through the `AsyncEngine`: admission, metrics, merging.
+
+`api.py` holds the routes and error handling; this module holds what they share: sampling
+parameters from a request body, admitting a batch of prompts, following their streams (with
+latency metrics and one INFO log line per request), and logprob formatting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.server.async_engine import AsyncEngine, RequestStream
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    SamplingRequest,
+    TopLogprob,
+)
+from pagedkv.server.streaming import RequestDelta, SampleDelta
+
+logger = logging.getLogger("pagedkv.server")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body shape and an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = (
+            message,
+            status,
+            type,
+            param,
+            code,
+        )
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the engine, the metrics, and the served model's name."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+
+
+def make_sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> Any:
+    """`SamplingParams` from a request body (ValueError from its validation becomes a 400)."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(str(exc)) from None
+
+
+async def admit(
+    state: ServerState, request_id: str, prompts: Sequence[str | list[int]], params: Any
+) -> list[RequestStream]:
+    """Add every prompt to the engine (ids `request_id-i`), all or none.
+
+    Raises:
+        APIError: 400 for a request the engine rejects, 503 when overloaded or stopped.
+    """
+    from pagedkv.server.async_engine import EngineDead, EngineOverloaded
+
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await state.engine.add_request(sub_id, prompt, params))
+    except BaseException as exc:
+        for stream in streams:
+            stream.abort()
+        if isinstance(exc, EngineOverloaded):
+            state.metrics.rejected.labels("503").inc()
+            raise APIError(
+                str(exc), status=503, type="server_overloaded", code="too_many_requests"
+            ) from None
+        if isinstance(exc, EngineDead):
+            raise APIError(str(exc), status=503, type="server_error") from None
+        if isinstance(exc, ValueError):
+            state.metrics.rejected.labels("400").inc()
+            raise APIError(str(exc), param="prompt") from None
+        raise
+    return streams
+
+
+async def track(
+    state: ServerState, stream: RequestStream, arrival: float
+) -> AsyncIterator[RequestDelta]:
+    """Yield a request's deltas, recording its latency metrics and one log line at the end."""
+    metrics = state.metrics
+    first_time = last_time = None
+    num_prompt = num_generated = 0
+    reason = "abort"
+    try:
+        async for delta in stream:
+            now = time.monotonic()
+            num_prompt = len(delta.prompt_token_ids)
+            new_tokens = [len(s.token_ids) for s in delta.samples]
+            if sum(new_tokens):
+                if first_time is None:
+                    first_time = now
+                    metrics.time_to_first_token.observe(now - arrival)
+                else:
+                    metrics.inter_token_latency.observe((now - last_time) / max(new_tokens))
+                last_time = now
+                num_generated += sum(new_tokens)
+                metrics.generation_tokens.inc(sum(new_tokens))
+            for sample in delta.samples:
+                if sample.index == 0 and sample.finish_reason is not None:
+                    reason = sample.finish_reason
+            yield delta
+    except Exception:
+        reason = "error"
+        raise
+    finally:
+        end = time.monotonic()
+        metrics.requests.labels(reason).inc()
+        metrics.prompt_tokens.inc(num_prompt)
+        metrics.request_latency.observe(end - arrival)
+        ttft = f"{first_time - arrival:.3f}s" if first_time is not None else "-"
+        logger.info(
+            "%s: %d prompt tokens, %d generated, finish=%s, ttft=%s, total=%.3fs",
+            stream.request_id,
+            num_prompt,
+            num_generated,
+            reason,
+            ttft,
+            end - arrival,
+        )
+
+
+_DONE = object()
+
+
+async def merge(
+    streams: list[AsyncIterator[RequestDelta]],
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Interleave several requests' deltas as they come: yields (prompt index, delta).
+
+    Stopping early (or an error in one) cancels the rest, whose streams then abort.
+    """
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[RequestDelta]) -> None:
+        try:
+            async for delta in it:
+                queue.put_nowait((i, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_to_end(
+    request: Any, deltas: AsyncIterator[tuple[int, RequestDelta]], on_delta: Any
+) -> bool:
+    """Feed every delta to `on_delta` until all finish; False if the client went away first.
+
+    A non-streaming handler is not cancelled by Starlette when its client disconnects, so
+    the client is polled while the engine works and the requests are aborted if it left.
+    """
+
+    async def consume() -> None:
+        async for i, delta in deltas:
+            on_delta(i, delta)
+
+    task = asyncio.create_task(consume())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            task.result()
+            return True
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text of one token (``token_id:N`` when the model has no tokenizer)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class LogprobFormatter:
+    """Builds OpenAI logprobs for one choice, delta by delta (keeps the text offset)."""
+
+    tokenizer: Any
+    text_offset: int = 0
+    chat_content: list[ChatTokenLogprob] = field(default_factory=list)
+
+    def completion(self, sample: SampleDelta) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
+            text = token_text(self.tokenizer, token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(top.get(token_id)))
+            out.top_logprobs.append(
+                {token_text(self.tokenizer, t): _finite(lp) for t, lp in _sorted(top)}
+            )
+            out.text_offset.append(self.text_offset)
+            self.text_offset += len(text)
+        return out
+
+    def chat(self, sample: SampleDelta, num_top: int) -> list[ChatTokenLogprob]:
+        out = []
+        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
+            text = token_text(self.tokenizer, token_id)
+            tops = [
+                TopLogprob(
+                    token=token_text(self.tokenizer, t),
+                    logprob=_finite(lp),
+                    bytes=list(token_text(self.tokenizer, t).encode()),
+                )
+                for t, lp in _sorted(top)[:num_top]
+            ]
+            out.append(
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=_finite(top.get(token_id)),
+                    bytes=list(text.encode()),
+                    top_logprobs=tops,
+                )
+            )
+        return out
+
+
+def _sorted(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda kv: -kv[1])
+
+
+def _finite(value: float | None) -> float:
+    # JSON has no -inf; OpenAI clients expect a number, so clamp like vLLM does.
+    if value is None:
+        return -9999.0
+    return max(float(value), -9999.0)

@@ -1,0 +1,245 @@
+"""`pagedkv plan` and `pagedkv simulate`: the planner and simulator on the command line.
+
+Only the standard library at import time; matplotlib is imported by `--plot` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedkv.config import parse_count, parse_size
+from pagedkv.sim.planner import (
+    builtin_models,
+    dtype_bytes,
+    format_plan,
+    kv_bytes_per_token,
+    load_model,
+    plan_memory,
+)
+from pagedkv.sim.policies import POLICIES, create_policy
+from pagedkv.sim.simulator import PolicyResult, simulate
+from pagedkv.sim.workload import WORKLOADS, Request, load_trace, make_workload
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `plan` and `simulate` subcommands."""
+    models = ", ".join(builtin_models())
+    plan = subparsers.add_parser(
+        "plan",
+        help="how much KV cache a model leaves on a GPU",
+        description=f"Weights, KV bytes per token and block, and what fits. Built-in models: "
+        f"{models}.",
+    )
+    plan.add_argument("--model", required=True, help="built-in name, model dir or config.json")
+    plan.add_argument("--memory", required=True, help="memory per GPU, e.g. 80GiB")
+    plan.add_argument(
+        "--context",
+        default=None,
+        help="tokens per sequence, e.g. 128k (default: the model's maximum)",
+    )
+    plan.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
+    plan.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(handler=run_plan)
+
+    sim = subparsers.add_parser(
+        "simulate",
+        help="replay a workload against contiguous and paged KV allocation",
+        description="Replay a workload on a simulated clock (one token per running request "
+        f"per step) against the policies {', '.join(POLICIES)}.",
+    )
+    sim.add_argument("--model", required=True, help="built-in name, model dir or config.json")
+    sim.add_argument("--kv-memory", required=True, help="KV cache memory, e.g. 40GiB")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload")
+    source.add_argument(
+        "--trace",
+        help="JSONL: arrival, prompt_len, output_len [, prefix_group, prefix_len] per line",
+    )
+    sim.add_argument("--num-requests", type=int, default=1000)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals per step (default: all at step 0; seed: 0.01)",
+    )
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    sim.add_argument("--tp", type=int, default=1, help="KV heads split over this many GPUs")
+    sim.add_argument(
+        "--max-model-len",
+        default=None,
+        help="tokens contiguous-max reserves per request (default: the longest request that fits)",
+    )
+    sim.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset of the policies"
+    )
+    sim.add_argument("--plot", metavar="DIR", help="write PNG figures to DIR")
+    sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sim.set_defaults(handler=run_simulate)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Handler of `pagedkv plan`. Raises ValueError for bad input (one-line message)."""
+    model = load_model(args.model)
+    context = None if args.context is None else parse_count(args.context)
+    plan = plan_memory(
+        model,
+        parse_size(args.memory),
+        name=str(args.model),
+        context=context,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        tp=args.tp,
+        block_size=args.block_size,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _requests(args: argparse.Namespace) -> tuple[str, list[Request]]:
+    if args.trace:
+        return str(args.trace), load_trace(args.trace)
+    return args.workload, make_workload(args.workload, args.num_requests, args.seed, args.rate)
+
+
+def _policy_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in POLICIES for n in names):
+        raise ValueError(f"policies: expected names from {', '.join(POLICIES)}, got {text!r}")
+    return names
+
+
+def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Request]]:
+    """The run's header (model, memory, sizes) and its requests, from validated arguments."""
+    model = load_model(args.model)
+    if args.block_size <= 0:
+        raise ValueError(f"block_size: expected > 0, got {args.block_size}")
+    per_token = kv_bytes_per_token(model, args.kv_dtype, args.tp)
+    kv_memory = parse_size(args.kv_memory)
+    capacity = kv_memory // per_token
+    if capacity <= 0:
+        raise ValueError(
+            f"kv-memory: expected room for at least one token ({per_token:,} B), "
+            f"got {kv_memory:,} B"
+        )
+    workload, requests = _requests(args)
+    # By default contiguous-max reserves the longest request the memory can hold at all:
+    # a server sized for its workload, the most favourable choice for that policy.
+    longest = max((r.total_len for r in requests if r.total_len <= capacity), default=capacity)
+    header = {
+        "model": str(args.model),
+        "workload": workload,
+        "requests": len(requests),
+        "kv_memory_bytes": kv_memory,
+        "kv_dtype": args.kv_dtype,
+        "dtype_bytes": dtype_bytes(args.kv_dtype),
+        "kv_bytes_per_token": per_token,
+        "block_size": args.block_size,
+        "tp": args.tp,
+        "capacity_tokens": capacity,
+        "num_blocks": kv_memory // (per_token * args.block_size),
+        "max_model_len": longest if args.max_model_len is None else parse_count(args.max_model_len),
+    }
+    return header, requests
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Handler of `pagedkv simulate`. Raises ValueError for bad input (one-line message)."""
+    names = _policy_names(args.policies)
+    header, requests = _setup(args)
+    sizes = {
+        "capacity_tokens": header["capacity_tokens"],
+        "num_blocks": header["num_blocks"],
+        "block_size": header["block_size"],
+        "max_len": header["max_model_len"],
+    }
+    results = []
+    for name in names:
+        began = time.perf_counter()
+        result = simulate(requests, create_policy(name, **sizes))
+        seconds = time.perf_counter() - began
+        if args.plot:
+            # Replay once more recording ~300 map snapshots: the run is deterministic.
+            result = simulate(
+                requests,
+                create_policy(name, **sizes),
+                record=True,
+                snapshot_every=result.steps // 300,
+            )
+        results.append((result, seconds))
+    if args.plot:
+        from pagedkv.sim import plots
+
+        title = (
+            f"{args.model}, {header['workload']} ({len(requests):,} requests), "
+            f"{header['kv_memory_bytes'] / 2**30:g} GiB KV"
+        )
+        plots.write_plots(
+            [r for r, _ in results], Path(args.plot), title, header["kv_bytes_per_token"]
+        )
+    if args.json:
+        policies = [{**r.to_dict(), "wall_seconds": round(s, 3)} for r, s in results]
+        print(json.dumps({**header, "policies": policies}, indent=2))
+    else:
+        print(format_results(header, results))
+    return 0
+
+
+def format_results(header: dict[str, Any], results: list[tuple[PolicyResult, float]]) -> str:
+    """One row per policy, then the first fragmentation stalls of each policy."""
+    lines = [
+        f"{header['model']}: {header['kv_bytes_per_token']:,} B/token ({header['kv_dtype']}), "
+        f"{header['kv_memory_bytes'] / 2**30:g} GiB KV, block {header['block_size']}, "
+        f"workload {header['workload']} ({header['requests']:,} requests)"
+    ]
+    cols = tuple(
+        "policy admit queued reject preempt steps peak mean util int.frag ext.frag stalls "
+        "secs".split()
+    )
+    rows = [cols]
+    for r, secs in results:
+        rows.append(
+            (
+                r.policy,
+                f"{r.admitted:,}",
+                f"{r.queued:,}",
+                f"{r.rejected:,}",
+                f"{r.preemptions:,}",
+                f"{r.steps:,}",
+                f"{r.peak_concurrency:,}",
+                f"{r.mean_concurrency:,.1f}",
+                f"{r.mean_kv_utilization:.1%}",
+                f"{r.internal_fragmentation:.1%}",
+                f"{r.external_fragmentation:.1%}",
+                f"{r.fragmentation_stalls:,}",
+                f"{secs:.2f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    for row in rows:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    for r, _ in results:
+        for ex in r.stall_examples:
+            lines.append(
+                f"stall ({r.policy}): step {ex['step']:,}, request {ex['request']} "
+                f"needs {ex['need_tokens']:,} tokens; free {ex['free_tokens']:,} in "
+                f"total, largest free region {ex['largest_free_tokens']:,}"
+            )
+    lines.append(
+        "util = tokens held / tokens reserved; frag = share of KV memory; stalls = "
+        "steps the queue head waited with enough free memory in total"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""Memory planner: how much KV cache a model leaves on a GPU, in bytes, tokens and sequences.
+
+Standard library only. The arithmetic, per GPU under tensor parallelism `tp`:
+
+    weight_bytes       = ceil(num_parameters x dtype_bytes / tp)
+    kv_heads_per_gpu   = num_kv_heads / tp, or 1 when tp > num_kv_heads (heads replicated)
+    kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu x head_dim x kv_dtype_bytes
+    kv_bytes_per_block = kv_bytes_per_token x block_size
+    kv_budget_bytes    = memory - weight_bytes
+    max_kv_tokens      = (kv_budget_bytes // kv_bytes_per_block) x block_size
+
+Activations, the CUDA context and the allocator's slack are not counted: the figures are
+an upper bound on what the KV cache can get.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.config import DTYPE_BYTES, ModelConfig
+
+_CONFIG_PACKAGE = "pagedkv.sim"
+_CONFIG_DIR = "model_configs"
+
+
+def builtin_models() -> list[str]:
+    """Names of the model configs shipped with pagedkv (`llama-2-70b`, `qwen3-8b`, ...)."""
+    root = importlib.resources.files(_CONFIG_PACKAGE) / _CONFIG_DIR
+    return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_model(model: str | Path) -> ModelConfig:
+    """Resolve a built-in name, a model directory or a `config.json` path to a `ModelConfig`.
+
+    Raises:
+        ValueError: an unknown name, a missing file, or an unsupported or broken config.
+    """
+    text = str(model)
+    name = text.lower()
+    if name in builtin_models():
+        root = importlib.resources.files(_CONFIG_PACKAGE) / _CONFIG_DIR
+        return ModelConfig.from_hf(Path(str(root / f"{name}.json")))
+    path = Path(text)
+    if path.exists():
+        return ModelConfig.from_hf(path)
+    raise ValueError(
+        f"unknown model {text!r}: expected a model directory, a config.json or one of "
+        f"{', '.join(builtin_models())}"
+    )
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name such as `bf16`, `float16` or `fp8`.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"expected a dtype in {', '.join(sorted(DTYPE_BYTES))}, got {dtype!r}"
+        ) from None
+
+
+def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
+    """KV heads each GPU stores under tensor parallelism `tp`.
+
+    With tp <= num_kv_heads the heads are split; with tp > num_kv_heads each GPU still needs
+    one whole KV head for its query heads, so heads are replicated tp / num_kv_heads times.
+
+    Raises:
+        ValueError: tp < 1, tp does not divide the query heads, or tp and the KV heads do not
+            divide one another.
+    """
+    if tp < 1:
+        raise ValueError(f"tp: expected >= 1, got {tp}")
+    if model.num_heads % tp:
+        raise ValueError(
+            f"tp: expected a divisor of the {model.num_heads} attention heads, got {tp}"
+        )
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tp: expected a divisor or multiple of the {kv} KV heads, got {tp}")
+    return max(1, kv // tp)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """KV bytes one token takes on each GPU: 2 x layers x kv_heads_per_gpu x head_dim x bytes.
+
+    Raises:
+        ValueError: an unknown dtype or an impossible `tp`.
+    """
+    heads = kv_heads_per_gpu(model, tp)
+    return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(kv_dtype)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-GPU memory plan; every byte figure is for one GPU."""
+
+    model: str
+    num_parameters: int
+    dtype: str
+    kv_dtype: str
+    tp: int
+    block_size: int
+    context: int
+    memory_bytes: int
+    weight_bytes: int
+    kv_heads_per_gpu: int
+    kv_heads_replicated: bool
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    kv_budget_bytes: int
+    num_blocks: int
+    max_kv_tokens: int
+    blocks_per_sequence: int
+    max_sequences_at_context: int
+    fits: bool
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (`notes` as a list)."""
+        data = asdict(self)
+        data["notes"] = list(self.notes)
+        return data
+
+
+def plan_memory(
+    model: ModelConfig,
+    memory_bytes: int,
+    *,
+    name: str = "model",
+    context: int | None = None,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    tp: int = 1,
+    block_size: int = 16,
+) -> Plan:
+    """Split one GPU's memory into weights and KV cache for `model`.
+
+    Args:
+        model: the model's shape.
+        memory_bytes: memory of one GPU, bytes.
+        name: label for the output.
+        context: tokens per full-context sequence; default the model's max positions.
+        dtype: weight dtype name; `kv_dtype` defaults to it.
+        tp: tensor-parallel degree (weights and KV heads are split over `tp` GPUs).
+        block_size: tokens per KV block.
+
+    Returns:
+        The plan; `fits` is False when the weights alone exceed `memory_bytes`.
+
+    Raises:
+        ValueError: a non-positive size, an unknown dtype or an impossible `tp`.
+    """
+    if memory_bytes <= 0:
+        raise ValueError(f"memory: expected > 0 bytes, got {memory_bytes}")
+    if block_size <= 0:
+        raise ValueError(f"block_size: expected > 0, got {block_size}")
+    context = model.max_position_embeddings if context is None else context
+    if context <= 0:
+        raise ValueError(f"context: expected > 0 tokens, got {context}")
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    heads = kv_heads_per_gpu(model, tp)
+    params = model.num_parameters()
+    weight_bytes = math.ceil(params * dtype_bytes(dtype) / tp)
+    per_token = kv_bytes_per_token(model, kv_dtype, tp)
+    per_block = per_token * block_size
+    budget = max(0, memory_bytes - weight_bytes)
+    num_blocks = budget // per_block
+    blocks_per_seq = -(-context // block_size)
+    notes = _notes(model, tp, heads)
+    return Plan(
+        model=name,
+        num_parameters=params,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        tp=tp,
+        block_size=block_size,
+        context=context,
+        memory_bytes=memory_bytes,
+        weight_bytes=weight_bytes,
+        kv_heads_per_gpu=heads,
+        kv_heads_replicated=tp > model.num_kv_heads,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_block,
+        kv_budget_bytes=budget,
+        num_blocks=num_blocks,
+        max_kv_tokens=num_blocks * block_size,
+        blocks_per_sequence=blocks_per_seq,
+        max_sequences_at_context=num_blocks // blocks_per_seq,
+        fits=weight_bytes <= memory_bytes,
+        notes=notes,
+    )
+
+
+def _notes(model: ModelConfig, tp: int, heads: int) -> tuple[str, ...]:
+    notes = []
+    if tp > model.num_kv_heads:
+        notes.append(
+            f"tp={tp} > {model.num_kv_heads} KV heads: each GPU holds {heads} KV "
+            f"head, replicated {tp // model.num_kv_heads}x across GPUs"
+        )
+    windows = {w for w in model.sliding_windows if w is not None}
+    if windows:
+        notes.append(f"sliding window {min(windows)} ignored: the KV of every token is kept")
+    return tuple(notes)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """A two-column table of the plan, for the terminal."""
+    rows = [
+        ("model", f"{plan.model} ({plan.num_parameters / 1e9:,.2f}B parameters)"),
+        ("dtype / kv dtype", f"{plan.dtype} / {plan.kv_dtype}"),
+        ("tensor parallel", f"{plan.tp} (KV heads per GPU: {plan.kv_heads_per_gpu})"),
+        ("memory per GPU", _gib(plan.memory_bytes)),
+        ("weights per GPU", _gib(plan.weight_bytes)),
+        (
+            "KV per token",
+            f"{plan.kv_bytes_per_token:,} B ({plan.kv_bytes_per_token / 1024:,.1f} KiB)",
+        ),
+        ("KV per block", f"{plan.kv_bytes_per_block:,} B ({plan.block_size} tokens)"),
+        ("KV budget", _gib(plan.kv_budget_bytes)),
+        ("KV blocks", f"{plan.num_blocks:,}"),
+        ("max KV tokens", f"{plan.max_kv_tokens:,}"),
+        (f"sequences of {plan.context:,}", f"{plan.max_sequences_at_context:,}"),
+        ("fits", "yes" if plan.fits else "NO: the weights alone exceed the memory"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

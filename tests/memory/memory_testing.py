@@ -1,0 +1,32 @@
+"""Shared helpers for the memory tests: a full-state snapshot and a checked manager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.memory import KVCacheManager
+
+
+def snapshot(manager: KVCacheManager) -> dict[str, Any]:
+    """Everything observable about `manager`, to compare before and after a failed call."""
+    pool, index = manager._pool, manager._index
+    seqs = {
+        seq_id: (list(s.block_ids), list(s.token_ids), s.num_keyed, s.chain_uid,
+                 None if s.host_block_ids is None else list(s.host_block_ids))
+        for seq_id, s in manager._sequences()
+    }
+    return {
+        "seqs": seqs,
+        "free": pool.free_block_ids(),
+        "cached": pool.cached_block_ids(),
+        "refs": pool.ref_counts(),
+        "host_free": manager._host.free_block_ids(),
+        "keys": None if index is None else list(index.block_keys),
+        "copies": list(manager._copies),
+        "stats": manager.stats(),
+    }
+
+
+def tokens(start: int, num: int) -> list[int]:
+    """``num`` consecutive token ids from ``start`` (distinct prompts for distinct starts)."""
+    return list(range(start, start + num))

@@ -1,0 +1,117 @@
+"""BlockPool: exact block ids, free-stack and LRU order, eviction, counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.memory import BlockPool, OutOfBlocks, PrefixIndex
+
+
+def _pool(num_blocks: int, cached: bool = True) -> BlockPool:
+    return BlockPool(num_blocks, PrefixIndex(num_blocks) if cached else None)
+
+
+def _holders(pool: BlockPool, *tables: list[int]) -> list[int]:
+    counts = [0] * pool.num_blocks
+    for table in tables:
+        for b in table:
+            counts[b] += 1
+    return counts
+
+
+def test_allocate_takes_lowest_ids_first_and_free_restores_order() -> None:
+    pool = _pool(8, cached=False)
+    a = pool.allocate(3)
+    b = pool.allocate(2)
+    assert (a, b) == ([0, 1, 2], [3, 4])
+    assert pool.free_block_ids() == [5, 6, 7]
+    pool.check(_holders(pool, a, b))
+    pool.free(a)
+    # Freed blocks are handed out again first, in their original order.
+    assert pool.free_block_ids() == [0, 1, 2, 5, 6, 7]
+    assert pool.allocate(4) == [0, 1, 2, 5]
+    assert pool.num_free_blocks == 2
+
+
+def test_allocate_all_or_nothing() -> None:
+    pool = _pool(4, cached=False)
+    held = pool.allocate(3)
+    with pytest.raises(OutOfBlocks, match="need 2 blocks, 1 free"):
+        pool.allocate(2)
+    assert pool.free_block_ids() == [3]
+    pool.check(_holders(pool, held))
+    assert pool.allocate(0) == []
+
+
+def test_share_and_free_count_references() -> None:
+    pool = _pool(4, cached=False)
+    a = pool.allocate(2)
+    pool.share(a)
+    assert pool.is_shared(0) and pool.ref_counts() == [2, 2, 0, 0]
+    pool.free(a)
+    assert not pool.is_shared(0) and pool.ref_counts() == [1, 1, 0, 0]
+    assert pool.num_free_blocks == 2
+    pool.check(_holders(pool, a))
+    pool.free(a)
+    assert pool.ref_counts() == [0, 0, 0, 0] and pool.num_free_blocks == 4
+    pool.check(_holders(pool))
+
+
+def test_cached_blocks_wait_in_lru_and_are_evicted_last_block_first() -> None:
+    pool = _pool(6)
+    index = pool.index
+    assert index is not None
+    a = pool.allocate(3)  # [0, 1, 2]
+    uid = 0
+    for i, b in enumerate(a):
+        uid = index.insert(uid, (i,), b)
+    pool.free(a)
+    # Indexed blocks are cached, not free-stacked; the last block is the first to go.
+    assert pool.cached_block_ids() == [2, 1, 0]
+    assert pool.free_block_ids() == [3, 4, 5]
+    assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 3
+    pool.check(_holders(pool))
+    # The free stack is used up before anything cached is evicted.
+    b = pool.allocate(4)
+    assert b == [3, 4, 5, 2]
+    assert pool.num_evictions == 1 and index.block_keys[2] is None
+    assert pool.cached_block_ids() == [1, 0]
+    pool.check(_holders(pool, b))
+
+
+def test_touch_takes_cached_blocks_off_the_lru() -> None:
+    pool = _pool(4)
+    index = pool.index
+    assert index is not None
+    a = pool.allocate(2)
+    index.insert(0, (7,), a[0])
+    pool.free(a)
+    assert pool.cached_block_ids() == [0] and pool.free_block_ids() == [1, 2, 3]
+    assert pool.num_evictable([0, 1]) == 1
+    pool.touch([0])
+    assert pool.cached_block_ids() == [] and pool.ref_counts()[0] == 1
+    pool.touch([0])  # a second hit on a held block adds a reference
+    assert pool.ref_counts()[0] == 2
+    pool.check(_holders(pool, [0], [0]))
+
+
+def test_reset_cache_returns_cached_blocks_to_the_stack() -> None:
+    pool = _pool(3)
+    index = pool.index
+    assert index is not None
+    a = pool.allocate(2)
+    index.insert(0, (1,), a[0])
+    index.insert(1, (2,), a[1])
+    pool.free(a)
+    pool.reset_cache()
+    assert pool.cached_block_ids() == [] and len(index) == 0
+    assert sorted(pool.free_block_ids()) == [0, 1, 2]
+    pool.check(_holders(pool))
+
+
+def test_pool_rejects_negative_size_and_reports_bookkeeping_bytes() -> None:
+    with pytest.raises(ValueError, match="expected >= 0, got -1"):
+        BlockPool(-1)
+    assert BlockPool(0).num_free_blocks == 0
+    # Four int32 arrays: 16 bytes per block plus the LRU sentinel.
+    assert BlockPool(1000).nbytes() == 16 * 1000 + 8

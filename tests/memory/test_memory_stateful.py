@@ -1,0 +1,180 @@
+"""Stateful property test: the manager driven like an engine over simulated device/host memory.
+
+Each slot holds the value standing for the KV of its token: the tuple of the sequence's tokens
+up to and including it (what attention's KV depends on). The machine applies `pop_copies()`
+and swap pairs exactly as an engine would and, after every step, reads every live sequence
+back through its block table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from memory_testing import snapshot
+
+from pagedkv.memory import KVCacheManager, OutOfBlocks
+
+PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # small vocab: many shared prefixes
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(1, 14),
+        block_size=st.integers(1, 4),
+        num_host_blocks=st.integers(0, 10),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks: int, block_size: int, num_host_blocks: int,
+              caching: bool) -> None:  # fmt: skip
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                num_host_blocks=num_host_blocks)  # fmt: skip
+        self.bs = block_size
+        self.device: list[Any] = [None] * (num_blocks * block_size)
+        self.host: list[Any] = [None] * (num_host_blocks * block_size)
+        self.tokens: dict[Any, list[int]] = {}  # the engine's own record of each sequence
+        self.host_tables: dict[Any, list[int]] = {}  # swapped-out sequences' host blocks
+        self.next_id = 0
+
+    # ----- engine-side helpers --------------------------------------------------------------
+    def _new_id(self) -> Any:
+        self.next_id += 1
+        return ("req", self.next_id) if self.next_id % 2 else f"s{self.next_id}"
+
+    def _apply_copies(self) -> None:
+        for src, dst in self.m.pop_copies():
+            bs = self.bs
+            self.device[dst * bs : (dst + 1) * bs] = self.device[src * bs : (src + 1) * bs]
+
+    def _compute(self, seq_id: Any, start: int) -> None:
+        """Write the KV of positions start.. of `seq_id` (after pending copies, as the engine)."""
+        self._apply_copies()
+        toks = self.tokens[seq_id]
+        for pos, slot in zip(range(start, len(toks)), self.m.slot_mapping(seq_id, start, len(toks)),
+                             strict=True):  # fmt: skip
+            self.device[slot] = tuple(toks[: pos + 1])
+
+    def _resident(self) -> list[Any]:
+        return [s for s in self.tokens if s not in self.host_tables]
+
+    def _expect_unchanged(self, call: Any) -> bool:
+        before = snapshot(self.m)
+        try:
+            call()
+        except OutOfBlocks:
+            assert snapshot(self.m) == before, "a failed call changed the state"
+            return False
+        return True
+
+    # ----- rules ----------------------------------------------------------------------------
+    @rule(prompt=PROMPT)
+    def allocate(self, prompt: list[int]) -> None:
+        seq_id, m = self._new_id(), self.m
+        num_cached, need, free = m.num_cached_tokens(prompt), m.num_blocks_to_allocate(prompt), \
+            m.num_free_blocks  # fmt: skip
+        if not self._expect_unchanged(lambda: m.allocate(seq_id, prompt)):
+            assert need > free, f"allocate failed with {need} needed, {free} free"
+            return
+        assert need <= free and m.num_free_blocks == free - need
+        self.tokens[seq_id] = list(prompt)
+        # Every prefix hit points at blocks holding this prompt's values.
+        for pos, slot in enumerate(m.slot_mapping(seq_id, 0, num_cached)):
+            assert self.device[slot] == tuple(prompt[: pos + 1]), f"wrong KV served at {pos}"
+        self._compute(seq_id, num_cached)
+
+    @precondition(lambda self: self._resident())
+    @rule(data=st.data(), new=PROMPT)
+    def append(self, data: st.DataObject, new: list[int]) -> None:
+        seq_id = data.draw(st.sampled_from(self._resident()))
+        m, start = self.m, len(self.tokens[seq_id])
+        need, free = m.num_blocks_to_append(seq_id, len(new)), m.num_free_blocks
+        if not self._expect_unchanged(lambda: m.append(seq_id, new)):
+            assert need > free
+            return
+        assert m.num_free_blocks == free - need
+        self.tokens[seq_id] += new
+        self._compute(seq_id, start)
+
+    @precondition(lambda self: self._resident())
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self._resident()))
+        child = self._new_id()
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens, key=str)))
+        self.m.free(seq_id)
+        del self.tokens[seq_id]
+        self.host_tables.pop(seq_id, None)
+
+    @precondition(lambda self: self._resident())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(self._resident()))
+        self._apply_copies()  # copies queued earlier must land before the blocks leave
+        pairs: list[tuple[int, int]] = []
+        if self._expect_unchanged(lambda: pairs.extend(self.m.swap_out(seq_id))):
+            bs = self.bs
+            for dev, hst in pairs:
+                self.host[hst * bs : (hst + 1) * bs] = self.device[dev * bs : (dev + 1) * bs]
+            self.host_tables[seq_id] = [hst for _, hst in pairs]
+
+    @precondition(lambda self: self.host_tables)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.host_tables, key=str)))
+        self._apply_copies()
+        pairs: list[tuple[int, int]] = []
+        if self._expect_unchanged(lambda: pairs.extend(self.m.swap_in(seq_id))):
+            assert [hst for hst, _ in pairs] == self.host_tables.pop(seq_id)
+            bs = self.bs
+            for hst, dev in pairs:
+                self.device[dev * bs : (dev + 1) * bs] = self.host[hst * bs : (hst + 1) * bs]
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        idle = self.m.num_free_blocks == self.m.num_blocks
+        assert self.m.reset_prefix_cache() == idle
+        if idle:
+            assert self.m.stats()["num_cached_blocks"] == 0
+
+    # ----- invariants -----------------------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.m.check()
+        self._apply_copies()
+        for seq_id, toks in self.tokens.items():
+            if seq_id in self.host_tables:
+                bs, table = self.bs, self.host_tables[seq_id]
+                values = [self.host[table[p // bs] * bs + p % bs] for p in range(len(toks))]
+            else:
+                assert self.m.num_tokens(seq_id) == len(toks)
+                values = [self.device[s] for s in self.m.slot_mapping(seq_id, 0, len(toks))]
+            assert values == [tuple(toks[: p + 1]) for p in range(len(toks))], (
+                f"{seq_id!r} reads back another sequence's KV")
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for seq_id in list(self.tokens):
+            self.m.free(seq_id)
+        self.m.check()
+        assert self.m.num_free_blocks == self.m.num_blocks
+        assert self.m.num_free_host_blocks == self.m.num_host_blocks
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestManagerMachine = ManagerMachine.TestCase

@@ -1,0 +1,115 @@
+"""Prefix index: chained keys, verification on hit, hash collisions, check() catching bugs."""
+
+from __future__ import annotations
+
+import pytest
+from memory_testing import tokens
+
+from pagedkv.memory import ROOT_UID, KVCacheManager, PrefixIndex
+from pagedkv.memory.prefix import iter_full_blocks
+
+
+class CollidingToken:
+    """A token whose hash is the same for every value: every key lands in one dict bucket."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CollidingToken) and other.value == self.value
+
+
+def test_iter_full_blocks_skips_the_partial_block() -> None:
+    assert list(iter_full_blocks(tokens(0, 7), 3)) == [(0, 1, 2), (3, 4, 5)]
+    assert list(iter_full_blocks(tokens(0, 7), 3, 1)) == [(3, 4, 5)]
+    assert list(iter_full_blocks(tokens(0, 7), 3, 0, 1)) == [(0, 1, 2)]
+    assert list(iter_full_blocks(tokens(0, 2), 3)) == []
+
+
+def test_match_follows_the_chain_and_stops_at_the_first_miss() -> None:
+    index = PrefixIndex(8)
+    u1 = index.insert(ROOT_UID, (1, 2), 5)
+    u2 = index.insert(u1, (3, 4), 6)
+    assert index.match([1, 2, 3, 4, 9], 2, 2) == ([5, 6], u2)
+    assert index.match([1, 2, 3, 4], 2, 1) == ([5], u1)
+    assert index.match([9, 9, 3, 4], 2, 2) == ([], ROOT_UID)  # block 1 alone never matches
+    # The same tokens after another parent are another key.
+    assert index.insert(u2, (1, 2), 7) not in (u1, u2)
+    # A duplicate prefix returns the existing uid and is not indexed.
+    assert index.insert(ROOT_UID, (1, 2), 3) == u1 and index.block_keys[3] is None
+    index.check()
+
+
+def test_evicted_parent_makes_its_children_unreachable() -> None:
+    index = PrefixIndex(4)
+    u1 = index.insert(ROOT_UID, (1,), 0)
+    index.insert(u1, (2,), 1)
+    index.remove(0)
+    # The same first block cached again gets a new uid: the old child must not be served.
+    assert index.insert(ROOT_UID, (1,), 2) != u1
+    assert index.match([1, 2, 3], 1, 2) == ([2], index.uid_of(2))
+    index.check()
+
+
+def test_real_hash_collision_is_rejected() -> None:
+    # Python hashes 2**61 - 1 to 0, like 0: the two prompts' block keys hash alike.
+    collider = 2**61 - 1
+    assert hash((ROOT_UID, (0,) * 4)) == hash((ROOT_UID, (collider,) * 4))
+    m = KVCacheManager(8, 4)
+    m.allocate("a", [0] * 4 + [1])
+    assert m.num_cached_tokens([collider] * 4 + [1]) == 0
+    assert m.allocate("b", [collider] * 4 + [1]) == 0
+    assert set(m.block_table("a")).isdisjoint(m.block_table("b"))
+    m.check()
+
+
+def test_every_key_colliding_still_serves_only_equal_prompts() -> None:
+    # Every token hashes to 0, as if the hash were patched to a constant.
+    m = KVCacheManager(16, 2)
+    prompt_a = [CollidingToken(v) for v in (1, 2, 3, 4, 5)]
+    prompt_b = [CollidingToken(v) for v in (1, 2, 7, 8, 5)]
+    m.allocate("a", prompt_a)
+    assert m.allocate("b", prompt_b) == 2  # block 0 equal, block 1 differs
+    assert m.block_table("b")[0] == m.block_table("a")[0]
+    assert m.block_table("b")[1] != m.block_table("a")[1]
+    assert m.allocate("c", [CollidingToken(v) for v in (1, 2, 3, 4, 6)]) == 4
+    m.check()
+
+
+def test_check_catches_a_forgotten_decrement() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", tokens(0, 5))
+    m.fork("a", "b")
+    m.check()
+    # Dropping b's table without releasing its references: the seed's forgotten decrement.
+    del m._seqs["b"]
+    with pytest.raises(AssertionError, match="ref_count 2 != 1 holders"):
+        m.check()
+
+
+def test_check_catches_a_leaked_block() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", tokens(0, 5))
+    m._seqs["a"].block_ids.pop()  # block 2 forgotten by its only holder
+    m._seqs["a"].token_ids[4:] = []
+    with pytest.raises(AssertionError, match="block 2 is neither free nor held"):
+        m.check()
+
+
+def test_check_catches_a_block_both_free_and_held() -> None:
+    m = KVCacheManager(8, 2, enable_prefix_caching=False)
+    m.allocate("a", tokens(0, 5))
+    m._pool._stack.append(1)
+    with pytest.raises(AssertionError, match="block 1 is free but held by 1"):
+        m.check()
+
+
+def test_check_catches_a_wrong_cached_key() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", tokens(0, 5))
+    m._seqs["a"].token_ids[2] = 99  # the block holds other tokens than its key says
+    with pytest.raises(AssertionError, match="indexed under other tokens"):
+        m.check()

@@ -1,0 +1,108 @@
+"""Every CPU backend over the shared grid; the reference itself against dense SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from paged_cases import ATTENTION_GRID, check_backend, expected, make_case
+
+from pagedkv.ops import AttentionMetadata, paged_attention, paged_attention_from_metadata
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("p", ATTENTION_GRID)
+def test_backend_matches_float64_reference(backend: str, p: dict) -> None:
+    check_backend(backend, p)
+
+
+def _dense_sdpa(case, window: int | None) -> torch.Tensor:
+    """Each sequence alone, KV contiguous, explicit bottom-right causal (+ window) mask."""
+    outs = []
+    starts = case.query_start_loc.tolist()
+    group = case.query.shape[1] // case.key_cache.shape[2]
+    for s, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
+        q = case.query[starts[s] : starts[s + 1]].double().transpose(0, 1)  # (H, q, D)
+        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q_len, n = q.shape[1], k.shape[1]
+        pos = torch.arange(n - q_len, n)[:, None]
+        keys = torch.arange(n)[None, :]
+        mask = (keys <= pos) & ((keys > pos - window) if window else True)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("bs,group", [(1, 1), (5, 3), (16, 4)])
+def test_reference_matches_dense_sdpa(bs: int, group: int, window: int | None) -> None:
+    case = make_case(
+        [1, 4, 16, 17, 40],
+        [1, 4, 2, 17, 23],
+        block_size=bs,
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=32,
+        seed=bs,
+    )
+    torch.testing.assert_close(
+        expected(case, window), _dense_sdpa(case, window), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_scale_and_prefix_positions() -> None:
+    """A custom scale is applied, and a chunk over a cached prefix sees the whole prefix."""
+    case = make_case([50], [10], block_size=16, num_heads=4, num_kv_heads=4, head_dim=32)
+    out = paged_attention(*case.args(), scale=0.3, backend="cpu")
+    q = case.query.transpose(0, 1)[None]
+    k, v = case.keys[0].transpose(0, 1)[None], case.values[0].transpose(0, 1)[None]
+    mask = torch.ones(10, 50, dtype=torch.bool).tril(40)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)[0].transpose(0, 1)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_query_sequences_are_skipped() -> None:
+    case = make_case([9, 30, 4], [0, 1, 0], block_size=8, num_heads=4, num_kv_heads=2, head_dim=32)
+    for backend in ("reference", "cpu"):
+        out = paged_attention(*case.args(), backend=backend)
+        torch.testing.assert_close(out.double(), expected(case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_cpu_backend_other_dtypes(dtype: torch.dtype) -> None:
+    """float16/float64 take the gather + SDPA path for every sequence."""
+    case = make_case(
+        [1, 20, 33],
+        [1, 20, 3],
+        block_size=16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+    )
+    out = paged_attention(*case.args(), backend="cpu")
+    assert out.dtype == dtype
+    tol = 2e-3 if dtype == torch.float16 else 1e-10
+    torch.testing.assert_close(out.double(), expected(case), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_from_metadata_matches_plain_call(window: int | None) -> None:
+    lens, queries = [1, 33, 200, 64], [1, 33, 1, 12]
+    case = make_case(lens, queries, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
+    tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
+    md = AttentionMetadata.build(tables, lens, queries, list(range(sum(queries))))
+    assert md.max_query_len == 33 and md.max_seq_len == 200
+    torch.testing.assert_close(md.block_tables, case.block_tables[:, : md.block_tables.shape[1]])
+    plain = paged_attention(*case.args(), sliding_window=window)
+    for _layer in range(2):  # the second call reuses the cached plan
+        out = paged_attention_from_metadata(
+            case.query, case.key_cache, case.value_cache, md, sliding_window=window
+        )
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    assert len(md.plans) == 1
+    md.backend = "reference"
+    out = paged_attention_from_metadata(
+        case.query, case.key_cache, case.value_cache, md, sliding_window=window
+    )
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,42 @@
+"""write_kv stores each token at its slot and skips negative (padding) slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.ops import write_kv
+from pagedkv.ops.reference import write_kv as reference_write_kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_places_rows_and_skips_padding(dtype: torch.dtype, slot_dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    block_size, heads, dim = 5, 2, 8
+    key_cache = torch.zeros(6, block_size, heads, dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.randn(4, heads, dim, generator=gen).to(dtype)
+    value = torch.randn(4, heads, dim, generator=gen).to(dtype)
+    slots = torch.tensor([7, -1, 29, 0], dtype=slot_dtype)
+    write_kv(key, value, key_cache, value_cache, slots)
+    for t, slot in ((0, 7), (2, 29), (3, 0)):
+        assert torch.equal(key_cache[slot // block_size, slot % block_size], key[t])
+        assert torch.equal(value_cache[slot // block_size, slot % block_size], value[t])
+    assert int((key_cache != 0).any(-1).any(-1).sum()) == 3
+    ref_k, ref_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    reference_write_kv(key, value, ref_k, ref_v, slots)
+    assert torch.equal(ref_k, key_cache) and torch.equal(ref_v, value_cache)
+
+
+def test_write_kv_into_strided_view_and_empty_batch() -> None:
+    """A non-contiguous cache view still gets the rows; zero tokens is a no-op."""
+    pool = torch.zeros(2, 4, 3, 1, 4)
+    key_cache, value_cache = pool[0], pool[1]
+    wide = torch.zeros(4, 3, 2, 4)
+    key = torch.ones(2, 1, 4)
+    write_kv(key, key * 2, wide[:, :, :1], wide[:, :, 1:], torch.tensor([4, 11]))
+    assert torch.equal(wide[1, 1, 0], torch.ones(4))
+    assert torch.equal(wide[3, 2, 1], 2 * torch.ones(4))
+    write_kv(key[:0], key[:0], key_cache, value_cache, torch.zeros(0, dtype=torch.int64))
+    assert not pool.any()

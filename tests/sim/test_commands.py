@@ -1,0 +1,185 @@
+"""`pagedkv plan` and `pagedkv simulate` through `pagedkv.cli.main`, and the torch-free import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.cli import main
+
+PLAN_KEYS = {
+    "weight_bytes",
+    "kv_bytes_per_token",
+    "kv_bytes_per_block",
+    "kv_budget_bytes",
+    "max_kv_tokens",
+    "max_sequences_at_context",
+    "fits",
+}
+RESULT_KEYS = {
+    "policy",
+    "admitted",
+    "queued",
+    "rejected",
+    "peak_concurrency",
+    "mean_concurrency",
+    "mean_kv_utilization",
+    "internal_fragmentation",
+    "external_fragmentation",
+    "fragmentation_stalls",
+    "stall_examples",
+}
+
+
+def cli_json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json(capsys):
+    plan = cli_json(
+        capsys,
+        "plan",
+        "--model",
+        "llama-2-70b",
+        "--memory",
+        "80GiB",
+        "--dtype",
+        "fp16",
+        "--context",
+        "4k",
+        "--json",
+    )
+    assert PLAN_KEYS <= set(plan)
+    assert plan["kv_bytes_per_token"] == 327_680
+    assert plan["fits"] is False
+    fp8 = cli_json(
+        capsys,
+        "plan",
+        "--model",
+        "llama-2-70b",
+        "--memory",
+        "80GiB",
+        "--tp",
+        "2",
+        "--kv-dtype",
+        "fp8",
+        "--json",
+    )
+    assert fp8["kv_bytes_per_token"] == 327_680 // 2 // 2
+    assert fp8["fits"] is True and fp8["max_sequences_at_context"] > 0
+
+
+def test_plan_table_mentions_replicated_heads(capsys):
+    assert main(["plan", "--model", "llama-3.1-405b", "--memory", "80GiB", "--tp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token" in out and "64,512 B" in out
+    assert "replicated 2x" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "llama-9b", "--memory", "80GiB"], "unknown model 'llama-9b'"),
+        (["plan", "--model", "qwen3-8b", "--memory", "80 parsecs"], "expected a size"),
+        (["plan", "--model", "qwen3-8b", "--memory", "80GiB", "--context", "lots"], "token count"),
+        (["plan", "--model", "llama-2-70b", "--memory", "80GiB", "--tp", "3"], "tp"),
+        (
+            ["simulate", "--model", "nope", "--kv-memory", "1GiB", "--workload", "chat"],
+            "unknown model",
+        ),
+        (
+            ["simulate", "--model", "qwen3-8b", "--kv-memory", "big", "--workload", "chat"],
+            "expected a size",
+        ),
+        (
+            [
+                "simulate",
+                "--model",
+                "qwen3-8b",
+                "--kv-memory",
+                "1GiB",
+                "--workload",
+                "chat",
+                "--policies",
+                "paged,buddy",
+            ],
+            "policies",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_simulate_trace_json(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"arrival": i, "prompt_len": 100, "output_len": 20} for i in range(10)]
+    lines.append({"arrival": 0, "prompt_len": 10**6, "output_len": 1})  # never fits
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    out = cli_json(
+        capsys,
+        "simulate",
+        "--model",
+        "llama-3.1-8b",
+        "--kv-memory",
+        "1GiB",
+        "--trace",
+        str(trace),
+        "--json",
+    )
+    assert out["kv_bytes_per_token"] == 131_072 and out["requests"] == 11
+    assert [p["policy"] for p in out["policies"]] == [
+        "contiguous-max",
+        "contiguous-first-fit",
+        "paged",
+        "paged-prefix",
+    ]
+    for policy in out["policies"]:
+        assert RESULT_KEYS <= set(policy)
+        assert (policy["admitted"], policy["rejected"]) == (10, 1)
+
+
+def test_simulate_table_and_plots(tmp_path, capsys):
+    argv = [
+        "simulate",
+        "--model",
+        "qwen3-8b",
+        "--kv-memory",
+        "2GiB",
+        "--workload",
+        "chat",
+        "--num-requests",
+        "60",
+        "--policies",
+        "contiguous-first-fit,paged-prefix",
+        "--plot",
+        str(tmp_path / "plots"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "contiguous-first-fit" in out and "paged-prefix" in out
+    for name in ("memory_use.png", "memory_map.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_sim_imports_without_torch_numpy_or_matplotlib():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from pagedkv.sim import commands, planner, simulator, policies, workload\n"
+        "from pagedkv.sim.workload import make_workload\n"
+        "requests = make_workload('chat', 20)\n"
+        "for name in policies.POLICIES:\n"
+        "    policy = policies.create_policy(name, capacity_tokens=20000, num_blocks=1250,\n"
+        "                                    block_size=16, max_len=6000)\n"
+        "    assert simulator.simulate(requests, policy).admitted == 20\n"
+        "assert not {'numpy', 'matplotlib'} & set(sys.modules), 'heavy import'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
