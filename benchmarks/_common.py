@@ -30,8 +30,8 @@ def git_sha() -> str | None:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+        cmd = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return sha + ("-dirty" if dirty.strip() else "")

@@ -19,17 +19,14 @@ CPU backend makes after gathering, so the ratio is the price of paging.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import write_results  # benchmarks/_common.py (script dir)
 
 from pagedkv.ops import AttentionMetadata, paged_attention, paged_attention_from_metadata, write_kv
 
@@ -69,21 +66,22 @@ def make_paged(
     batch: int, context: int, block_size: int, dtype: torch.dtype, device: str, gen: torch.Generator
 ):
     """Contiguous K/V [B, Hkv, L, D] and the same values in a shuffled paged cache."""
-    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+    shape = (batch, NUM_KV_HEADS, context, HEAD_DIM)
+    k = torch.randn(shape, generator=gen, device=device).to(dtype)
+    v = torch.randn(shape, generator=gen, device=device).to(dtype)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
-    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
+    tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, -1)
+    key_cache = torch.empty(
+        num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device
+    )
+    value_cache = torch.empty_like(key_cache)
     pad = blocks_per_seq * block_size - context
     for src, dst in ((k, key_cache), (v, value_cache)):
         # (B, Hkv, L, D) -> (B, L_padded, Hkv, D) -> (B * blocks, bs, Hkv, D), then scatter
         rows = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad))
-        dst[tables.flatten().long()] = rows.reshape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    to = dict(device=device)
-    return k.to(**to), v.to(**to), key_cache.to(**to), value_cache.to(**to), tables.to(**to)
+        dst[tables.flatten()] = rows.reshape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    return k, v, key_cache, value_cache, tables.to(torch.int32)
 
 
 def bench_decode(batch, context, block_size, dtype, device, backend, min_time, gen) -> dict:
@@ -91,7 +89,7 @@ def bench_decode(batch, context, block_size, dtype, device, backend, min_time, g
         batch, context, block_size, dtype, device, gen
     )
     group = NUM_HEADS // NUM_KV_HEADS
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
     md = AttentionMetadata.build(
         tables.tolist(),
         [context] * batch,
@@ -128,7 +126,8 @@ def bench_prefill(batch, context, block_size, dtype, device, backend, min_time, 
     k, v, key_cache, value_cache, tables = make_paged(
         batch, context, block_size, dtype, device, gen
     )
-    query = torch.randn(batch * context, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    shape = (batch * context, NUM_HEADS, HEAD_DIM)
+    query = torch.randn(shape, generator=gen, device=device).to(dtype)
     md = AttentionMetadata.build(
         tables.tolist(),
         [context] * batch,
@@ -160,41 +159,66 @@ def bench_prefill(batch, context, block_size, dtype, device, backend, min_time, 
     )
 
 
+def bench_mixed(batch, context, chunk, block_size, dtype, device, backend, min_time, gen) -> dict:
+    """`batch` decode rows plus one prefill chunk of `chunk` tokens over a cached prefix, one call.
+
+    All batch + 1 sequences hold `context` tokens; the baseline is the two SDPA calls the
+    batch would need on contiguous KV (grouped decode, and the chunk with a bottom-right mask).
+    """
+    k, v, key_cache, value_cache, tables = make_paged(
+        batch + 1, context, block_size, dtype, device, gen
+    )
+    group = NUM_HEADS // NUM_KV_HEADS
+    query = torch.randn(batch + chunk, NUM_HEADS, HEAD_DIM, generator=gen, device=device)
+    query = query.to(dtype)
+    q_lens = [1] * batch + [chunk]
+    md = AttentionMetadata.build(
+        tables.tolist(),
+        [context] * (batch + 1),
+        q_lens,
+        list(range(batch + chunk)),
+        device=device,
+        backend=backend,
+    )
+    q_decode = query[:batch].view(batch, NUM_KV_HEADS, group, HEAD_DIM)
+    q_chunk = query[batch:].transpose(0, 1)[None]  # (1, H, chunk, D)
+    mask = torch.ones(chunk, context, dtype=torch.bool, device=device).tril(context - chunk)
+
+    def baseline() -> None:
+        F.scaled_dot_product_attention(q_decode, k[:batch], v[:batch])
+        F.scaled_dot_product_attention(
+            q_chunk, k[batch:], v[batch:], attn_mask=mask, enable_gqa=True
+        )
+
+    base = timeit(baseline, device, min_time)
+    args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
+    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
+    planned = timeit(
+        lambda: paged_attention_from_metadata(query, key_cache, value_cache, md), device, min_time
+    )
+    return dict(
+        kind="mixed",
+        batch=batch,
+        context=context,
+        block_size=block_size,
+        dtype=str(dtype)[6:],
+        baseline_s=base,
+        paged_s=paged,
+        planned_s=planned,
+        kv_bytes=2 * k.numel() * k.element_size(),
+        max_abs_err=None,
+        chunk=chunk,
+    )
+
+
 def bench_write(dtype: torch.dtype, device: str, min_time: float, gen: torch.Generator) -> float:
     """Seconds to write one decode step's K/V (32 tokens, 8 KV heads, dim 128)."""
     key_cache = torch.zeros(4096, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
-    key = torch.randn(32, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
+    key = torch.randn(32, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
     value = key.clone()
-    slots = (torch.randperm(4096 * 16, generator=gen)[:32]).to(device)
+    slots = torch.randperm(4096 * 16, generator=gen, device=device)[:32]
     return timeit(lambda: write_kv(key, value, key_cache, value_cache, slots), device, min_time)
-
-
-def environment(device: str, threads: int) -> dict:
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        sha = ""
-    info = dict(
-        git_sha=sha,
-        python=sys.version.split()[0],
-        torch=torch.__version__,
-        machine=platform.processor() or platform.machine(),
-        cpu_count=os.cpu_count(),
-        threads=threads,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    )
-    try:
-        import numba
-
-        info["numba"] = numba.__version__
-    except ImportError:
-        pass
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prefill-context", type=int, default=None)
     p.add_argument("--min-time", type=float, default=None, help="seconds of repeats per timing")
     p.add_argument("--no-prefill", action="store_true")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results)")
+    p.add_argument("--out-dir", type=Path, default=None, help="default benchmarks/results")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     defaults = dict(
@@ -230,9 +254,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.out is None:
-        suffix = "_quick" if args.quick else ""
-        args.out = Path(__file__).parent / "results" / f"attention_{args.device}{suffix}.json"
     return args
 
 
@@ -256,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
 
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     backend = "triton" if args.device == "cuda" else "cpu"
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=args.device).manual_seed(0)
     bandwidth = read_bandwidth(args.device, gib=4.0 if args.device == "cuda" else 1.0)
     print(
         f"threads={args.threads} (torch and numba), backend={backend}, "
@@ -294,23 +315,36 @@ def main(argv: list[str] | None = None) -> None:
             )
             results.append(r)
             print(_row(r, bandwidth), flush=True)
+        if not args.no_prefill:
+            r = bench_mixed(
+                16 if args.quick else 32,
+                2048,
+                512,
+                args.block_size[0],
+                dtype,
+                args.device,
+                backend,
+                args.min_time,
+                gen,
+            )
+            results.append(r)
+            print(_row(r, bandwidth), flush=True)
     writes = {
         name: bench_write(DTYPES[name], args.device, args.min_time, gen) for name in args.dtype
     }
     for name, seconds in writes.items():
         print(f"write_kv {name}, 32 tokens x 8 heads x 128: {seconds * 1e6:.1f} us")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = dict(
-        benchmark="attention",
-        config=config,
-        environment=environment(args.device, args.threads),
-        read_bandwidth_bytes_per_s=bandwidth,
-        results=results,
-        write_kv_32_tokens_s=writes,
+    name = f"attention_{args.device}" + ("_quick" if args.quick else "")
+    extra = dict(threads=args.threads, backend=backend, read_bandwidth_bytes_per_s=bandwidth)
+    if args.device == "cuda":
+        extra["gpu"] = torch.cuda.get_device_name()
+    path = write_results(
+        name,
+        config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        results=dict(extra, rows=results, write_kv_32_tokens_s=writes),
+        out_dir=args.out_dir,
     )
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

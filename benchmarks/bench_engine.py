@@ -34,10 +34,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -45,6 +42,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from _common import print_table, write_results  # noqa: E402 (benchmarks/ is on sys.path)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import ModelConfig  # noqa: E402
@@ -287,7 +285,10 @@ def run_pressure(
             swap_space=swap,
             **llm_kwargs,
         )
-    return {"num_blocks": num_blocks, "workload_blocks": need, "runs": runs}
+    # Greedy outputs do not depend on preemption: both modes must agree token for token.
+    same = _agreement(runs["recompute"]["tokens"], runs["swap"]["tokens"])
+    return {"num_blocks": num_blocks, "workload_blocks": need, "runs": runs,
+            "same_tokens_recompute_swap": same}  # fmt: skip
 
 
 def run_parallel(
@@ -375,6 +376,7 @@ def _print_pressure(pressure: dict[str, Any], workload: Workload) -> None:
             f"  {mode:>9}: {workload.num_output_tokens / run['seconds']:8.1f} tok/s, "
             f"{run['num_preemptions']} preemptions, {run['num_swapped_out']} swapped out"
         )
+    print(f"  same tokens in both modes: {pressure['same_tokens_recompute_swap']:.0%}")
 
 
 def _print_parallel(parallel: dict[str, Any], workload: Workload) -> None:
@@ -451,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
             parallel = run_parallel(model_dir, dtypes[0], half, **_engine_kwargs(args))
             _print_parallel(parallel, half)
             results["parallel"] = parallel
+    columns = ["dtype", "workload", "system", "seconds", "tokens_per_s", "pagedkv_speedup",
+               "floor_efficiency", "same_tokens_as_pagedkv"]  # fmt: skip
+    print_table(results["throughput"], columns)
     _write(args, hf_config, workloads, results)
 
 
@@ -484,41 +489,11 @@ def _write(
         },
     }
     name = "bench_engine_quick" if args.quick else "bench_engine"
-    path = args.output or Path(__file__).resolve().parent / "results" / f"{name}.json"
-    payload = {
-        "benchmark": name,
-        "config": config,
-        "environment": _environment(),
-        "results": results,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    out_dir = None
+    if args.output is not None:
+        name, out_dir = args.output.stem, args.output.parent
+    path = write_results(name, config=config, results=results, out_dir=out_dir)
     print(f"wrote {path}")
-
-
-def _environment() -> dict[str, Any]:
-    import transformers
-
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = None
-    return {
-        "git_sha": sha,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 if __name__ == "__main__":

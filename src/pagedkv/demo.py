@@ -23,12 +23,12 @@ from typing import Any
 DEMO_MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
     "num_key_value_heads": 2,
-    "vocab_size": 2048,
+    "vocab_size": 4096,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
@@ -247,7 +247,7 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="a real model directory instead of the random demo model",
     )
-    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
         "--num-blocks",
         type=int,
@@ -261,11 +261,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    # Caps prompt + output length (and the engine's context): a quick run for tests.
+    parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Build or load the model, run the workload, print the report."""
+    from pagedkv.server.commands import prefer_passive_omp
+
+    prefer_passive_omp()
     from pagedkv.config import ModelConfig
     from pagedkv.engine.llm import LLM
     from pagedkv.models.loader import save_random_checkpoint
@@ -279,9 +284,8 @@ def run_demo(args: argparse.Namespace) -> int:
         else:
             model_dir, what = Path(args.model), str(args.model)
         config = ModelConfig.from_hf(model_dir)
-        requests = make_workload(
-            args.num_requests, config.vocab_size, args.seed, config.max_position_embeddings
-        )
+        max_len = min(config.max_position_embeddings, args.max_model_len or 1 << 62)
+        requests = make_workload(args.num_requests, config.vocab_size, args.seed, max_len)
         num_blocks = args.num_blocks or default_num_blocks(requests, args.block_size)
         llm = LLM(
             model_dir,
@@ -290,6 +294,7 @@ def run_demo(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_blocks=num_blocks,
             seed=args.seed,
+            max_model_len=max_len,
         )
         print(
             f"pagedkv demo: {what} ({config.num_parameters() / 1e6:.1f}M parameters, "

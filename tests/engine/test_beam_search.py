@@ -242,3 +242,26 @@ def test_bad_input(llama_dir):
         BeamSelector(2, 4, early_stopping="sometimes")
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(0, 4)
+
+
+def test_failed_step_frees_every_block(llama_dir, monkeypatch):
+    engine = LLMEngine.from_engine_args(str(llama_dir), block_size=4, num_blocks=64)
+    prompts = _prompts([9, 14], seed=6)
+    params = BeamSearchParams(3, 6, ignore_eos=True)
+    expected = beam_search(engine, prompts, params)
+    execute, calls = engine.runner.execute, []
+
+    def failing_execute(step, requests):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return execute(step, requests)
+
+    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    with pytest.raises(RuntimeError, match="device lost"):
+        beam_search(engine, prompts, params)
+    stats = engine.stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_cached_blocks"] == 0
+    engine.kv_manager.check()
+    again = beam_search(engine, prompts, params)
+    assert [o.sequences[0].token_ids for o in again] == [o.sequences[0].token_ids for o in expected]

@@ -196,3 +196,13 @@ def test_abort_frees_blocks_at_once(model_dir) -> None:
     engine.abort_request("a")
     engine.abort_request("never-existed")
     assert engine.stats()["num_used_blocks"] == 0 and not engine.has_unfinished_requests()
+
+
+def test_seeded_request_does_not_depend_on_the_batch(model_dir) -> None:
+    llm = make_llm(model_dir, 200)
+    prompt = prompts(7, 1)[0]
+    params = SamplingParams(temperature=0.7, top_k=50, seed=123, max_tokens=10)
+    alone = llm.generate(prompt, params, use_tqdm=True)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=12) for _ in range(5)]
+    batch = llm.generate([*prompts(8, 5), prompt], [*others, params], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone

@@ -141,3 +141,23 @@ def test_sizing_arguments(tmp_path) -> None:
         LLM(model_dir, device="cpu", num_blocks=8, preemption_mode="drop")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(model_dir, device="cpu", kv_cache_memory="1KiB")
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_recovers(llm: LLM, monkeypatch) -> None:
+    prompt = list(range(10, 60))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    other = list(range(100, 150))
+
+    def broken(step, requests):
+        raise RuntimeError("device lost")
+
+    engine.add_request("doomed", other, params)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["num_cached_blocks"] == 0  # nothing unwritten stays indexed
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected

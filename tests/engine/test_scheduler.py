@@ -71,7 +71,7 @@ def check_outputs(requests: list[Request], outputs: dict[str, list[list[int]]]) 
 def test_scheduler_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import pagedkv.engine.scheduler, pagedkv.engine.request\n"
+        "import pagedkv.engine.scheduler, pagedkv.engine.request, pagedkv.engine.preemption\n"
         "import pagedkv.engine.sampling_params, pagedkv.engine.outputs\n"
         "import pagedkv.memory\n"
         "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
@@ -278,3 +278,77 @@ def test_thrash_bound_protects_an_often_preempted_request() -> None:
     # request preempted twice runs ahead of the others, which become the victims.
     assert counts[4] == [0, 1, 3]
     assert max(counts[1]) <= 2 and sum(counts[1]) >= 3
+
+
+def test_swapped_request_resumes_before_newer_admissions() -> None:
+    scheduler = make_scheduler(10, 2, budget=64, mode="swap", num_host_blocks=10)
+    runner = ChainRunner(2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(2):
+        scheduler.add_request(Request(f"r{i}", [1, 2], params, arrival_time=0, arrival_index=i))
+    first_step: dict[str, int] = {}
+    swapped_in_at = None
+    for t in range(200):
+        if t == 8:
+            late = Request("late", [3, 4], params, arrival_time=0, arrival_index=2)
+            scheduler.add_request(late)
+        step = scheduler.schedule()
+        if step.swap_in and swapped_in_at is None:
+            swapped_in_at = t
+        for seq in step.seqs:
+            first_step.setdefault(seq.seq_id[0], t)
+        scheduler.update(step, runner.execute(step))
+        scheduler.kv.check()
+        if not scheduler.has_unfinished_requests():
+            break
+    assert scheduler.num_swapped_out == 1 and swapped_in_at is not None
+    assert swapped_in_at <= first_step["late"]
+    assert late.seqs[0].output_token_ids == reference_outputs([3, 4], params)[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrivals_and_aborts(seed: int) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 3, 8])
+    num_blocks = 80 // block_size + 4
+    mode = rng.choice(["recompute", "swap"])
+    scheduler = make_scheduler(
+        num_blocks,
+        block_size,
+        budget=rng.choice([4, 16, 64]),
+        mode=mode,
+        num_host_blocks=rng.choice([0, 8, 100]),
+        prefix=rng.random() < 0.7,
+        max_num_seqs=rng.choice([3, 5, 16]),
+        max_preemptions=rng.choice([0, 2, 4]),
+        max_model_len=80,
+    )
+    runner = ChainRunner(block_size)
+    pending = make_requests(
+        1000 + seed, 14, max_prompt=30, n_choices=(1, 2, 3), shared_prefix=rng.choice([0, 5])
+    )
+    requests, aborted = [], set()
+    for _ in range(3000):
+        if pending and rng.random() < 0.3:
+            requests.append(pending.pop())
+            scheduler.add_request(requests[-1])
+        if requests and rng.random() < 0.03:
+            victim = rng.choice(requests).request_id
+            if scheduler.abort_request(victim) is not None:
+                aborted.add(victim)
+        step = scheduler.schedule()
+        scheduler.update(step, runner.execute(step))
+        scheduler.kv.check()
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv.num_free_blocks == num_blocks and len(scheduler.kv) == 0
+    for request in requests:
+        expected = reference_outputs(request.prompt_token_ids, request.params, max_model_len=80)
+        for seq, exp in zip(request.seqs, expected, strict=False):
+            out = seq.output_token_ids
+            # Aborted or cut by the pool: a prefix of the reference; otherwise all of it.
+            if request.request_id in aborted or seq.finish_reason == "length":
+                assert out == exp[: len(out)]
+            else:
+                assert out == exp

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedkv.memory import BlockPool, OutOfBlocks, PrefixIndex
@@ -109,9 +111,31 @@ def test_reset_cache_returns_cached_blocks_to_the_stack() -> None:
     pool.check(_holders(pool))
 
 
-def test_pool_rejects_negative_size_and_reports_bookkeeping_bytes() -> None:
+def test_pool_rejects_negative_size() -> None:
     with pytest.raises(ValueError, match="expected >= 0, got -1"):
         BlockPool(-1)
     assert BlockPool(0).num_free_blocks == 0
-    # Four int32 arrays: 16 bytes per block plus the LRU sentinel.
-    assert BlockPool(1000).nbytes() == 16 * 1000 + 8
+
+
+def test_bookkeeping_stays_within_16_bytes_per_block_under_churn() -> None:
+    # Stale queue entries (hits on cached blocks) must be compacted away, not accumulate.
+    n = 3000
+    pool = _pool(n)
+    index = pool.index
+    assert index is not None and pool.nbytes() == 12 * n
+    rng = random.Random(0)
+    held: list[list[int]] = []
+    for step in range(3000):
+        if held and (rng.random() < 0.5 or pool.num_free_blocks < 64):
+            pool.free(held.pop(rng.randrange(len(held))))
+        elif rng.random() < 0.5 and pool.num_cached_blocks:
+            hit = pool.cached_block_ids()[-rng.randint(1, pool.num_cached_blocks):]
+            pool.touch(hit)
+            held.append(hit)
+        else:
+            blocks = pool.allocate(rng.randint(1, 64))
+            for b in blocks:
+                index.insert(0, (step, b), b)
+            held.append(blocks)
+        assert pool.nbytes() <= 16 * n + 4 * 2048, f"step {step}: {pool.nbytes()} bytes"
+    pool.check(_holders(pool, *held))

@@ -23,7 +23,9 @@ class LiveServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -58,21 +60,25 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["pagedkv_kv_blocks_used"] == 0 and m["pagedkv_num_requests_running"] == 0
-                    and m["pagedkv_num_requests_waiting"] == 0)
+            idle = (
+                m["pagedkv_kv_blocks_used"] == 0
+                and m["pagedkv_num_requests_running"] == 0
+                and m["pagedkv_num_requests_waiting"] == 0
+            )
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
 
 
-
-def start_server(model_dir: Path, *, max_waiting_requests: int | None = None,
-                 **engine_kwargs: Any) -> LiveServer:
+def start_server(
+    model_dir: Path, *, max_waiting_requests: int | None = None, **engine_kwargs: Any
+) -> LiveServer:
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
 
     kwargs = dict(dtype="float32", device="cpu", block_size=4, num_blocks=128, seed=0)
     kwargs.update(engine_kwargs)
     engine = AsyncEngine.from_engine_args(
-        str(model_dir), max_waiting_requests=max_waiting_requests, **kwargs)
+        str(model_dir), max_waiting_requests=max_waiting_requests, **kwargs
+    )
     return LiveServer(create_app(engine, model_name=MODEL_NAME))

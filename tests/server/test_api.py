@@ -18,7 +18,9 @@ def client(server):
 
 
 def _complete(client, **kwargs):
-    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, seed=7, extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, seed=7, extra_body={"ignore_eos": True}
+    )
     args.update(kwargs)
     return client.completions.create(**args)
 
@@ -87,23 +89,35 @@ def test_completion_logprobs(client):
     assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
     # The sampled token's logprob appears among the alternatives when it ranks in the top 3.
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    streamed = [c.choices[0].logprobs for c in _complete(client, logprobs=3, stream=True)
-                if c.choices and c.choices[0].logprobs]
+    streamed = [
+        c.choices[0].logprobs
+        for c in _complete(client, logprobs=3, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [x for part in streamed for x in part.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
 def test_chat_streamed_and_not(client):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Say hello."}]
-    args = dict(model=MODEL_NAME, messages=messages, max_tokens=10, seed=3, temperature=0.9,
-                extra_body={"ignore_eos": True})
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello."},
+    ]
+    args = dict(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=10,
+        seed=3,
+        temperature=0.9,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
     choice = whole.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert len(choice.logprobs.content) == whole.usage.completion_tokens == 10
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
-    chunks = list(client.chat.completions.create(**args, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -115,8 +129,13 @@ def test_sixteen_concurrent_streams(server):
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
 
         async def one(i: int, stream: bool) -> str:
-            args = dict(model=MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=16, seed=i,
-                        extra_body={"ignore_eos": True})
+            args = dict(
+                model=MODEL_NAME,
+                prompt=f"{PROMPT} {i}",
+                max_tokens=16,
+                seed=i,
+                extra_body={"ignore_eos": True},
+            )
             if not stream:
                 return (await aclient.completions.create(**args)).choices[0].text
             parts = []
@@ -140,12 +159,20 @@ def test_sixteen_concurrent_streams(server):
 def test_metrics_names(server):
     metrics = server.metrics()
     names = {k.split("{")[0] for k in metrics}
-    for name in ("pagedkv_num_requests_running", "pagedkv_num_requests_waiting",
-                 "pagedkv_kv_blocks_used", "pagedkv_kv_blocks_free", "pagedkv_kv_blocks_cached",
-                 "pagedkv_kv_blocks_total", "pagedkv_prefix_cache_hit_rate",
-                 "pagedkv_num_preemptions_total", "pagedkv_prompt_tokens_total",
-                 "pagedkv_generation_tokens_total", "pagedkv_time_to_first_token_seconds_count",
-                 "pagedkv_inter_token_latency_seconds_count"):
+    for name in (
+        "pagedkv_num_requests_running",
+        "pagedkv_num_requests_waiting",
+        "pagedkv_kv_blocks_used",
+        "pagedkv_kv_blocks_free",
+        "pagedkv_kv_blocks_cached",
+        "pagedkv_kv_blocks_total",
+        "pagedkv_prefix_cache_hit_rate",
+        "pagedkv_num_preemptions_total",
+        "pagedkv_prompt_tokens_total",
+        "pagedkv_generation_tokens_total",
+        "pagedkv_time_to_first_token_seconds_count",
+        "pagedkv_inter_token_latency_seconds_count",
+    ):
         assert name in names, name
     assert all(name.startswith("pagedkv_") for name in names), names
     assert metrics["pagedkv_kv_blocks_total"] == 128

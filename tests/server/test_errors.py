@@ -27,15 +27,18 @@ BAD_REQUESTS = [
     ("completions", {**GOOD, "stop": [""]}, "stop"),
     ("completions", {"model": MODEL_NAME}, "prompt"),
     ("chat/completions", {"model": MODEL_NAME, "messages": []}, "messages"),
-    ("chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
-     "role"),
-    ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
-     "nope"),
+    (
+        "chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
+        "role",
+    ),
+    ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "nope"),
 ]
 
 
-@pytest.mark.parametrize(("endpoint", "body", "named"), BAD_REQUESTS,
-                         ids=[f"{e}-{n}" for e, _, n in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("endpoint", "body", "named"), BAD_REQUESTS, ids=[f"{e}-{n}" for e, _, n in BAD_REQUESTS]
+)
 def test_bad_request_is_400(server, endpoint, body, named):
     response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
     assert response.status_code == 400, response.text
@@ -46,8 +49,12 @@ def test_bad_request_is_400(server, endpoint, body, named):
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2", b""])
 def test_invalid_json_is_400(server, raw):
-    response = httpx.post(f"{server.url}/v1/completions", content=raw,
-                          headers={"Content-Type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=raw,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
 
@@ -97,7 +104,8 @@ def test_overload_is_503(tiny_model_dir):
         body = {**GOOD, "max_tokens": 64, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=60) as client:
             responses = await asyncio.gather(
-                *(client.post(f"{url}/v1/completions", json=body) for _ in range(8)))
+                *(client.post(f"{url}/v1/completions", json=body) for _ in range(8))
+            )
         for r in responses:
             if r.status_code == 503:
                 assert r.json()["error"]["type"] == "server_overloaded"

@@ -334,6 +334,10 @@ class BeamSearchRun:
 
         Returns:
             Per prompt, in input order, its beams best first.
+
+        Raises:
+            Whatever the model run raises; the beams' blocks are freed first and the prefix
+            cache is reset (it may index blocks whose KV that step never wrote).
         """
         waiting = deque(self._searches)
         active: list[_PromptSearch] = []
@@ -351,9 +355,11 @@ class BeamSearchRun:
                         self._release(search)
                         active.remove(search)
                 self._after_step()
-        finally:
+        except BaseException:
             for search in active:
                 self._release(search)
+            self.manager.reset_prefix_cache()
+            raise
         return [self._output(s) for s in self._searches]
 
     @property

@@ -7,6 +7,7 @@ A step is three calls: `scheduler.schedule()` -> `runner.execute()` -> postproce
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -22,6 +23,7 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -184,12 +186,27 @@ class LLMEngine:
         # Taken before schedule(): a request can end inside it (no room to grow).
         live = dict(self.scheduler.requests)
         step = self.scheduler.schedule()
-        results = self.runner.execute(step, live)
+        try:
+            results = self.runner.execute(step, live)
+        except Exception:
+            self._drop_failed_step(step)
+            raise
         outputs = self._postprocess(step, results, live)
         if self._debug:
             self.kv_manager.check()
         self.num_steps += 1
         return outputs
+
+    def _drop_failed_step(self, step: SchedulerOutput) -> None:
+        """After the runner failed: abort the step's requests (their blocks go back) and
+        forget the prefix cache, whose newest blocks were indexed but never written."""
+        for request_id in dict.fromkeys(s.seq_id[0] for s in step.seqs):
+            self.abort_request(request_id)
+        if not self.kv_manager.reset_prefix_cache():
+            logger.warning(
+                "a step failed while other requests hold blocks: the prefix cache may "
+                "index blocks of that step whose KV was never written"
+            )
 
     def _postprocess(
         self, step: SchedulerOutput, results: dict[Any, SampleResult], live: dict[str, Request]

@@ -39,7 +39,9 @@ class LLM:
         seed: int = 0,
         **engine_kwargs: Any,
     ) -> None:
-        """Args:
+        """Load the model and size the KV cache.
+
+        Args:
             model: a local model directory (config.json, *.safetensors, tokenizer.json).
             dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
             device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ...
@@ -54,7 +56,7 @@ class LLM:
             seed: seeds the requests that bring no seed of their own.
             engine_kwargs: max_model_len, max_preemptions, attention_backend.
 
-        Raises:
+            Raises:
             ValueError: a bad argument or a model directory that cannot be loaded.
         """
         self.engine = LLMEngine.from_engine_args(

@@ -90,14 +90,16 @@ class Request:
         prompt: str | None = None,
         seed: int = 0,
     ) -> None:
-        """Args:
-        request_id: unique among live requests.
-        prompt_token_ids: at least one token id.
-        params: the sampling parameters (`params.n` sequences in the end).
-        arrival_time: when it arrived (metrics only).
-        arrival_index: the engine's arrival counter; orders requests fairly.
-        prompt: the prompt text, when given as text.
-        seed: the seed of its generators (`params.seed`, or one the engine drew).
+        """A new request with only sample 0 (forked to the others after its prompt).
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: at least one token id.
+            params: the sampling parameters (`params.n` sequences in the end).
+            arrival_time: when it arrived (metrics only).
+            arrival_index: the engine's arrival counter; orders requests fairly.
+            prompt: the prompt text, when given as text.
+            seed: the seed of its generators (`params.seed`, or one the engine drew).
         """
         self.request_id = request_id
         self.prompt = prompt

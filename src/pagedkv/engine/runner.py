@@ -11,6 +11,7 @@ from pagedkv.engine.request import Request, SeqId
 from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata
 
 
@@ -18,12 +19,14 @@ class ModelRunner:
     """Owns the model and its paged KV cache; executes `SchedulerOutput`s."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_cache: PagedKVCache, *, attention_backend: str = "auto"
+        self, model: CausalLM, kv_cache: PagedKVCache, *, attention_backend: str = "auto"
     ) -> None:
-        """Args:
-        model: a `pagedkv.models.CausalLM` (forward + compute_logits).
-        kv_cache: the K/V pools the scheduler's block ids index.
-        attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
+        """Wrap a loaded model and its KV pools.
+
+        Args:
+            model: forward(input_ids, positions, kv_cache, attn_metadata) + compute_logits.
+            kv_cache: the K/V pools the scheduler's block ids index.
+            attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
         """
         self.model = model
         self.kv_cache = kv_cache
@@ -53,14 +56,13 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.copies)
         if not step.seqs:
             return {}
-        input_ids, positions, slots = [], [], []
-        block_size = self.kv_cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         for seq in step.seqs:
             input_ids.extend(seq.token_ids)
-            table = seq.block_table
-            for pos in range(seq.start_pos, seq.seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
             positions.extend(range(seq.start_pos, seq.seq_len))
+            slots.extend(self._slots(seq.block_table, seq.start_pos, seq.seq_len))
         metadata = AttentionMetadata.build(
             [s.block_table for s in step.seqs],
             [s.seq_len for s in step.seqs],
@@ -76,6 +78,17 @@ class ModelRunner:
             metadata,
         )
         return self._sample(step, hidden, requests)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Slots of positions start..end-1 (block_id * block_size + offset): one range per
+        block, not one Python step per token."""
+        block_size = self.kv_cache.block_size
+        slots: list[int] = []
+        for i in range(start // block_size, -(-end // block_size)):
+            base = block_table[i] * block_size
+            first, last = max(start - i * block_size, 0), min(end - i * block_size, block_size)
+            slots.extend(range(base + first, base + last))
+        return slots
 
     def _sample(
         self, step: SchedulerOutput, hidden: torch.Tensor, requests: Mapping[str, Request]

@@ -80,10 +80,11 @@ class Sampler:
             )
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         max_top = max((p.logprobs or 0 for p in params), default=0)
-        top_values = top_ids = None
+        top_values: list[list[float]] = []
+        top_ids: list[list[int]] = []
         if max_top > 0:
-            top_values, top_ids = logprobs.topk(max_top, dim=-1)
-            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+            values, ids = logprobs.topk(max_top, dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
         results = []
         for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist(), strict=True)):
             top = None

@@ -8,8 +8,9 @@ One `schedule()` call decides one step:
    free, the most recently admitted running request is preempted (recompute or swap),
    repeatedly, until they are; if that request is the one asking, it is preempted itself.
 2. if nothing was preempted: swapped-out requests are swapped back in (oldest first),
-3. then waiting requests are admitted (first come, first served) while budget and blocks
-   last. Admission takes only the blocks of the first chunk, after the prefix cache.
+3. then, once none is left swapped out, waiting requests are admitted (first come, first
+   served) while budget and blocks last. Admission takes only the blocks of the first
+   chunk, after the prefix cache.
 
 Invariant: preemptions are decided before appending to a sequence in a step. Running
 requests are visited oldest first and victims come from the newest end, so a victim was
@@ -24,73 +25,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
+from pagedkv.engine.preemption import Plan as _Plan
+from pagedkv.engine.preemption import PreemptionMixin
+from pagedkv.engine.preemption import StepBudget as _Budget
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.errors import OutOfBlocks
 
-
-@dataclass
-class ScheduledSequence:
-    """Tokens of one sequence computed in this step.
-
-    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; their KV
-    goes to the slots of `block_table`. When `sample_seq_ids` is not empty, the last row's
-    logits are sampled once for each id in it (more than one only for the fork of n > 1).
-    """
-
-    seq_id: SeqId
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample_seq_ids: list[SeqId]
-
-    @property
-    def seq_len(self) -> int:
-        """Context length after this step (cached tokens plus the new ones)."""
-        return self.start_pos + len(self.token_ids)
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
-@dataclass
-class SchedulerOutput:
-    """One step's work for the runner. Apply `swap_out`, then `swap_in`, then `copies`
-    to the KV tensors before the forward pass."""
-
-    seqs: list[ScheduledSequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests that ended inside schedule() (no room to grow even alone in the pool).
-    finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
-
-
-@dataclass
-class _Budget:
-    tokens: int
-    reserved_decodes: int  # decode tokens of running requests not yet visited
-
-    @property
-    def prefill_tokens(self) -> int:
-        return max(0, self.tokens - self.reserved_decodes)
-
-
-# One planned piece of work: (sequence, first position to compute, tokens to compute).
-_Plan = list[tuple[Sequence, int, int]]
-
-
-class Scheduler:
+class Scheduler(PreemptionMixin):
     """Decides, step by step, which tokens run and which blocks they use."""
 
     def __init__(
@@ -103,12 +52,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        """Args:
-        config: batch limits, preemption mode, thrash bound.
-        kv_manager: a `pagedkv.memory.KVCacheManager` (the scheduler owns its seq ids).
-        num_blocks, block_size: the device pool, to reject requests that never fit.
-        max_model_len: longest sequence (prompt + output) the model accepts.
-        eos_token_ids: tokens that end a completion unless `ignore_eos`.
+        """Start with empty queues over `kv_manager`.
+
+        Args:
+            config: batch limits, preemption mode, thrash bound.
+            kv_manager: a `pagedkv.memory.KVCacheManager` (the scheduler owns its seq ids).
+            num_blocks, block_size: the device pool, to reject requests that never fit.
+            max_model_len: longest sequence (prompt + output) the model accepts.
+            eos_token_ids: tokens that end a completion unless `ignore_eos`.
         """
         self.config = config
         self.kv = kv_manager
@@ -211,9 +162,12 @@ class Scheduler:
         while i < len(self.running):
             if self._schedule_running(i, out, budget):
                 i += 1
+        budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
             self._resume_swapped(out, budget)
-            self._admit_waiting(out, budget)
+            # Swapped-out requests come back before anything newer takes their blocks.
+            if not self.swapped:
+                self._admit_waiting(out, budget)
         out.copies = self.kv.pop_copies()
         return out
 
@@ -259,7 +213,7 @@ class Scheduler:
                 continue
             if index > 0:
                 self._refund(plan, budget)
-                self._preempt(request, out, budget)
+                self._preempt(request, out, budget, visited=True)
                 return False
             # Alone in the pool: what does not fit now never will (see _run_alone).
             return self._run_alone(request, plan, out, budget)
@@ -309,10 +263,9 @@ class Scheduler:
         return plan
 
     def _refund(self, plan: _Plan, budget: _Budget) -> None:
-        for seq, _, num in plan:
-            budget.tokens += num
-            if seq.is_decode:
-                budget.reserved_decodes += 1
+        """Give back the tokens of a plan that will not run (its decodes stay unreserved:
+        its request has been visited)."""
+        budget.tokens += sum(num for _, _, num in plan)
 
     def _blocks_needed(self, plan: _Plan) -> int:
         """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
@@ -356,74 +309,10 @@ class Scheduler:
                     seq.seq_id,
                     seq.token_ids[start:end],
                     start,
-                    list(self.kv.block_table(seq.seq_id)),
+                    self.kv.block_table(seq.seq_id),
                     sample_ids,
                 )
             )
-
-    # ---- preemption and resumption ------------------------------------------------------
-
-    def _preempt(self, request: Request, out: SchedulerOutput, budget: _Budget) -> None:
-        """Take `request` (never appended to in this step) off the device."""
-        self.running.remove(request)
-        budget.reserved_decodes = max(
-            0,
-            budget.reserved_decodes
-            - sum(1 for s in request.seqs if s.is_decode and not s.is_finished),
-        )
-        request.metrics.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted_request_ids.append(request.request_id)
-        held = [s for s in request.seqs if s.is_allocated]
-        if self.config.preemption_mode == "swap" and self._can_swap_out(held):
-            for seq in held:
-                pairs = self.kv.swap_out(seq.seq_id)
-                out.swap_out.extend(pairs)
-                seq.is_allocated, seq.is_swapped = False, True
-                seq.num_swapped_blocks = len(pairs)
-            request.status = RequestStatus.SWAPPED
-            request.metrics.num_swaps += 1
-            self.num_swapped_out += 1
-            if self._is_protected(request):
-                self.swapped.appendleft(request)
-            else:
-                self.swapped.append(request)
-            return
-        for seq in held:
-            # Recompute: prompt + outputs are prefilled again on resumption.
-            self.kv.free(seq.seq_id)
-            seq.is_allocated, seq.num_computed = False, 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
-    def _can_swap_out(self, held: list[Sequence]) -> bool:
-        # Counts shared blocks once per holder: an upper bound on the host blocks needed.
-        need = sum(len(self.kv.block_table(s.seq_id)) for s in held)
-        return need <= self.kv.num_free_host_blocks
-
-    def _resume_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.swapped:
-            request = self.swapped[0]
-            seqs = [s for s in request.seqs if s.is_swapped]
-            # Room for the blocks plus each sequence's next token.
-            margin = len(request.unfinished_seqs()) if self.running else 0
-            need = sum(s.num_swapped_blocks for s in seqs) + margin
-            if (
-                need > self.kv.num_free_blocks
-                or self._num_running_seqs() + request.num_unfinished_target
-                > self.config.max_num_seqs
-            ):
-                return
-            for seq in seqs:
-                out.swap_in.extend(self.kv.swap_in(seq.seq_id))
-                seq.is_allocated, seq.is_swapped = True, False
-            self.swapped.popleft()
-            self._start_running(request)
-            plan = self._plan(request, budget)
-            if self._blocks_needed(plan) <= self.kv.num_free_blocks:
-                self._run_plan(request, plan, out, budget)
-            else:
-                self._refund(plan, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
@@ -438,25 +327,6 @@ class Scheduler:
             self.waiting.popleft()
             self._start_running(request)
             self._run_plan(request, plan, out, budget)
-
-    def _start_running(self, request: Request) -> None:
-        request.status = RequestStatus.RUNNING
-        if not self._is_protected(request):
-            self.running.append(request)
-            return
-        # Thrash bound: a request preempted too often runs ahead of every unprotected one
-        # (protected ones among themselves by arrival), so victims come from the others.
-        position = 0
-        while (
-            position < len(self.running)
-            and self._is_protected(self.running[position])
-            and self.running[position].arrival_index < request.arrival_index
-        ):
-            position += 1
-        self.running.insert(position, request)
-
-    def _is_protected(self, request: Request) -> bool:
-        return request.num_preemptions > self.config.max_preemptions
 
     # ---- helpers ------------------------------------------------------------------------
 

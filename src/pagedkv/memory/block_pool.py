@@ -3,14 +3,20 @@
 Every block is in exactly one of three states::
 
     free     never cached (or forgotten): on the free stack, handed out first
-    cached   free but still findable by the prefix index: in the LRU queue, evicted
-             (least recently used first) only when the free stack is empty
+    cached   free but still findable by the prefix index: queued for eviction,
+             least recently freed first, only when the free stack is empty
     held     ref_count >= 1: in some sequence's block table
 
-Bookkeeping is four ``array('i')`` (free stack, extra references, LRU prev/next links) plus
-the prefix index's list of keys: 24 bytes per block and no Python object per block, so a
-million-block pool builds in milliseconds. Work is batched per call: allocating n blocks is a
-slice of the free stack with no per-block write.
+No Python object per block: ``array('i')`` only, and work batched per call. The cached
+queue is lazy: a hit does not unlink the block (that was the costliest per-block step of an
+intrusive linked list), it only bumps the block's count; the stale queue entry is skipped
+when it reaches the head, and the queue is compacted when stale entries outnumber live ones
+(amortized O(1)). A block's entry is live iff the block is cached and the entry is its
+newest (``stamp[block] == position``).
+
+Bookkeeping per block: extra references 4 B + queue stamp 4 B + free stack and queue
+together at most 8 B (free + live + stale entries <= 2 x num_blocks), plus the prefix
+index's key list 8 B.
 
 Standard library only.
 """
@@ -23,29 +29,24 @@ from collections.abc import Iterable, Sequence
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.prefix import PrefixIndex
 
+# Compact the cached queue once it holds this many more entries than twice the live ones.
+_COMPACT_SLACK = 1024
+
 
 class BlockPool:
     """A fixed set of block ids ``0 .. num_blocks - 1`` with reference counts.
 
     Args:
         num_blocks: blocks in the pool (>= 0).
-        index: the prefix index whose cached blocks this pool keeps in its LRU queue and
-            evicts, or None (no prefix caching: freed blocks go straight back to the stack).
+        index: the prefix index whose freed blocks this pool keeps cached (evicting them
+            least recently freed first), or None: freed blocks go straight back to the stack.
 
     Raises:
         ValueError: `num_blocks` is negative.
     """
 
-    __slots__ = (
-        "num_blocks",
-        "index",
-        "_stack",
-        "_extra",
-        "_prev",
-        "_next",
-        "_num_cached",
-        "num_evictions",
-    )
+    __slots__ = ("num_blocks", "index", "_stack", "_extra", "_queue", "_head", "_stamp",
+                 "_num_cached", "num_evictions")  # fmt: skip
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 0:
@@ -55,15 +56,14 @@ class BlockPool:
         # Free stack, top at the end: block 0 is handed out first.
         self._stack = array("i", range(num_blocks))
         self._stack.reverse()
-        # ref_count - 1 for a held block, 0 for a free or cached one. Storing the *extra*
-        # references lets allocation skip writing a count per block; whether a block is held
-        # follows from where it is (stack, LRU, or neither).
+        # ref_count - 1 for a held block, 0 on the free stack, -1 when cached. Counting the
+        # *extra* references lets allocation skip a per-block write, and a prefix hit is one
+        # increment whether the block was held (k -> k + 1) or cached (-1 -> 0).
         self._extra = array("i", bytes(4 * num_blocks))
-        # Intrusive doubly linked LRU of cached blocks; slot num_blocks is the sentinel
-        # (next = oldest, prev = newest). next[b] == -1 means b is not in the queue.
-        self._prev = array("i", [-1]) * (num_blocks + 1)
-        self._next = array("i", [-1]) * (num_blocks + 1)
-        self._prev[num_blocks] = self._next[num_blocks] = num_blocks
+        # Cached queue (oldest at _head) and, per block, the position of its newest entry.
+        self._queue = array("i")
+        self._head = 0
+        self._stamp = array("i", bytes(4 * num_blocks))
         self._num_cached = 0
         self.num_evictions = 0
 
@@ -74,7 +74,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Cached-but-free blocks (in the LRU queue, evictable)."""
+        """Cached-but-free blocks (evictable)."""
         return self._num_cached
 
     def allocate(self, num: int) -> list[int]:
@@ -85,7 +85,7 @@ class BlockPool:
 
         Returns:
             The block ids: from the free stack first (most recently freed first), then
-            evicted cached blocks, least recently used first.
+            evicted cached blocks, least recently freed first.
 
         Raises:
             OutOfBlocks: fewer than `num` blocks are free; nothing changed.
@@ -105,27 +105,28 @@ class BlockPool:
         return block_ids
 
     def _evict(self, num: int) -> list[int]:
-        """Unlink the `num` least recently used cached blocks and forget their keys."""
-        prev, nxt, sentinel = self._prev, self._next, self.num_blocks
+        """Take the `num` least recently freed cached blocks and forget their keys."""
+        queue, extra, stamp = self._queue, self._extra, self._stamp
         remove = self.index.remove  # type: ignore[union-attr]  # cached blocks imply an index
         block_ids: list[int] = []
-        block_id = nxt[sentinel]
-        for _ in range(num):
-            block_ids.append(block_id)
-            remove(block_id)
-            following = nxt[block_id]
-            nxt[block_id] = prev[block_id] = -1
-            block_id = following
-        nxt[sentinel] = block_id
-        prev[block_id] = sentinel
+        pos = self._head
+        while len(block_ids) < num:
+            b = queue[pos]
+            if extra[b] < 0 and stamp[b] == pos:  # else a stale entry: skip it
+                extra[b] = 0
+                remove(b)
+                block_ids.append(b)
+            pos += 1
+        self._head = pos
         self._num_cached -= num
         self.num_evictions += num
+        self._maybe_compact()
         return block_ids
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; blocks left with none become free or cached.
 
-        A released block that the prefix index holds joins the LRU tail; others go back on
+        A released block that the prefix index holds is queued as cached; others go back on
         the free stack. Both are pushed in reverse order: a sequence's last blocks are
         evicted first (its prefix stays longest), and freed blocks are handed out again in
         their original order.
@@ -139,30 +140,42 @@ class BlockPool:
             for b in block_ids:
                 if extra[b]:
                     extra[b] -= 1
+        released.reverse()
         index = self.index
         if index is None or not len(index):
-            released.reverse()
             self._stack.extend(released)
             return
         keys = index.block_keys
-        plain = [b for b in reversed(released) if keys[b] is None]
+        plain = [b for b in released if keys[b] is None]
         self._stack.extend(plain)
         if len(plain) != len(released):
-            self._push_cached([b for b in reversed(released) if keys[b] is not None])
+            self._push_cached([b for b in released if keys[b] is not None])
 
-    def _push_cached(self, block_ids: Iterable[int]) -> None:
-        """Append free, indexed blocks to the LRU tail (most recently used end)."""
-        prev, nxt, sentinel = self._prev, self._next, self.num_blocks
-        tail = prev[sentinel]
-        count = 0
+    def _push_cached(self, block_ids: list[int]) -> None:
+        """Queue free, indexed blocks as the most recently freed."""
+        queue, extra, stamp = self._queue, self._extra, self._stamp
+        pos = len(queue)
         for b in block_ids:
-            nxt[tail] = b
-            prev[b] = tail
-            tail = b
-            count += 1
-        nxt[tail] = sentinel
-        prev[sentinel] = tail
-        self._num_cached += count
+            extra[b] = -1
+            stamp[b] = pos
+            pos += 1
+        queue.extend(block_ids)
+        self._num_cached += len(block_ids)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Keep the queue at most 2 x live entries (+ slack): O(len) each time, amortized O(1).
+
+        Drops consumed and stale entries and renumbers the stamps of the live ones.
+        """
+        if len(self._queue) <= 2 * self._num_cached + _COMPACT_SLACK:
+            return
+        live = self.cached_block_ids()
+        stamp = self._stamp
+        for pos, b in enumerate(live):
+            stamp[b] = pos
+        self._queue = array("i", live)
+        self._head = 0
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each held block (a fork)."""
@@ -171,60 +184,50 @@ class BlockPool:
             extra[b] += 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each cached block (a prefix hit), taking free ones off the LRU.
+        """Add one reference to each indexed block (a prefix hit); cached ones become held.
 
         Args:
             block_ids: indexed blocks, held or cached, each at most once.
         """
-        extra, prev, nxt = self._extra, self._prev, self._next
-        unlinked = 0
+        extra = self._extra
+        num_cached = 0
         for b in block_ids:
-            following = nxt[b]
-            if following < 0:
-                extra[b] += 1
-                continue
-            before = prev[b]
-            nxt[before] = following
-            prev[following] = before
-            nxt[b] = prev[b] = -1
-            unlinked += 1
-        self._num_cached -= unlinked
+            count = extra[b]
+            num_cached += count < 0
+            extra[b] = count + 1
+        if num_cached:
+            self._num_cached -= num_cached
+            self._maybe_compact()
 
     def num_evictable(self, block_ids: Iterable[int]) -> int:
         """How many of `block_ids` are cached-but-free (a hit on one takes a free block)."""
-        nxt = self._next
-        return sum(nxt[b] >= 0 for b in block_ids)
+        extra = self._extra
+        return sum(extra[b] < 0 for b in block_ids)
 
     def is_shared(self, block_id: int) -> bool:
         """Whether a held block has more than one holder."""
         return self._extra[block_id] > 0
 
     def is_cached_free(self, block_id: int) -> bool:
-        """Whether `block_id` is in the LRU queue (free, findable by the prefix index)."""
-        return self._next[block_id] >= 0
+        """Whether `block_id` is cached-but-free (findable by the prefix index, evictable)."""
+        return self._extra[block_id] < 0
 
     def free_block_ids(self) -> list[int]:
         """Free-stack blocks in the order the next allocations take them."""
         return self._stack[::-1].tolist()
 
     def cached_block_ids(self) -> list[int]:
-        """Cached-but-free blocks, least recently used (next evicted) first."""
-        nxt, sentinel = self._next, self.num_blocks
-        block_ids: list[int] = []
-        b = nxt[sentinel]
-        while b != sentinel and len(block_ids) <= self.num_blocks:
-            block_ids.append(b)
-            b = nxt[b]
-        return block_ids
+        """Cached-but-free blocks, least recently freed (next evicted) first."""
+        queue, extra, stamp = self._queue, self._extra, self._stamp
+        return [b for pos, b in enumerate(queue[self._head :], self._head)
+                if extra[b] < 0 and stamp[b] == pos]  # fmt: skip
 
     def reset_cache(self) -> None:
         """Move every cached-but-free block back to the free stack and clear the index."""
         cached = self.cached_block_ids()
         for b in cached:
-            self._next[b] = self._prev[b] = -1
-        sentinel = self.num_blocks
-        self._next[sentinel] = self._prev[sentinel] = sentinel
-        self._num_cached = 0
+            self._extra[b] = 0
+        self._queue, self._head, self._num_cached = array("i"), 0, 0
         cached.reverse()
         self._stack.extend(cached)
         if self.index is not None:
@@ -232,24 +235,22 @@ class BlockPool:
 
     def ref_counts(self) -> list[int]:
         """Every block's reference count (O(num_blocks): for checks and tests)."""
-        counts = [e + 1 for e in self._extra]
+        counts = [max(e + 1, 0) for e in self._extra]
         for b in self._stack:
-            counts[b] = 0
-        for b in self.cached_block_ids():
             counts[b] = 0
         return counts
 
     def nbytes(self) -> int:
-        """Bytes of per-block bookkeeping held by the pool's arrays."""
-        arrays = (self._stack, self._extra, self._prev, self._next)
-        return sum(a.buffer_info()[1] * a.itemsize for a in arrays)
+        """Bytes of per-block bookkeeping in the pool's arrays (allocated capacity aside)."""
+        arrays = (self._stack, self._extra, self._queue, self._stamp)
+        return sum(len(a) * a.itemsize for a in arrays)
 
     def check(self, holders: Sequence[int]) -> None:
         """Assert the pool matches `holders` (the number of block tables holding each block).
 
-        Checks: each block's count equals its holders; a block is in at most one of free
-        stack, LRU queue and held; free + cached + held = num_blocks; the LRU links are
-        consistent; cached blocks are indexed and free-stack blocks are not.
+        Checks: each block's count equals its holders; a block is in exactly one of free
+        stack, cached queue and held; free + cached + held = num_blocks; cached blocks are
+        indexed and free-stack blocks are not.
 
         Raises:
             AssertionError: naming the first block found wrong.
@@ -257,36 +258,32 @@ class BlockPool:
         n = self.num_blocks
         assert len(holders) == n, f"expected {n} holder counts, got {len(holders)}"
         keys = self.index.block_keys if self.index is not None else [None] * n
-        state = bytearray(n)  # 0 unseen, 1 free stack, 2 cached
+        state = bytearray(n)  # 0 not free, 1 free stack, 2 cached
         for b in self._stack:
             assert 0 <= b < n, f"free stack holds {b}, not a block id"
             assert not state[b], f"block {b} is on the free stack twice"
             state[b] = 1
             assert keys[b] is None, f"block {b} is on the free stack but still indexed"
-            assert self._next[b] < 0, f"block {b} is both on the free stack and in the LRU"
         cached = self.cached_block_ids()
         assert len(cached) == self._num_cached, (
-            f"LRU queue links {len(cached)} blocks, its counter says {self._num_cached}"
+            f"cached queue holds {len(cached)} live blocks, its counter says {self._num_cached}"
         )
-        before = n
         for b in cached:
             assert not state[b], f"block {b} is both free and cached (or cached twice)"
             state[b] = 2
-            assert self._prev[b] == before, f"LRU link prev[{b}] is broken"
             assert keys[b] is not None, f"cached block {b} is not in the prefix index"
-            before = b
-        assert self._prev[n] == before, "LRU tail link is broken"
         for b in range(n):
+            extra = self._extra[b]
             if state[b]:
-                assert holders[b] == 0, (
-                    f"block {b} is {'free' if state[b] == 1 else 'cached'} but held by "
-                    f"{holders[b]} sequence(s)"
+                what = "free" if state[b] == 1 else "cached"
+                assert holders[b] == 0, f"block {b} is {what} but held by {holders[b]} sequence(s)"
+                assert extra == (0 if state[b] == 1 else -1), (
+                    f"{what} block {b} has ref_count {extra + 1}"
                 )
-                assert self._extra[b] == 0, f"free block {b} carries extra references"
             else:
                 assert holders[b] > 0, (
                     f"block {b} is neither free nor held: leaked (a forgotten decrement?)"
                 )
-                assert self._extra[b] + 1 == holders[b], (
-                    f"block {b}: ref_count {self._extra[b] + 1} != {holders[b]} holders"
+                assert extra + 1 == holders[b], (
+                    f"block {b}: ref_count {extra + 1} != {holders[b]} holders"
                 )

@@ -37,6 +37,11 @@ class KVCacheManager:
 
     Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
     blocks raises `OutOfBlocks` and leaves every piece of state unchanged.
+
+    The caller's duties: execute copies (`pop_copies`) and swap pairs in the order the calls
+    were made, before the forward pass; and compute every token handed to `allocate` /
+    `append` in the next forward pass (full blocks are findable from the call on), so never
+    free or swap out a sequence between that call and its forward pass.
     """
 
     def __init__(
@@ -182,12 +187,16 @@ class KVCacheManager:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         hits, chain_uid = self._lookup(tokens)
         num_fresh = -(-len(tokens) // self._block_size) - len(hits)
-        if num_fresh + self._pool.num_evictable(hits) > self._pool.num_free_blocks:
+        pool = self._pool
+        # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
+        if num_fresh + len(hits) > pool.num_free_blocks - pool.num_cached_blocks and (
+            num_fresh + pool.num_evictable(hits) > pool.num_free_blocks
+        ):
             raise OutOfBlocks(
                 f"allocate {seq_id!r}: need {num_fresh} new blocks after {len(hits)} cached, "
                 f"{self._pool.num_free_blocks} free"
             )
-        # Take the hits off the LRU queue first so that the fresh blocks cannot evict them.
+        # Take the hits first (cached ones become held) so the fresh blocks cannot evict them.
         self._pool.touch(hits)
         seq = SeqState(hits + self._pool.allocate(num_fresh), tokens, len(hits), chain_uid)
         self._seqs[seq_id] = seq

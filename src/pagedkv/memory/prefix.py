@@ -86,13 +86,14 @@ class PrefixIndex:
         """
         get = self._entries.get
         block_ids: list[int] = []
+        append = block_ids.append
         uid = ROOT_UID
         for tokens in iter_full_blocks(token_ids, block_size, 0, max_blocks):
             entry = get((uid, tokens))
             if entry is None:
                 break
-            block_ids.append(entry[0])
-            uid = entry[1]
+            block_id, uid = entry
+            append(block_id)
         return block_ids, uid
 
     def insert(self, parent_uid: int, tokens: tuple[Any, ...], block_id: int) -> int:
@@ -107,6 +108,7 @@ class PrefixIndex:
             The uid naming this prefix: a fresh one, or the existing entry's uid if another
             block already holds the same prefix (then `block_id` stays unindexed).
         """
+        assert self.block_keys[block_id] is None, f"block {block_id} is indexed already"
         key = (parent_uid, tokens)
         entry = self._entries.get(key)
         if entry is not None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.config import ModelConfig
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, compute_inv_freq
+from pagedkv.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_, compute_inv_freq
 from pagedkv.ops import paged_attention_from_metadata, write_kv
 
 if TYPE_CHECKING:
@@ -70,14 +70,22 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden)  # (T, (H + 2 KV) * D), a fresh buffer we may rotate in
+        if self.q_norm is None or self.k_norm is None:
+            # q and k heads sit side by side in each row: rotate all of them in one pass.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+            apply_rotary_(qk, cos, sin)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            apply_rotary_(q, cos, sin)
+            apply_rotary_(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         key_cache = kv_cache.key_caches[self.layer_idx]
         value_cache = kv_cache.value_caches[self.layer_idx]
         write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
@@ -107,7 +115,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -131,11 +139,10 @@ class DecoderLayer(nn.Module):
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """hidden: [T, hidden_size] -> [T, hidden_size], updated in place (residual adds)."""
+        hidden += self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        hidden += self.mlp(self.post_attention_layernorm(hidden))
+        return hidden
 
 
 class DecoderModel(nn.Module):

@@ -24,11 +24,8 @@ MAX_DECODE_QUERY = 4
 SERIAL_BYTES = 1 << 19
 """Below this much KV to read, the kernel runs on the calling thread (no parallel start)."""
 
-# dtype -> (parallel driver, serial driver)
-_KERNELS = {
-    torch.float32: (cpu_kernels.decode_f32_parallel, cpu_kernels.decode_f32_serial),
-    torch.bfloat16: (cpu_kernels.decode_bf16_parallel, cpu_kernels.decode_bf16_serial),
-}
+# Cache dtypes the decode kernel reads (bfloat16 as its uint16 bits).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -58,7 +55,7 @@ def _make_plan(
     """Validate the batch's lengths and block ids and split it; raises ValueError."""
     tables, starts, lens = block_tables.numpy(), query_start_loc.numpy(), seq_lens.numpy()
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    use_kernel = key_cache.dtype in _KERNELS
+    use_kernel = key_cache.dtype in _KERNEL_DTYPES
     items, splits, rows, prefill, total, error, seq = cpu_plan.plan_items(
         starts,
         lens,
@@ -115,7 +112,7 @@ def _decode_rows(
     part_acc = np.empty((plan.num_parts, num_heads, head_dim), dtype=np.float32)
     part_m = np.empty((plan.num_parts, num_heads), dtype=np.float32)
     part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
-    kernel = _KERNELS[key_cache.dtype][plan.is_serial]
+    kernel = cpu_kernels.decode_serial if plan.is_serial else cpu_kernels.decode_parallel
     kernel(
         q,
         _as_numba(key_cache),

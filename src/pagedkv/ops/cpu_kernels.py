@@ -13,9 +13,9 @@ Each item walks its blocks through the block table::
 
 and keeps, per query head, an online softmax state (running max m, sum l, weighted sum acc).
 For a block it scores all its tokens first, raises the max once, rescales, then accumulates,
-reading each K/V row once for all query heads of its group. The running max starts at a
-large negative finite value, never -inf: under `fastmath` the compiler may assume no
-infinities, and exp(-inf - -inf) would be undefined.
+reading each K/V row once for all query heads of its group, in memory order. The running
+max starts at a large negative finite value, never -inf: under `fastmath` the compiler may
+assume no infinities, and exp(-inf - -inf) would be undefined.
 
 Item table (int64 [num_items, 6]) columns: query row, sequence, lo, hi, output row, partial
 slot (-1: single item, written to the output row). Split table (int64 [num_split, 3]):
@@ -28,54 +28,158 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic, overload
 
 _NEG = -1.0e30
 ITEM_QROW, ITEM_SEQ, ITEM_LO, ITEM_HI, ITEM_OUT, ITEM_PART = range(6)
 
 
+@intrinsic
+def _f32_from_bits(typingctx, bits):  # pragma: no cover
+    """Reinterpret uint32 bits as a float32 (a bit cast, no conversion)."""
+    if bits != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def to_f32(x):  # pragma: no cover
+    """A cache element as float32: float32 as is, bfloat16 bits (uint16) widened."""
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
+@overload(to_f32, inline="always")
+def _to_f32(x):  # pragma: no cover
+    if x == types.uint16:
+        # bfloat16 is the high half of a float32: shift the bits up, then reinterpret.
+        return lambda x: _f32_from_bits(np.uint32(np.uint32(x) << 16))
+    if x == types.float32:
+        return lambda x: x
+    return None
+
+
+def load_row(block, t, g, scratch, i):  # pragma: no cover
+    """Row (t, g) of a block as float32 [D]: a view for float32, else widened into scratch[i]."""
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
+@overload(load_row, inline="always")
+def _load_row(block, t, g, scratch, i):  # pragma: no cover
+    if block.dtype == types.float32:
+        return lambda block, t, g, scratch, i: block[t, g]
+
+    def widen(block, t, g, scratch, i):
+        # Widen once into an L1-resident row, then every query head of the group reads it.
+        src, dst = block[t, g], scratch[i]
+        for d in range(src.shape[0]):
+            dst[d] = to_f32(src[d])
+        return dst
+
+    return widen
+
+
 @njit(cache=True, fastmath=True, inline="always")
-def _update_block(kb, vb, t0, t1, q, scale, group, m, lsum, acc, scores):  # pragma: no cover
-    """Fold tokens [t0, t1) of one block (float32 [bs, kv_heads, D] views) into the state."""
-    num_kv_heads = kb.shape[1]
-    head_dim = kb.shape[2]
-    for g in range(num_kv_heads):
-        h0 = g * group
-        for t in range(t0, t1):
-            krow = kb[t, g]
-            for j in range(group):
-                qrow = q[h0 + j]
-                s = np.float32(0.0)
+def _score_block(kb, t0, t1, q, scale, group, scores, rows):  # pragma: no cover
+    """scores[h, t] = scale * q[h] . k[t, h // group] for rows [t0, t1) of one block.
+
+    Rows are visited in memory order (token, then KV head) and four tokens at a time, so
+    each query row loaded feeds four dot products.
+    """
+    num_kv_heads, head_dim = kb.shape[1], kb.shape[2]
+    t = t0
+    while t + 4 <= t1:
+        for g in range(num_kv_heads):
+            k0, k1 = load_row(kb, t, g, rows, 0), load_row(kb, t + 1, g, rows, 1)
+            k2, k3 = load_row(kb, t + 2, g, rows, 2), load_row(kb, t + 3, g, rows, 3)
+            for h in range(g * group, (g + 1) * group):
+                qrow = q[h]
+                s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
-                    s += qrow[d] * krow[d]
-                scores[h0 + j, t] = s * scale
-        for j in range(group):
-            h = h0 + j
-            new_max = m[h]
-            for t in range(t0, t1):
-                new_max = max(new_max, scores[h, t])
+                    x = qrow[d]
+                    s0 += x * k0[d]
+                    s1 += x * k1[d]
+                    s2 += x * k2[d]
+                    s3 += x * k3[d]
+                scores[h, t], scores[h, t + 1] = s0 * scale, s1 * scale
+                scores[h, t + 2], scores[h, t + 3] = s2 * scale, s3 * scale
+        t += 4
+    for tail in range(t, t1):
+        for g in range(num_kv_heads):
+            k0 = load_row(kb, tail, g, rows, 0)
+            for h in range(g * group, (g + 1) * group):
+                qrow = q[h]
+                s0 = np.float32(0.0)
+                for d in range(head_dim):
+                    s0 += qrow[d] * k0[d]
+                scores[h, tail] = s0 * scale
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _softmax_block(t0, t1, m, lsum, acc, scores):  # pragma: no cover
+    """Raise each head's running max over the block's scores, rescale, scores -> exp weights."""
+    for h in range(m.shape[0]):
+        new_max = m[h]
+        for t in range(t0, t1):
+            new_max = max(new_max, scores[h, t])
+        if new_max > m[h]:
             alpha = math.exp(m[h] - new_max)
             m[h] = new_max
             lsum[h] *= alpha
-            for d in range(head_dim):
+            for d in range(acc.shape[1]):
                 acc[h, d] *= alpha
-            for t in range(t0, t1):
-                scores[h, t] = math.exp(scores[h, t] - new_max)
-                lsum[h] += scores[h, t]
         for t in range(t0, t1):
-            vrow = vb[t, g]
-            for j in range(group):
-                a = acc[h0 + j]
-                p = scores[h0 + j, t]
-                for d in range(head_dim):
-                    a[d] += p * vrow[d]
+            scores[h, t] = math.exp(scores[h, t] - new_max)
+            lsum[h] += scores[h, t]
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _widen_bf16(src, dst_bits):  # pragma: no cover
-    """bfloat16 bits (uint16, flat) -> float32 bits (uint32, flat): the high half of a float32."""
-    for i in range(src.shape[0]):
-        dst_bits[i] = np.uint32(src[i]) << 16
+def _accumulate_block(vb, t0, t1, group, acc, weights, rows):  # pragma: no cover
+    """acc[h] += sum_t weights[h, t] * v[t, h // group], eight tokens per pass over acc.
+
+    Summing eight weighted V rows before touching acc cuts its loads and stores (the cost
+    that dominated a one-token-at-a-time loop) by eight.
+    """
+    num_kv_heads, head_dim = vb.shape[1], vb.shape[2]
+    t = t0
+    while t + 8 <= t1:
+        for g in range(num_kv_heads):
+            v0, v1 = load_row(vb, t, g, rows, 0), load_row(vb, t + 1, g, rows, 1)
+            v2, v3 = load_row(vb, t + 2, g, rows, 2), load_row(vb, t + 3, g, rows, 3)
+            v4, v5 = load_row(vb, t + 4, g, rows, 4), load_row(vb, t + 5, g, rows, 5)
+            v6, v7 = load_row(vb, t + 6, g, rows, 6), load_row(vb, t + 7, g, rows, 7)
+            for h in range(g * group, (g + 1) * group):
+                a, w = acc[h], weights[h]
+                p0, p1, p2, p3 = w[t], w[t + 1], w[t + 2], w[t + 3]
+                p4, p5, p6, p7 = w[t + 4], w[t + 5], w[t + 6], w[t + 7]
+                for d in range(head_dim):
+                    a[d] += (p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]) + (
+                        p4 * v4[d] + p5 * v5[d] + p6 * v6[d] + p7 * v7[d]
+                    )
+        t += 8
+    for tail in range(t, t1):
+        for g in range(num_kv_heads):
+            v0 = load_row(vb, tail, g, rows, 0)
+            for h in range(g * group, (g + 1) * group):
+                a, p0 = acc[h], weights[h, tail]
+                for d in range(head_dim):
+                    a[d] += p0 * v0[d]
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _update_block(kb, vb, t0, t1, q, scale, group, m, lsum, acc, scores, rows):  # pragma: no cover
+    """Fold tokens [t0, t1) of one block ([bs, kv_heads, D] views) into the state.
+
+    rows: float32 [8, D] scratch for widened bfloat16 rows (unused for float32).
+    """
+    _score_block(kb, t0, t1, q, scale, group, scores, rows)
+    _softmax_block(t0, t1, m, lsum, acc, scores)
+    _accumulate_block(vb, t0, t1, group, acc, scores, rows)
 
 
 @njit(cache=True, fastmath=True)
@@ -94,10 +198,10 @@ def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no co
 
 
 @njit(cache=True, fastmath=True)
-def _item_f32(
+def _item(
     item, query, key_cache, value_cache, block_tables, scale, out, part_acc, part_m, part_l
 ):  # pragma: no cover
-    """One item over float32 caches [num_blocks, bs, kv_heads, D]."""
+    """One item over caches [num_blocks, bs, kv_heads, D], float32 or bfloat16 bits (uint16)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size = key_cache.shape[1]
     group = num_heads // key_cache.shape[2]
@@ -107,55 +211,15 @@ def _item_f32(
     lsum = np.zeros(num_heads, dtype=np.float32)
     acc = np.zeros((num_heads, head_dim), dtype=np.float32)
     scores = np.empty((num_heads, block_size), dtype=np.float32)
+    rows = np.empty((8, head_dim), dtype=np.float32)
+    scale32 = np.float32(scale)
     lo, hi = item[ITEM_LO], item[ITEM_HI]
     for bi in range(lo // block_size, (hi - 1) // block_size + 1):
         block = table[bi]
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
-        _update_block(
-            key_cache[block],
-            value_cache[block],
-            t0,
-            t1,
-            q,
-            np.float32(scale),
-            group,
-            m,
-            lsum,
-            acc,
-            scores,
-        )
-    _finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
-
-
-@njit(cache=True, fastmath=True)
-def _item_bf16(
-    item, query, key_cache, value_cache, block_tables, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """As `_item_f32` for bfloat16 caches passed as uint16; each block is widened once."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    numel = block_size * num_kv_heads * head_dim
-    q = query[item[ITEM_QROW]]
-    table = block_tables[item[ITEM_SEQ]]
-    m = np.full(num_heads, np.float32(_NEG), dtype=np.float32)
-    lsum = np.zeros(num_heads, dtype=np.float32)
-    acc = np.zeros((num_heads, head_dim), dtype=np.float32)
-    scores = np.empty((num_heads, block_size), dtype=np.float32)
-    k_bits = np.empty(numel, dtype=np.uint32)
-    v_bits = np.empty(numel, dtype=np.uint32)
-    kb = k_bits.view(np.float32).reshape((block_size, num_kv_heads, head_dim))
-    vb = v_bits.view(np.float32).reshape((block_size, num_kv_heads, head_dim))
-    lo, hi = item[ITEM_LO], item[ITEM_HI]
-    for bi in range(lo // block_size, (hi - 1) // block_size + 1):
-        block = table[bi]
-        t0 = max(lo - bi * block_size, 0)
-        t1 = min(hi - bi * block_size, block_size)
-        # Widen the rows [t0, t1) only: a window's first block may be mostly unused.
-        _widen_bf16(key_cache[block, t0:t1].reshape(-1), k_bits[t0 * num_kv_heads * head_dim :])
-        _widen_bf16(value_cache[block, t0:t1].reshape(-1), v_bits[t0 * num_kv_heads * head_dim :])
-        _update_block(kb, vb, t0, t1, q, np.float32(scale), group, m, lsum, acc, scores)
+        kb, vb = key_cache[block], value_cache[block]
+        _update_block(kb, vb, t0, t1, q, scale32, group, m, lsum, acc, scores, rows)
     _finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
@@ -180,89 +244,32 @@ def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
                 row[h, d] /= total
 
 
-# Four drivers: {float32, bfloat16} x {parallel, serial}. Small batches run serially because
+# Two drivers (each compiled for float32 and for bfloat16 bits). Small batches run serially:
 # starting a parallel region costs more than the work (and far more on a busy machine).
 @njit(cache=True, fastmath=True, parallel=True)
-def decode_f32_parallel(
-    query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """Run every item across threads, then merge split rows; out: float32 [num_rows, H, D]."""
+def decode_parallel(query, key_cache, value_cache, block_tables, items, splits, scale, out,
+                    part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+    """Run every item across threads, then merge split rows.
+
+    Args:
+        query: float32 [num_tokens, H, D]. key_cache, value_cache: float32 or uint16
+        (bfloat16 bits) [num_blocks, bs, kv_heads, D]. block_tables: int32 [num_seqs, max].
+        items, splits: the plan (module docstring). out: float32 [num_rows, H, D].
+        part_acc/part_m/part_l: float32 [num_parts, H, D] / [num_parts, H] scratch.
+    """
     for i in prange(items.shape[0]):
-        _item_f32(
-            items[i],
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            scale,
-            out,
-            part_acc,
-            part_m,
-            part_l,
-        )
+        _item(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
+              part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
 @njit(cache=True, fastmath=True)
-def decode_f32_serial(
-    query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """As `decode_f32_parallel`, on the calling thread."""
+def decode_serial(query, key_cache, value_cache, block_tables, items, splits, scale, out,
+                  part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+    """As `decode_parallel`, on the calling thread."""
     for i in range(items.shape[0]):
-        _item_f32(
-            items[i],
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            scale,
-            out,
-            part_acc,
-            part_m,
-            part_l,
-        )
-    _combine(splits, out, part_acc, part_m, part_l)
-
-
-@njit(cache=True, fastmath=True, parallel=True)
-def decode_bf16_parallel(
-    query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """As `decode_f32_parallel` for bfloat16 caches (uint16 views)."""
-    for i in prange(items.shape[0]):
-        _item_bf16(
-            items[i],
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            scale,
-            out,
-            part_acc,
-            part_m,
-            part_l,
-        )
-    _combine(splits, out, part_acc, part_m, part_l)
-
-
-@njit(cache=True, fastmath=True)
-def decode_bf16_serial(
-    query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """As `decode_bf16_parallel`, on the calling thread."""
-    for i in range(items.shape[0]):
-        _item_bf16(
-            items[i],
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            scale,
-            out,
-            part_acc,
-            part_m,
-            part_l,
-        )
+        _item(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
+              part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
@@ -276,15 +283,19 @@ def write_rows(key, value, key_cache, value_cache, slot_mapping):  # pragma: no 
     Returns:
         -1, or the first token whose slot is past the end (nothing was written for it).
     """
-    num_slots = key_cache.shape[0]
+    num_slots, width = key_cache.shape[0], key_cache.shape[1]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         if slot < 0:
             continue
         if slot >= num_slots:
             return t
-        key_cache[slot] = key[t]
-        value_cache[slot] = value[t]
+        # Explicit loops: numba's row assignment checks for overlap and is ~2x slower.
+        k_dst, v_dst, k_src, v_src = key_cache[slot], value_cache[slot], key[t], value[t]
+        for i in range(width):
+            k_dst[i] = k_src[i]
+        for i in range(width):
+            v_dst[i] = v_src[i]
     return -1
 
 

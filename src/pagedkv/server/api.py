@@ -206,8 +206,12 @@ async def _serve(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    if not await run_to_end(request, deltas, builder.add):
-        return Response(status_code=499)  # client closed the connection; nobody reads this
+    try:
+        if not await run_to_end(request, deltas, builder.add):
+            return Response(status_code=499)  # client closed the connection; nobody reads this
+    finally:
+        for s in streams:
+            s.abort()  # no-op for finished requests; covers a consumer cancelled before start
     return JSONResponse(builder.response().model_dump())
 
 

@@ -19,9 +19,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.server.streaming import DeltaTracker, RequestDelta
@@ -62,7 +61,6 @@ class RequestStream:
     _engine: AsyncEngine
     _queue: asyncio.Queue[RequestDelta | BaseException]
     is_finished: bool = False
-    arrival_time: float = field(default_factory=time.monotonic)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         try:

@@ -109,12 +109,12 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a batch: a list of strings or a list of token-id lists."""
-        p = self.prompt
+        p: Any = self.prompt
         if isinstance(p, str):
             return [p]
         if all(isinstance(t, int) for t in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[return-value]
+            return [list(p)]
+        return list(p)
 
 
 class ChatMessage(BaseModel):

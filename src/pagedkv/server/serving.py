@@ -118,7 +118,8 @@ async def track(
 ) -> AsyncIterator[RequestDelta]:
     """Yield a request's deltas, recording its latency metrics and one log line at the end."""
     metrics = state.metrics
-    first_time = last_time = None
+    first_time: float | None = None
+    last_time = arrival
     num_prompt = num_generated = 0
     reason = "abort"
     try:
@@ -143,6 +144,7 @@ async def track(
         reason = "error"
         raise
     finally:
+        stream.abort()  # no-op once finished; otherwise the client left or an error struck
         end = time.monotonic()
         metrics.requests.labels(reason).inc()
         metrics.prompt_tokens.inc(num_prompt)
@@ -170,8 +172,13 @@ async def merge(
     Stopping early (or an error in one) cancels the rest, whose streams then abort.
     """
     if len(streams) == 1:
-        async for delta in streams[0]:
-            yield 0, delta
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            # Leaving `async for` early does not close the inner generator: do it now, so
+            # the request is aborted before this returns rather than at garbage collection.
+            await streams[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 

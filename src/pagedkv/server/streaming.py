@@ -37,7 +37,6 @@ class RequestDelta:
     prompt_token_ids: list[int]
     samples: list[SampleDelta]
     finished: bool
-    arrival_time: float | None = None
 
 
 @dataclass

@@ -76,10 +76,11 @@ def _memory_use(results: list[PolicyResult], path: Path, title: str, gib: float)
             fontsize=10,
         )
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="upper right", fontsize=8, ncol=3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
     axes[-1, 0].set_xlabel("simulated step (one token per running request)")
     fig.suptitle(f"KV memory over time: {title}", fontsize=12)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -128,7 +129,8 @@ def _memory_map(results: list[PolicyResult], path: Path, title: str, gib: float)
     fig, axes = plt.subplots(1, len(results), figsize=(3.4 * len(results) + 1, 5.2), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
         tl: Timeline = result.timeline
-        # Paged policies round the capacity down to whole blocks: draw each on its own axis.
+        # Each policy on its own axes: paged capacity is rounded down to whole blocks, and
+        # the memory-use figure already compares the makespans on one time axis.
         edges = np.linspace(0, tl.capacity, _ADDRESS_CELLS + 1)
         if not tl.snapshots:
             continue

@@ -31,10 +31,6 @@ __all__ = ["paged_attention", "paged_attention_from_metadata", "write_kv"]
 
 _DECODE_TILE_LANES = 64  # keys per decode iteration: 16 KiB of K (bf16, d=128) per load
 _PREFILL_TILE_LANES = 64
-# Query rows (tokens x padded GQA group) per prefill program. float32 dots run on FMA
-# units and need their operands in registers: 64 rows spill even with 8 warps (ptxas, sm_90).
-_PREFILL_BLOCK_M = 64
-_PREFILL_BLOCK_M_FP32 = 32
 _MIN_PARTITION = 256  # tokens; below this a partition's fixed cost (Q load, partial) dominates
 _MAX_PARTITIONS = 64  # the reduce kernel holds all partials of a head in registers
 _PROGRAMS_PER_SM = 4
@@ -53,6 +49,25 @@ def tile_blocks_for(block_size: int, lanes: int) -> int:
     return max(1, lanes // triton.next_power_of_2(block_size))
 
 
+def prefill_block_m(
+    dtype: torch.dtype, num_tokens: int, num_seqs: int, group: int, block_size: int
+) -> int:
+    """Query rows (tokens x padded GQA group) per prefill program.
+
+    128-row tiles halve the K/V tiles each query is re-read against (the usual
+    FlashAttention-2 shape on Hopper: 8 warps, 3 stages, no spills on sm_90) but only pay
+    when sequences bring that many rows on average; mixed batches of short chunks and
+    decode rows keep 64, and so do key tiles over 64 (block_size 128: 128 x 128 spills).
+    float32 dots run on FMA units with operands in registers: 32.
+    """
+    if dtype == torch.float32:
+        return 32
+    if triton.next_power_of_2(block_size) > _PREFILL_TILE_LANES:
+        return 64
+    rows_per_seq = num_tokens // max(1, num_seqs) * triton.next_power_of_2(group)
+    return 128 if rows_per_seq >= 128 else 64
+
+
 def choose_partition_size(
     num_rows: int, num_kv_heads: int, max_context: int, tile_tokens: int, num_sms: int
 ) -> int:
@@ -64,6 +79,7 @@ def choose_partition_size(
     Returns:
         A multiple of ``tile_tokens``; >= ``max_context`` when no split is wanted.
     """
+    max_context = max(1, max_context)  # a batch of empty sequences still gets a partition
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_rows * num_kv_heads))
     num_parts = min(wanted, _MAX_PARTITIONS, triton.cdiv(max_context, _MIN_PARTITION))
     per_part = triton.cdiv(max_context, max(1, num_parts))
@@ -166,11 +182,12 @@ def _run(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
     if not is_decode:
+        block_m = prefill_block_m(query.dtype, query.shape[0], seq_lens.shape[0], group, block_size)
         return prefill_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale=scale, sliding_window=sliding_window,
-            block_m=_PREFILL_BLOCK_M_FP32 if query.dtype == torch.float32 else _PREFILL_BLOCK_M,
+            scale=scale, sliding_window=sliding_window, block_m=block_m,
             tile_blocks=tile_blocks_for(block_size, _PREFILL_TILE_LANES),
         )  # fmt: skip
     max_span = max_seq_len

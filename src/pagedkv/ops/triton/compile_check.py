@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -101,7 +102,7 @@ def compile_kernels(
     use_window: bool = False,
     arch: int = 90,
 ) -> list[KernelReport]:
-    """Compile decode (split), reduce, prefill and write kernels as the launchers would.
+    """Compile decode (split), reduce, prefill (both tile heights) and write kernels.
 
     Args:
         dtype: "bf16" | "fp16" | "fp32".  block_size, group, head_dim, num_kv_heads: the model.
@@ -116,18 +117,31 @@ def compile_kernels(
     is_fp32 = dtype == "fp32"
     decode_tile = backend.tile_blocks_for(block_size, backend._DECODE_TILE_LANES)
     prefill_tile = backend.tile_blocks_for(block_size, backend._PREFILL_TILE_LANES)
-    block_m = backend._PREFILL_BLOCK_M_FP32 if is_fp32 else backend._PREFILL_BLOCK_M
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     tag = f"{dtype}/bs{block_size}/g{group}/d{head_dim}"
     common = dict(is_fp32=is_fp32, group=group, head_dim=head_dim, block_size=block_size)
+    # Both prefill tile heights: a batch of short chunks (64 rows) and long prompts (128).
+    short_m = backend.prefill_block_m(torch_dtype, 1, 1, group, block_size)
+    long_m = backend.prefill_block_m(torch_dtype, 4096, 1, group, block_size)
     jobs = [
         (decode._decode_kernel, decode.decode_meta(
             **common, tile_blocks=decode_tile, use_window=use_window, is_split=True)),
         (decode._reduce_kernel, decode.reduce_meta(head_dim=head_dim, num_parts=64)),
-        (prefill._prefill_kernel, prefill.prefill_meta(
-            **common, block_m=block_m, tile_blocks=prefill_tile, use_window=use_window)),
+        *((prefill._prefill_kernel, prefill.prefill_meta(
+            **common, block_m=block_m, tile_blocks=prefill_tile, use_window=use_window))
+          for block_m in sorted({short_m, long_m})),
         (write._write_kv_kernel, write.write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim)),
     ]  # fmt: skip
-    return [_compile(fn, meta, dtype, arch, f"{fn.__name__}[{tag}]") for fn, meta in jobs]
+    return [
+        _compile(
+            fn,
+            meta,
+            dtype,
+            arch,
+            f"{fn.__name__}[{tag}/m{meta.get('BLOCK_Q', 1) * meta.get('GROUP_PAD', 1)}]",
+        )
+        for fn, meta in jobs
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

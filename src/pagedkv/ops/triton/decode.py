@@ -24,53 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.indexing import find_seq, kv_tile_rows
+from pagedkv.ops.triton.attend import NEG_FLOOR, attend_keys
+from pagedkv.ops.triton.indexing import find_seq
 
 _LOG2E = 1.4426950408889634
-# Scores start from a finite floor, not -inf: a row whose tile is fully masked then
-# gets exp2(-inf - floor) = 0 instead of exp2(-inf + inf) = nan.
-_NEG_FLOOR = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _attend_partition(
-    q, key_cache, value_cache, table_row, head_offset, dims, dim_ok, start, end, key_lo,
-    scale_log2, stride_kb, stride_kt,
-    GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_SIZE_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr, FP32_DOT: tl.constexpr,
-):  # fmt: skip
-    """Online softmax of q (GROUP_PAD, D) over keys [start, end), masked below key_lo.
-
-    Returns (running max in log2 units, sum of exp2, unnormalized output).
-    """
-    m_i = tl.full([GROUP_PAD], _NEG_FLOOR, tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for tile_start in range(start, end, TILE_BLOCKS * BLOCK_SIZE):
-        row_offset, position, is_valid = kv_tile_rows(
-            table_row, tile_start // BLOCK_SIZE, end, stride_kb, stride_kt,
-            BLOCK_SIZE, BLOCK_SIZE_PAD, TILE_BLOCKS,
-        )  # fmt: skip
-        kv_offset = head_offset + row_offset[:, None] + dims[None, :]  # (N, D)
-        kv_mask = is_valid[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache + kv_offset, mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        keep = is_valid & (position >= key_lo)
-        scores = tl.where(keep[None, :], scores * scale_log2, float("-inf"))  # (GROUP_PAD, N)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache + kv_offset, mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -103,35 +60,36 @@ def _decode_kernel(
     if USE_WINDOW:
         key_lo = tl.maximum(pos - window + 1, 0)
     start = (key_lo // BLOCK_SIZE) * BLOCK_SIZE + part * partition_size
-    end = tl.minimum(start + partition_size, pos + 1)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
+    row = token.to(tl.int64)  # row * stride and the partial slots can pass 2**31
     q = tl.load(
-        query + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        query + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     ).to(key_cache.dtype.element_ty)  # (GROUP_PAD, D)
-    m_i, l_i, acc = _attend_partition(
-        q, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh, dims,
-        dim_ok, start, end, key_lo, scale_log2, stride_kb, stride_kt,
-        GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD, TILE_BLOCKS, FP32_DOT,
+    m_i, l_i, acc = attend_keys(
+        q, pos, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh,
+        dims, dim_ok, start, tl.minimum(start + partition_size, pos + 1), window, scale_log2,
+        stride_kb, stride_kt, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
+        TILE_BLOCKS, USE_WINDOW, False, FP32_DOT,
     )  # fmt: skip
     if IS_SPLIT:
         # Every partition writes, empty ones too (max = floor, sum = 0): the reduce then
         # merges all max_parts entries of a row without knowing its sequence.
         # Layout: [num_tokens, num_heads, max_parts] (+ [HEAD_DIM_PAD] for acc).
-        slot = (token * tl.num_programs(1) * GROUP + heads) * max_parts + part
+        slot = (row * tl.num_programs(1) * GROUP + heads) * max_parts + part
         tl.store(part_max + slot, m_i, mask=row_ok)
         tl.store(part_sum + slot, l_i, mask=row_ok)
         tl.store(part_acc + slot[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
     else:
         o = acc / l_i[:, None]  # l_i > 0: the single partition holds pos itself
         tl.store(
-            out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             o.to(out.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
@@ -142,12 +100,12 @@ def _reduce_kernel(
     out, part_max, part_sum, part_acc, max_parts, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     parts = tl.arange(0, PARTS_PAD)
     part_ok = parts < max_parts
     base = (token * tl.num_programs(1) + head) * max_parts
-    m = tl.load(part_max + base + parts, mask=part_ok, other=_NEG_FLOOR)
+    m = tl.load(part_max + base + parts, mask=part_ok, other=NEG_FLOOR)
     l = tl.load(part_sum + base + parts, mask=part_ok, other=0.0)  # noqa: E741
     weight = tl.exp2(m - tl.max(m, 0))  # 0 for empty partitions (max = floor, sum = 0)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -169,14 +127,18 @@ def decode_meta(
     use_window: bool, is_split: bool,
 ) -> dict:  # fmt: skip
     """Compile-time parameters and launch options of `_decode_kernel`."""
+    block_size_pad = triton.next_power_of_2(block_size)
+    # float32 dots run on FMA units with operands in registers: tiles of 128+ keys
+    # spill with 4 warps (ptxas, sm_90).
+    is_big = is_fp32 and tile_blocks * block_size_pad > 64
     return dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_SIZE_PAD=triton.next_power_of_2(block_size), TILE_BLOCKS=tile_blocks,
-        USE_WINDOW=use_window, IS_SPLIT=is_split, FP32_DOT=is_fp32,
+        BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
+        IS_SPLIT=is_split, FP32_DOT=is_fp32,
         # One tile of K and V in flight while the previous one is multiplied (ptxas, sm_90,
         # bf16/d128/bs16: 39 KiB shared, 94 registers, so 5 programs per SM).
-        num_warps=4, num_stages=3,
+        num_warps=8 if is_big else 4, num_stages=3,
     )  # fmt: skip
 
 

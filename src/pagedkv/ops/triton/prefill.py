@@ -13,9 +13,10 @@ group. Key tiles walk the block table from the first block inside the window to
 the diagonal; blocks wholly outside the causal/window band are never visited.
 
 Expected speed on an H200 (bf16, head_dim 128, long prompts; not measured in this
-session): 64 x 64 tiles with 4 warps on mma.sync reach roughly 40-55 % of dense
-tensor-core peak, about what a FlashAttention-2-style Triton kernel gets before
-warp specialization; the masks cost a few integer ops per score.
+session): long prompts get 128-row tiles (8 warps, 3 stages, wgmma, 174 registers,
+96 KiB shared, no spills per compile_check.py), the FlashAttention-2 shape that Triton
+brings to roughly 40-55 % of dense tensor-core peak before warp specialization; short
+chunks and decode rows get 64-row tiles. Masks cost a few integer ops per score.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.indexing import find_seq, kv_tile_rows
+from pagedkv.ops.triton.attend import attend_keys
+from pagedkv.ops.triton.indexing import find_seq
 
 _LOG2E = 1.4426950408889634
-_NEG_FLOOR = tl.constexpr(-1.0e30)  # finite start for the running max (see decode.py)
 
 
 @triton.jit
@@ -58,7 +59,8 @@ def _prefill_kernel(
     q_pos = context_len + token  # (M,) absolute position of each row's token
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    q_offset = (q_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    row = (q_start + token).to(tl.int64)  # row * stride can pass 2**31 in long batches
+    q_offset = row[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(query + q_offset, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q = q.to(key_cache.dtype.element_ty)  # (M, D)
 
@@ -68,41 +70,16 @@ def _prefill_kernel(
     key_lo = 0
     if USE_WINDOW:
         key_lo = tl.maximum(context_len + q_first - window + 1, 0)
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], _NEG_FLOOR, tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    table_row = block_tables + seq * stride_bt
-    head_offset = kv_head * stride_kh
-    for tile_start in range((key_lo // BLOCK_SIZE) * BLOCK_SIZE, key_hi, TILE_BLOCKS * BLOCK_SIZE):
-        row_offset, k_pos, is_valid = kv_tile_rows(
-            table_row, tile_start // BLOCK_SIZE, key_hi, stride_kb, stride_kt,
-            BLOCK_SIZE, BLOCK_SIZE_PAD, TILE_BLOCKS,
-        )  # fmt: skip
-        kv_offset = head_offset + row_offset[:, None] + dims[None, :]  # (N, D)
-        kv_mask = is_valid[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache + kv_offset, mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        keep = is_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])  # (M, N) causal
-        if USE_WINDOW:
-            keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(keep, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache + kv_offset, mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_keys(
+        q, q_pos, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh,
+        dims, dim_ok, (key_lo // BLOCK_SIZE) * BLOCK_SIZE, key_hi, window, scale_log2,
+        stride_kb, stride_kt, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
+        TILE_BLOCKS, USE_WINDOW, True, FP32_DOT,
+    )  # fmt: skip
 
     # Padding rows may have seen no key (l_i == 0); they are not stored.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offset = (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    o_offset = row[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out + o_offset, o.to(out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
@@ -114,14 +91,15 @@ def prefill_meta(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_size_pad = triton.next_power_of_2(block_size)
-    # float32 dots run on FMA units ("ieee") and tiles of 128+ keys hold twice the
+    # float32 dots run on FMA units ("ieee"), and 128-row or 128-key tiles hold twice the
     # scores: 4 warps would spill registers there (checked with ptxas for sm_90).
-    is_big = is_fp32 or tile_blocks * block_size_pad * head_dim_pad > 64 * 128
+    lanes = tile_blocks * block_size_pad
+    is_big = is_fp32 or block_m >= 128 or lanes * head_dim_pad > 64 * 128
     return dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
-        FP32_DOT=is_fp32, num_warps=8 if is_big else 4, num_stages=2,
+        FP32_DOT=is_fp32, num_warps=8 if is_big else 4, num_stages=3 if block_m >= 128 else 2,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot < 0:
         return  # padding token

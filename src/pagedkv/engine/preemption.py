@@ -1,0 +1,151 @@
+"""Preemption (recompute or swap), resumption of swapped requests and the thrash bound:
+the half of `Scheduler` that takes requests off the device and brings them back.
+
+Standard library only (no torch), like the scheduler it is part of.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class StepBudget:
+    """Tokens left in one step. Decode tokens of running requests not yet visited are
+    reserved, so prefill chunks only take what the decodes leave."""
+
+    tokens: int
+    reserved_decodes: int  # decode tokens of running requests not yet visited
+
+    @property
+    def prefill_tokens(self) -> int:
+        return max(0, self.tokens - self.reserved_decodes)
+
+
+# One planned piece of work: (sequence, first position to compute, tokens to compute).
+Plan = list[tuple[Sequence, int, int]]
+
+
+class PreemptionMixin:
+    """Preemption and resumption for `Scheduler` (which provides the planning methods)."""
+
+    config: SchedulerConfig
+    kv: Any
+    num_blocks: int
+    running: list[Request]
+    waiting: deque[Request]
+    swapped: deque[Request]
+    num_preemptions: int
+    num_swapped_out: int
+
+    # Planning lives in Scheduler; declared here for type checking only.
+    _plan: Callable[[Request, StepBudget], Plan]
+    _refund: Callable[[Plan, StepBudget], None]
+    _blocks_needed: Callable[[Plan], int]
+    _run_plan: Callable[[Request, Plan, SchedulerOutput, StepBudget], None]
+    _num_running_seqs: Callable[[], int]
+
+    def _preempt(
+        self, request: Request, out: SchedulerOutput, budget: StepBudget, *, visited: bool = False
+    ) -> None:
+        """Take `request` (never appended to in this step) off the device.
+
+        `visited`: its plan already released its decode reservations.
+        """
+        self.running.remove(request)
+        if not visited:
+            decodes = sum(1 for s in request.seqs if s.is_decode and not s.is_finished)
+            budget.reserved_decodes = max(0, budget.reserved_decodes - decodes)
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(request.request_id)
+        held = [s for s in request.seqs if s.is_allocated]
+        if self.config.preemption_mode == "swap" and self._can_swap_out(held):
+            for seq in held:
+                pairs = self.kv.swap_out(seq.seq_id)
+                out.swap_out.extend(pairs)
+                seq.is_allocated, seq.is_swapped = False, True
+                seq.num_swapped_blocks = len(pairs)
+            request.status = RequestStatus.SWAPPED
+            request.metrics.num_swaps += 1
+            self.num_swapped_out += 1
+            if self._is_protected(request):
+                self.swapped.appendleft(request)
+            else:
+                self.swapped.append(request)
+            return
+        for seq in held:
+            # Recompute: prompt + outputs are prefilled again on resumption.
+            self.kv.free(seq.seq_id)
+            seq.is_allocated, seq.num_computed = False, 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _can_swap_out(self, held: list[Sequence]) -> bool:
+        # Counts shared blocks once per holder: an upper bound on the host blocks needed.
+        need = sum(len(self.kv.block_table(s.seq_id)) for s in held)
+        return need <= self.kv.num_free_host_blocks and need <= self.num_blocks
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seqs = [s for s in request.seqs if s.is_swapped]
+            # Room for the blocks plus each sequence's next token.
+            margin = len(request.unfinished_seqs()) if self.running else 0
+            need = sum(s.num_swapped_blocks for s in seqs) + margin
+            if need > self.kv.num_free_blocks and (not self.running or need > self.num_blocks):
+                # Swapped siblings come back unshared: if they cannot fit even in an empty
+                # pool, recompute instead (the prefix cache shares their prompt again).
+                self.swapped.popleft()
+                self._swap_to_recompute(request)
+                continue
+            if (
+                need > self.kv.num_free_blocks
+                or self._num_running_seqs() + request.num_unfinished_target
+                > self.config.max_num_seqs
+            ):
+                return
+            for seq in seqs:
+                out.swap_in.extend(self.kv.swap_in(seq.seq_id))
+                seq.is_allocated, seq.is_swapped = True, False
+            self.swapped.popleft()
+            self._start_running(request)
+            plan = self._plan(request, budget)
+            if self._blocks_needed(plan) <= self.kv.num_free_blocks:
+                self._run_plan(request, plan, out, budget)
+            else:
+                self._refund(plan, budget)
+
+    def _swap_to_recompute(self, request: Request) -> None:
+        for seq in request.seqs:
+            if seq.is_swapped:
+                self.kv.free(seq.seq_id)  # releases its host blocks
+                seq.is_swapped, seq.num_computed = False, 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if not self._is_protected(request):
+            self.running.append(request)
+            return
+        # Thrash bound: a request preempted too often runs ahead of every unprotected one
+        # (protected ones among themselves by arrival), so victims come from the others.
+        position = 0
+        while (
+            position < len(self.running)
+            and self._is_protected(self.running[position])
+            and self.running[position].arrival_index < request.arrival_index
+        ):
+            position += 1
+        self.running.insert(position, request)
+
+    def _is_protected(self, request: Request) -> bool:
+        return request.num_preemptions > self.config.max_preemptions

@@ -1,0 +1,53 @@
+"""What one `Scheduler.schedule()` hands the runner: plain ids, token ids and block ids.
+
+Standard library only, never tensors: the simulator consumes the same objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.engine.request import SeqId
+
+
+@dataclass
+class ScheduledSequence:
+    """Tokens of one sequence computed in this step.
+
+    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; their KV
+    goes to the slots of `block_table`. When `sample_seq_ids` is not empty, the last row's
+    logits are sampled once for each id in it (more than one only for the fork of n > 1).
+    """
+
+    seq_id: SeqId
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample_seq_ids: list[SeqId]
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached tokens plus the new ones)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work for the runner. Apply `swap_out`, then `swap_in`, then `copies`
+    to the KV tensors before the forward pass."""
+
+    seqs: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended inside schedule() (no room to grow even alone in the pool).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
