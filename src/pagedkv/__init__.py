@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "pagedkv.engine.llm",
+    "LLMEngine": "pagedkv.engine.engine",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "BeamSearchParams": "pagedkv.engine.sampling_params",
     "RequestOutput": "pagedkv.engine.outputs",

@@ -11,9 +11,14 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
     """Everything observable about `manager`, to compare before and after a failed call."""
     pool, index = manager._pool, manager._index
     seqs = {
-        seq_id: (list(s.block_ids), list(s.token_ids), s.num_keyed, s.chain_uid,
-                 None if s.host_block_ids is None else list(s.host_block_ids))
-        for seq_id, s in manager._sequences()
+        seq_id: (
+            list(s.block_ids),
+            list(s.token_ids),
+            s.num_keyed,
+            s.chain_uid,
+            None if s.host_block_ids is None else list(s.host_block_ids),
+        )
+        for seq_id, s in manager._seqs.items()
     }
     return {
         "seqs": seqs,

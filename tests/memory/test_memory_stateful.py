@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from memory_testing import snapshot
 
-from pagedkv.memory import KVCacheManager, OutOfBlocks
+from pagedkv.memory import BlockPool, KVCacheManager, OutOfBlocks
 
 PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # small vocab: many shared prefixes
 
@@ -159,7 +159,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert self.m.num_tokens(seq_id) == len(toks)
                 values = [self.device[s] for s in self.m.slot_mapping(seq_id, 0, len(toks))]
             assert values == [tuple(toks[: p + 1]) for p in range(len(toks))], (
-                f"{seq_id!r} reads back another sequence's KV")
+                f"{seq_id!r} reads back another sequence's KV"
+            )
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):
@@ -171,9 +172,26 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.num_free_host_blocks == self.m.num_host_blocks
 
 
+class CompactingMachine(ManagerMachine):
+    """The same machine with the cached queue compacted on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        BlockPool.compact_slack = 0
+
+    def teardown(self) -> None:
+        BlockPool.compact_slack = DEFAULT_SLACK
+        super().teardown()
+
+
+DEFAULT_SLACK = BlockPool.compact_slack
+FAST = settings(max_examples=100, stateful_step_count=40, deadline=None)
+CompactingMachine.TestCase.settings = FAST
+TestCompactingMachine = CompactingMachine.TestCase
+
 ManagerMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=300,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

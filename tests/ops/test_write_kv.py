@@ -40,3 +40,12 @@ def test_write_kv_into_strided_view_and_empty_batch() -> None:
     assert torch.equal(wide[3, 2, 1], 2 * torch.ones(4))
     write_kv(key[:0], key[:0], key_cache, value_cache, torch.zeros(0, dtype=torch.int64))
     assert not pool.any()
+
+
+def test_write_kv_rejects_slot_past_the_end() -> None:
+    key_cache = torch.zeros(2, 4, 1, 8)
+    key = torch.ones(2, 1, 8)
+    with pytest.raises(
+        ValueError, match=r"^slot_mapping: expected slots < .* = 8, got .*\[1\] = 8"
+    ):
+        write_kv(key, key, key_cache, key_cache.clone(), torch.tensor([7, 8]))

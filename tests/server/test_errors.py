@@ -95,7 +95,8 @@ def test_unstreamed_disconnect_aborts(server):
     deadline = time.monotonic() + 10
     while _aborted(server) < before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _aborted(server) == before + 1
+    finished = {k: v for k, v in server.metrics().items() if k.startswith("pagedkv_requests_total")}
+    assert _aborted(server) == before + 1, finished
     assert server.wait_all_blocks_free()["pagedkv_kv_blocks_used"] == 0
 
 

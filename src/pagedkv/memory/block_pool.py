@@ -2,21 +2,24 @@
 
 Every block is in exactly one of three states::
 
-    free     never cached (or forgotten): on the free stack, handed out first
+    free     never cached (or forgotten): on the free stack (or never used yet), handed
+             out first, most recently freed first
     cached   free but still findable by the prefix index: queued for eviction,
-             least recently freed first, only when the free stack is empty
+             least recently freed first, only when no free block is left
     held     ref_count >= 1: in some sequence's block table
 
-No Python object per block: ``array('i')`` only, and work batched per call. The cached
-queue is lazy: a hit does not unlink the block (that was the costliest per-block step of an
-intrusive linked list), it only bumps the block's count; the stale queue entry is skipped
-when it reaches the head, and the queue is compacted when stale entries outnumber live ones
-(amortized O(1)). A block's entry is live iff the block is cached and the entry is its
-newest (``stamp[block] == position``).
+No Python object per block: ``array('i')`` only, work batched per call, and block ids
+handed out as ``array('i')`` slices (4 bytes per block in a block table, no int objects, so
+a pool of millions stays cache friendly). The cached queue is lazy: a hit does not unlink
+the block (the costliest per-block step of an intrusive linked list), it only bumps the
+block's count; the stale entry is skipped when it reaches the head, and the queue is
+compacted when stale entries outnumber live ones (amortized O(1)). A block's entry is live
+iff the block is cached and the entry is its newest (``stamp[block] == position``).
 
 Bookkeeping per block: extra references 4 B + queue stamp 4 B + free stack and queue
-together at most 8 B (free + live + stale entries <= 2 x num_blocks), plus the prefix
-index's key list 8 B.
+together at most 8 B (free + live + stale entries <= 2 x num_blocks + slack), plus the
+prefix index's key list 8 B. Building touches no per-block Python object: zeroed arrays,
+an implicit range of never-used blocks, a list of None.
 
 Standard library only.
 """
@@ -28,9 +31,6 @@ from collections.abc import Iterable, Sequence
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.prefix import PrefixIndex
-
-# Compact the cached queue once it holds this many more entries than twice the live ones.
-_COMPACT_SLACK = 1024
 
 
 class BlockPool:
@@ -45,17 +45,23 @@ class BlockPool:
         ValueError: `num_blocks` is negative.
     """
 
-    __slots__ = ("num_blocks", "index", "_stack", "_extra", "_queue", "_head", "_stamp",
-                 "_num_cached", "num_evictions")  # fmt: skip
+    __slots__ = ("num_blocks", "index", "_stack", "_next_fresh", "_extra", "_queue", "_head",
+                 "_stamp", "_num_cached", "num_evictions")  # fmt: skip
+
+    # Compact the cached queue once it holds this many more entries than twice the live ones
+    # (a class attribute so that tests can compact on every call).
+    compact_slack = 1024
 
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks: expected >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.index = index
-        # Free stack, top at the end: block 0 is handed out first.
-        self._stack = array("i", range(num_blocks))
-        self._stack.reverse()
+        # The free stack, top at the end, holds freed blocks; blocks never handed out,
+        # ``_next_fresh .. num_blocks - 1``, lie implicitly below it (so a million-block pool
+        # builds without iterating a million ints). Block 0 is handed out first.
+        self._stack = array("i")
+        self._next_fresh = 0
         # ref_count - 1 for a held block, 0 on the free stack, -1 when cached. Counting the
         # *extra* references lets allocation skip a per-block write, and a prefix hit is one
         # increment whether the block was held (k -> k + 1) or cached (-1 -> 0).
@@ -70,38 +76,42 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus cached (evictable)."""
-        return len(self._stack) + self._num_cached
+        return len(self._stack) + self.num_blocks - self._next_fresh + self._num_cached
 
     @property
     def num_cached_blocks(self) -> int:
         """Cached-but-free blocks (evictable)."""
         return self._num_cached
 
-    def allocate(self, num: int) -> list[int]:
+    def allocate(self, num: int) -> array[int]:
         """Take `num` blocks (ref_count 1 each), evicting cached blocks only when needed.
 
         Args:
             num: blocks wanted (>= 0).
 
         Returns:
-            The block ids: from the free stack first (most recently freed first), then
-            evicted cached blocks, least recently freed first.
+            The block ids, ``array('i')`` (4 bytes per block, no int objects): from the free
+            stack first (most recently freed first), then never-used blocks, then evicted
+            cached blocks, least recently freed first.
 
         Raises:
             OutOfBlocks: fewer than `num` blocks are free; nothing changed.
         """
-        stack = self._stack
-        if num > len(stack) + self._num_cached:
+        if num > self.num_free_blocks:
             raise OutOfBlocks(
-                f"need {num} blocks, {len(stack) + self._num_cached} free of {self.num_blocks}"
+                f"need {num} blocks, {self.num_free_blocks} free of {self.num_blocks}"
             )
+        stack = self._stack
         take = min(num, len(stack))
-        popped = stack[len(stack) - take :]
+        block_ids = stack[len(stack) - take :]
         del stack[len(stack) - take :]
-        popped.reverse()
-        block_ids = popped.tolist()
+        block_ids.reverse()
         if take < num:
-            block_ids += self._evict(num - take)
+            fresh = min(num - take, self.num_blocks - self._next_fresh)
+            block_ids.extend(range(self._next_fresh, self._next_fresh + fresh))
+            self._next_fresh += fresh
+            if take + fresh < num:
+                block_ids.extend(self._evict(num - take - fresh))
         return block_ids
 
     def _evict(self, num: int) -> list[int]:
@@ -168,7 +178,7 @@ class BlockPool:
 
         Drops consumed and stale entries and renumbers the stamps of the live ones.
         """
-        if len(self._queue) <= 2 * self._num_cached + _COMPACT_SLACK:
+        if len(self._queue) <= 2 * self._num_cached + self.compact_slack:
             return
         live = self.cached_block_ids()
         stamp = self._stamp
@@ -213,8 +223,8 @@ class BlockPool:
         return self._extra[block_id] < 0
 
     def free_block_ids(self) -> list[int]:
-        """Free-stack blocks in the order the next allocations take them."""
-        return self._stack[::-1].tolist()
+        """Free (never cached) blocks in the order the next allocations take them."""
+        return self._stack[::-1].tolist() + list(range(self._next_fresh, self.num_blocks))
 
     def cached_block_ids(self) -> list[int]:
         """Cached-but-free blocks, least recently freed (next evicted) first."""
@@ -236,7 +246,7 @@ class BlockPool:
     def ref_counts(self) -> list[int]:
         """Every block's reference count (O(num_blocks): for checks and tests)."""
         counts = [max(e + 1, 0) for e in self._extra]
-        for b in self._stack:
+        for b in self.free_block_ids():
             counts[b] = 0
         return counts
 
@@ -259,7 +269,8 @@ class BlockPool:
         assert len(holders) == n, f"expected {n} holder counts, got {len(holders)}"
         keys = self.index.block_keys if self.index is not None else [None] * n
         state = bytearray(n)  # 0 not free, 1 free stack, 2 cached
-        for b in self._stack:
+        assert 0 <= self._next_fresh <= n, f"never-used blocks start at {self._next_fresh}"
+        for b in self.free_block_ids():
             assert 0 <= b < n, f"free stack holds {b}, not a block id"
             assert not state[b], f"block {b} is on the free stack twice"
             state[b] = 1

@@ -13,7 +13,8 @@ A sequence's blocks::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
@@ -198,7 +199,9 @@ class KVCacheManager:
             )
         # Take the hits first (cached ones become held) so the fresh blocks cannot evict them.
         self._pool.touch(hits)
-        seq = SeqState(hits + self._pool.allocate(num_fresh), tokens, len(hits), chain_uid)
+        block_ids = array("i", hits)
+        block_ids += self._pool.allocate(num_fresh)
+        seq = SeqState(block_ids, tokens, len(hits), chain_uid)
         self._seqs[seq_id] = seq
         self._key_full_blocks(seq)
         num_cached = len(hits) * self._block_size
@@ -219,22 +222,26 @@ class KVCacheManager:
             OutOfBlocks: not enough free blocks; nothing changed.
         """
         seq = self._resident(seq_id, "append")
-        tokens = token_list(token_ids)
+        # A decode step appends one token to every sequence: keep the common path short.
+        tokens = token_ids if type(token_ids) is list else token_list(token_ids)
         num_blocks, is_cow = self._append_cost(seq, len(tokens))
-        if num_blocks > self._pool.num_free_blocks:
-            raise OutOfBlocks(
-                f"append {seq_id!r}: need {num_blocks} blocks, {self._pool.num_free_blocks} free"
-            )
-        new_block_ids = self._pool.allocate(num_blocks)
-        if is_cow:
-            src, dst = seq.block_ids[-1], new_block_ids.pop(0)
-            self._pool.free([src])  # shared, so it stays held by the others
-            seq.block_ids[-1] = dst
-            self._copies.append((src, dst))
-            self._num_cow += 1
-        seq.block_ids += new_block_ids
+        if num_blocks:
+            pool = self._pool
+            if num_blocks > pool.num_free_blocks:
+                raise OutOfBlocks(
+                    f"append {seq_id!r}: need {num_blocks} blocks, {pool.num_free_blocks} free"
+                )
+            new_block_ids = pool.allocate(num_blocks)
+            if is_cow:
+                src, dst = seq.block_ids[-1], new_block_ids.pop(0)
+                pool.free([src])  # shared, so it stays held by the others
+                seq.block_ids[-1] = dst
+                self._copies.append((src, dst))
+                self._num_cow += 1
+            seq.block_ids += new_block_ids
         seq.token_ids += tokens
-        self._key_full_blocks(seq)
+        if len(seq.token_ids) // self._block_size > seq.num_keyed:
+            self._key_full_blocks(seq)
 
     def _key_full_blocks(self, seq: SeqState) -> None:
         """Offer the sequence's newly full blocks to the prefix index (chained keys)."""
@@ -262,7 +269,7 @@ class KVCacheManager:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
         self._pool.share(parent.block_ids)
         self._seqs[child_id] = SeqState(
-            list(parent.block_ids), list(parent.token_ids), parent.num_keyed, parent.chain_uid
+            parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -284,7 +291,7 @@ class KVCacheManager:
     # ----- reading a sequence ---------------------------------------------------------------
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the sequence's block ids, logical block order. Raises as `num_tokens`."""
-        return list(self._resident(seq_id, "block_table").block_ids)
+        return self._resident(seq_id, "block_table").block_ids.tolist()
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens the sequence holds.
@@ -345,7 +352,7 @@ class KVCacheManager:
         host_block_ids = self._host.allocate(len(seq.block_ids))
         pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
         self._pool.free(seq.block_ids)
-        seq.block_ids, seq.host_block_ids = [], host_block_ids
+        seq.block_ids, seq.host_block_ids = array("i"), host_block_ids
         self._num_swapped_out += len(pairs)
         return pairs
 
@@ -408,32 +415,18 @@ class KVCacheManager:
         Raises:
             AssertionError: the first inconsistency found.
         """
-        from pagedkv.memory._check import check_manager
+        from pagedkv.memory._introspect import check_manager
 
         check_manager(self)
 
     def stats(self) -> dict[str, int]:
-        """Counts of blocks and events since construction (prefix counts in tokens)."""
-        pool, host = self._pool, self._host
-        num_swapped = sum(s.host_block_ids is not None for s in self._seqs.values())
-        return {
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
-            "num_cached_blocks": pool.num_cached_blocks,
-            "num_indexed_blocks": len(self._index) if self._index is not None else 0,
-            "num_host_blocks": host.num_blocks,
-            "num_free_host_blocks": host.num_free_blocks,
-            "num_seqs": len(self._seqs),
-            "num_swapped_seqs": num_swapped,
-            "prefix_cache_queries": self._num_queries,
-            "prefix_cache_hits": self._num_hits,
-            "num_cow_copies": self._num_cow,
-            "num_evictions": pool.num_evictions,
-            "num_swapped_out_blocks": self._num_swapped_out,
-            "num_swapped_in_blocks": self._num_swapped_in,
-            "num_pending_copies": len(self._copies),
-        }
+        """Counts of blocks and events since construction (prefix counts in tokens).
 
-    def _sequences(self) -> Iterator[tuple[SeqId, SeqState]]:
-        return iter(self._seqs.items())
+        Keys: num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks (free and
+        evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
+        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_cow_copies,
+        num_evictions, num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
+        """
+        from pagedkv.memory._introspect import manager_stats
+
+        return manager_stats(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -9,12 +10,12 @@ SeqId = Hashable
 
 
 class SeqState:
-    """One sequence's state: its blocks (device or host) and its tokens."""
+    """One sequence's state: its blocks (device or host, ``array('i')``) and its tokens."""
 
     __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids")
 
     def __init__(
-        self, block_ids: list[int], token_ids: list[Any], num_keyed: int, chain_uid: int
+        self, block_ids: array[int], token_ids: list[Any], num_keyed: int, chain_uid: int
     ) -> None:
         self.block_ids = block_ids
         self.token_ids = token_ids
@@ -23,7 +24,7 @@ class SeqState:
         self.num_keyed = num_keyed
         self.chain_uid = chain_uid
         # Host blocks while swapped out (block_ids is then empty), else None.
-        self.host_block_ids: list[int] | None = None
+        self.host_block_ids: array[int] | None = None
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:

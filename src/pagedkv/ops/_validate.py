@@ -69,6 +69,29 @@ def check_index(
         raise _fail(name, f"shape {expected}", f"shape {tuple(tensor.shape)}")
 
 
+def _attention_args_ok(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sliding_window
+) -> bool:
+    try:
+        shape, device, num_seqs = key_cache.shape, key_cache.device, seq_lens.shape[0]
+        return (
+            key_cache.dim() == 4 and value_cache.shape == shape and query.dim() == 3
+            and query.shape[2] == shape[3] and query.shape[1] % shape[2] == 0
+            and key_cache.dtype in SUPPORTED_DTYPES
+            and key_cache.dtype == value_cache.dtype == query.dtype
+            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+            and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+            and seq_lens.dim() == 1 and query_start_loc.shape == (num_seqs + 1,)
+            and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+            and value_cache.device == device and query.device == device
+            and block_tables.device == device and seq_lens.device == device
+            and query_start_loc.device == device
+            and (sliding_window is None or (type(sliding_window) is int and sliding_window >= 1))
+        )  # fmt: skip
+    except (AttributeError, TypeError, IndexError, ZeroDivisionError):
+        return False  # not tensors, or 0-dim: the detailed checks say which
+
+
 def check_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -79,7 +102,16 @@ def check_attention_args(
     scale: float | None,
     sliding_window: int | None,
 ) -> float:
-    """Check `paged_attention`'s arguments (metadata only) and return the resolved scale."""
+    """Check `paged_attention`'s arguments (metadata only) and return the resolved scale.
+
+    As in `check_write_args`, one combined test passes the valid case cheaply.
+    """
+    if _attention_args_ok(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, sliding_window):  # fmt: skip
+        if scale is None:
+            return 1.0 / math.sqrt(query.shape[2])
+        if not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale):
+            return float(scale)
     _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
     if not isinstance(query, torch.Tensor):
         raise _fail("query", "a torch.Tensor", type(query).__name__)
@@ -148,7 +180,26 @@ def check_write_args(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Check `write_kv`'s arguments (metadata only)."""
+    """Check `write_kv`'s arguments (metadata only).
+
+    One combined test covers the valid case; the detailed checks below run only to name
+    what is wrong (this runs per layer per step, so the common path must be cheap).
+    """
+    try:
+        shape = key_cache.shape
+        if (
+            key_cache.dim() == 4 and value_cache.shape == shape and key.dim() == 3
+            and key.shape[1:] == shape[2:] and value.shape == key.shape
+            and slot_mapping.shape == key.shape[:1]
+            and key_cache.dtype in SUPPORTED_DTYPES and slot_mapping.dtype in INDEX_DTYPES
+            and key_cache.dtype == value_cache.dtype == key.dtype == value.dtype
+            and key_cache.device == value_cache.device == key.device == value.device
+            and slot_mapping.device == key.device
+            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+        ):  # fmt: skip
+            return
+    except (AttributeError, TypeError):
+        pass  # not tensors: the detailed checks say which
     _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):

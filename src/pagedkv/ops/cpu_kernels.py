@@ -275,15 +275,15 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, splits, sc
 
 @njit(cache=True)
 def write_rows(key, value, key_cache, value_cache, slot_mapping):  # pragma: no cover
-    """Copy row t of key/value to row slot_mapping[t] of the caches; skip negative slots.
+    """Copy token t of key/value to slot slot_mapping[t] of the caches; skip negative slots.
 
-    All arrays are raw-bit views ([num_tokens | num_slots, kv_heads * D] of a same-width
-    integer type), so one compiled kernel serves every float dtype.
+    key/value: [num_tokens, kv_heads, D]; caches: [num_slots, kv_heads, D]; all of one
+    dtype (bfloat16/float16 as int16 bits: a row copy is a bit copy).
 
     Returns:
         -1, or the first token whose slot is past the end (nothing was written for it).
     """
-    num_slots, width = key_cache.shape[0], key_cache.shape[1]
+    num_slots, num_heads, head_dim = key_cache.shape
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         if slot < 0:
@@ -291,11 +291,17 @@ def write_rows(key, value, key_cache, value_cache, slot_mapping):  # pragma: no 
         if slot >= num_slots:
             return t
         # Explicit loops: numba's row assignment checks for overlap and is ~2x slower.
-        k_dst, v_dst, k_src, v_src = key_cache[slot], value_cache[slot], key[t], value[t]
-        for i in range(width):
-            k_dst[i] = k_src[i]
-        for i in range(width):
-            v_dst[i] = v_src[i]
+        for h in range(num_heads):
+            k_dst, v_dst, k_src, v_src = (
+                key_cache[slot, h],
+                value_cache[slot, h],
+                key[t, h],
+                value[t, h],
+            )
+            for d in range(head_dim):
+                k_dst[d] = k_src[d]
+            for d in range(head_dim):
+                v_dst[d] = v_src[d]
     return -1
 
 

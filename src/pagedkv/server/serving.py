@@ -213,23 +213,32 @@ async def run_to_end(
     """Feed every delta to `on_delta` until all finish; False if the client went away first.
 
     A non-streaming handler is not cancelled by Starlette when its client disconnects, so
-    the client is polled while the engine works and the requests are aborted if it left.
+    a second task waits on the ASGI `receive()` for `http.disconnect` (the request body is
+    already read, so that is the only message left) while the engine works; whichever ends
+    first cancels the other, and a cancelled consumer aborts its requests.
     """
 
     async def consume() -> None:
         async for i, delta in deltas:
             on_delta(i, delta)
 
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.1)  # a server that repeats body messages must not spin
+
     task = asyncio.create_task(consume())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            task.result()
-            return True
-        if await request.is_disconnected():
+    watcher = asyncio.create_task(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return False
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # re-raises the consumer's error
+    return True
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -1,12 +1,13 @@
-"""`KVCacheManager.check()`: recount every holder from scratch and compare.
+"""`KVCacheManager.check()` and `stats()`: read-only views of the whole state.
 
-The counts are rebuilt from the sequences' block tables, never read from the pool, so a
-forgotten decrement (a block whose count exceeds its holders) or a leak (a block neither free
-nor held) cannot hide. O(num_blocks + tokens held): for tests and debug runs.
+`check` rebuilds the counts from the sequences' block tables, never reading them from the
+pool, so a forgotten decrement (a block whose count exceeds its holders) or a leak (a block
+neither free nor held) cannot hide. O(num_blocks + tokens held): for tests and debug runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.prefix import ROOT_UID
@@ -26,7 +27,7 @@ def check_manager(manager: KVCacheManager) -> None:
     block_size = manager.block_size
     holders = [0] * pool.num_blocks
     host_holders = [0] * host.num_blocks
-    for seq_id, seq in manager._sequences():
+    for seq_id, seq in manager._seqs.items():
         num_tokens = len(seq.token_ids)
         assert num_tokens > 0, f"sequence {seq_id!r} holds no token"
         num_blocks = -(-num_tokens // block_size)
@@ -58,7 +59,7 @@ def check_manager(manager: KVCacheManager) -> None:
         )
 
 
-def _count(holders: list[int], block_ids: list[int], seq_id: object) -> None:
+def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None:
     seen = set()
     for b in block_ids:
         assert 0 <= b < len(holders), f"{seq_id!r} holds {b}, not a block id"
@@ -88,3 +89,27 @@ def _check_keys(manager: KVCacheManager, seq_id: object, seq: SeqState) -> None:
                 f"its predecessor is {parent_uid}"
             )
         parent_uid = index.uid_of(b) if key is not None else None
+
+
+def manager_stats(manager: KVCacheManager) -> dict[str, int]:
+    """The counters behind `KVCacheManager.stats` (see there for the keys)."""
+    pool, host, index = manager._pool, manager._host, manager._index
+    num_swapped = sum(s.host_block_ids is not None for s in manager._seqs.values())
+    return {
+        "num_blocks": pool.num_blocks,
+        "num_free_blocks": pool.num_free_blocks,
+        "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
+        "num_cached_blocks": pool.num_cached_blocks,
+        "num_indexed_blocks": len(index) if index is not None else 0,
+        "num_host_blocks": host.num_blocks,
+        "num_free_host_blocks": host.num_free_blocks,
+        "num_seqs": len(manager._seqs),
+        "num_swapped_seqs": num_swapped,
+        "prefix_cache_queries": manager._num_queries,
+        "prefix_cache_hits": manager._num_hits,
+        "num_cow_copies": manager._num_cow,
+        "num_evictions": pool.num_evictions,
+        "num_swapped_out_blocks": manager._num_swapped_out,
+        "num_swapped_in_blocks": manager._num_swapped_in,
+        "num_pending_copies": len(manager._copies),
+    }
