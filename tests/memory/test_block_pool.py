@@ -104,6 +104,24 @@ def test_touch_takes_cached_blocks_off_the_lru() -> None:
     pool.check(_holders(pool, [0], [0]))
 
 
+def test_a_hit_block_freed_again_is_the_most_recently_used() -> None:
+    pool = _pool(2)
+    index = pool.index
+    assert index is not None
+    assert _alloc(pool, 2) == [0, 1]
+    index.insert(0, (0,), 0)
+    index.insert(0, (1,), 1)
+    pool.free([0])
+    pool.free([1])
+    assert pool.cached_block_ids() == [0, 1]
+    pool.touch([0])  # block 0's queue entry goes stale
+    pool.free([0])
+    assert pool.cached_block_ids() == [1, 0]
+    assert _alloc(pool, 1) == [1]  # the stale entry of block 0 is skipped
+    assert pool.cached_block_ids() == [0] and index.block_keys[1] is None
+    pool.check(_holders(pool, [1]))
+
+
 def test_reset_cache_returns_cached_blocks_to_the_stack() -> None:
     pool = _pool(3)
     index = pool.index

@@ -34,6 +34,9 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 _NEG = -1.0e30
+JIT = dict(fastmath=True, boundscheck=False, error_model="numpy")
+"""Options of every kernel: vectorizable reductions, no bounds checks, no Python-style
+division checks (they add branches and a Python exception path to inner loops)."""
 ITEM_QROW, ITEM_SEQ, ITEM_LO, ITEM_HI, ITEM_OUT, ITEM_PART = range(6)
 
 
@@ -64,82 +67,97 @@ def _to_f32(x):  # pragma: no cover
     return None
 
 
-def load_row(block, t, g, scratch, i):  # pragma: no cover
-    """Row (t, g) of a block as float32 [D]: a view for float32, else widened into scratch[i]."""
-    raise NotImplementedError("only callable from Numba-compiled code")
+_LN2_POWERS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+               0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161)  # fmt: skip
+"""ln(2)^k / k! for k = 1..6: Taylor coefficients of 2^f = exp(f ln 2)."""
 
 
-@overload(load_row, inline="always")
-def _load_row(block, t, g, scratch, i):  # pragma: no cover
-    if block.dtype == types.float32:
-        return lambda block, t, g, scratch, i: block[t, g]
+@njit(cache=True, inline="always", **JIT)
+def exp_neg(x):  # pragma: no cover
+    """exp(x) for float32 x <= 0, in plain arithmetic so that loops over it vectorize.
 
-    def widen(block, t, g, scratch, i):
-        # Widen once into an L1-resident row, then every query head of the group reads it.
-        src, dst = block[t, g], scratch[i]
-        for d in range(src.shape[0]):
-            dst[d] = to_f32(src[d])
-        return dst
+    There is no SVML here, so `math.exp` is a scalar libm call per score (a third of the
+    kernel's time). x = (n + f) / log2(e) with integer n and |f| <= 1/2: 2^n is built in the
+    exponent bits, 2^f by a degree-6 Taylor polynomial (relative error < 2e-7). Inputs below
+    -87 are clamped (exp(-87) ~ 1.6e-38, still a normal float32).
+    """
+    t = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    n = np.float32(math.floor(t + np.float32(0.5)))
+    f = t - n
+    p = np.float32(_LN2_POWERS[5])
+    p = p * f + np.float32(_LN2_POWERS[4])
+    p = p * f + np.float32(_LN2_POWERS[3])
+    p = p * f + np.float32(_LN2_POWERS[2])
+    p = p * f + np.float32(_LN2_POWERS[1])
+    p = p * f + np.float32(_LN2_POWERS[0])
+    p = p * f + np.float32(1.0)
+    return p * _f32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
-    return widen
 
-
-@njit(cache=True, fastmath=True, inline="always")
-def _score_block(kb, t0, t1, q, scale, group, scores, rows):  # pragma: no cover
+@njit(cache=True, inline="always", **JIT)
+def _score_block(kb, t0, t1, q, scale, group, scores):  # pragma: no cover
     """scores[h, t] = scale * q[h] . k[t, h // group] for rows [t0, t1) of one block.
 
     Rows are visited in memory order (token, then KV head) and four tokens at a time, so
-    each query row loaded feeds four dot products.
+    each query row loaded feeds four dot products; bfloat16 rows widen in registers.
     """
     num_kv_heads, head_dim = kb.shape[1], kb.shape[2]
     t = t0
     while t + 4 <= t1:
         for g in range(num_kv_heads):
-            k0, k1 = load_row(kb, t, g, rows, 0), load_row(kb, t + 1, g, rows, 1)
-            k2, k3 = load_row(kb, t + 2, g, rows, 2), load_row(kb, t + 3, g, rows, 3)
+            k0, k1, k2, k3 = kb[t, g], kb[t + 1, g], kb[t + 2, g], kb[t + 3, g]
             for h in range(g * group, (g + 1) * group):
                 qrow = q[h]
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
                     x = qrow[d]
-                    s0 += x * k0[d]
-                    s1 += x * k1[d]
-                    s2 += x * k2[d]
-                    s3 += x * k3[d]
+                    s0 += x * to_f32(k0[d])
+                    s1 += x * to_f32(k1[d])
+                    s2 += x * to_f32(k2[d])
+                    s3 += x * to_f32(k3[d])
                 scores[h, t], scores[h, t + 1] = s0 * scale, s1 * scale
                 scores[h, t + 2], scores[h, t + 3] = s2 * scale, s3 * scale
         t += 4
     for tail in range(t, t1):
         for g in range(num_kv_heads):
-            k0 = load_row(kb, tail, g, rows, 0)
+            k0 = kb[tail, g]
             for h in range(g * group, (g + 1) * group):
                 qrow = q[h]
                 s0 = np.float32(0.0)
                 for d in range(head_dim):
-                    s0 += qrow[d] * k0[d]
+                    s0 += qrow[d] * to_f32(k0[d])
                 scores[h, tail] = s0 * scale
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always", **JIT)
 def _softmax_block(t0, t1, m, lsum, acc, scores):  # pragma: no cover
-    """Raise each head's running max over the block's scores, rescale, scores -> exp weights."""
+    """Raise each head's running max over the block's scores, rescale, scores -> exp weights.
+
+    One max and at most one rescale of acc per head and block, not per token; the exps run
+    over a contiguous view from 0 so that they vectorize.
+    """
     for h in range(m.shape[0]):
+        row = scores[h, t0:t1]
         new_max = m[h]
-        for t in range(t0, t1):
-            new_max = max(new_max, scores[h, t])
+        for t in range(row.shape[0]):
+            new_max = max(new_max, row[t])
         if new_max > m[h]:
-            alpha = math.exp(m[h] - new_max)
+            alpha = exp_neg(m[h] - new_max)
             m[h] = new_max
             lsum[h] *= alpha
-            for d in range(acc.shape[1]):
-                acc[h, d] *= alpha
-        for t in range(t0, t1):
-            scores[h, t] = math.exp(scores[h, t] - new_max)
-            lsum[h] += scores[h, t]
+            a = acc[h]
+            for d in range(a.shape[0]):
+                a[d] *= alpha
+        total = np.float32(0.0)
+        for t in range(row.shape[0]):
+            w = exp_neg(row[t] - new_max)
+            row[t] = w
+            total += w
+        lsum[h] += total
 
 
-@njit(cache=True, fastmath=True, inline="always")
-def _accumulate_block(vb, t0, t1, group, acc, weights, rows):  # pragma: no cover
+@njit(cache=True, inline="always", **JIT)
+def _accumulate_block(vb, t0, t1, group, acc, weights):  # pragma: no cover
     """acc[h] += sum_t weights[h, t] * v[t, h // group], eight tokens per pass over acc.
 
     Summing eight weighted V rows before touching acc cuts its loads and stores (the cost
@@ -149,40 +167,31 @@ def _accumulate_block(vb, t0, t1, group, acc, weights, rows):  # pragma: no cove
     t = t0
     while t + 8 <= t1:
         for g in range(num_kv_heads):
-            v0, v1 = load_row(vb, t, g, rows, 0), load_row(vb, t + 1, g, rows, 1)
-            v2, v3 = load_row(vb, t + 2, g, rows, 2), load_row(vb, t + 3, g, rows, 3)
-            v4, v5 = load_row(vb, t + 4, g, rows, 4), load_row(vb, t + 5, g, rows, 5)
-            v6, v7 = load_row(vb, t + 6, g, rows, 6), load_row(vb, t + 7, g, rows, 7)
+            v0, v1, v2, v3 = vb[t, g], vb[t + 1, g], vb[t + 2, g], vb[t + 3, g]
+            v4, v5, v6, v7 = vb[t + 4, g], vb[t + 5, g], vb[t + 6, g], vb[t + 7, g]
             for h in range(g * group, (g + 1) * group):
                 a, w = acc[h], weights[h]
                 p0, p1, p2, p3 = w[t], w[t + 1], w[t + 2], w[t + 3]
                 p4, p5, p6, p7 = w[t + 4], w[t + 5], w[t + 6], w[t + 7]
                 for d in range(head_dim):
-                    a[d] += (p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]) + (
-                        p4 * v4[d] + p5 * v5[d] + p6 * v6[d] + p7 * v7[d]
-                    )
+                    a[d] += (
+                        p0 * to_f32(v0[d]) + p1 * to_f32(v1[d])
+                        + p2 * to_f32(v2[d]) + p3 * to_f32(v3[d])
+                    ) + (
+                        p4 * to_f32(v4[d]) + p5 * to_f32(v5[d])
+                        + p6 * to_f32(v6[d]) + p7 * to_f32(v7[d])
+                    )  # fmt: skip
         t += 8
     for tail in range(t, t1):
         for g in range(num_kv_heads):
-            v0 = load_row(vb, tail, g, rows, 0)
+            v0 = vb[tail, g]
             for h in range(g * group, (g + 1) * group):
                 a, p0 = acc[h], weights[h, tail]
                 for d in range(head_dim):
-                    a[d] += p0 * v0[d]
+                    a[d] += p0 * to_f32(v0[d])
 
 
-@njit(cache=True, fastmath=True, inline="always")
-def _update_block(kb, vb, t0, t1, q, scale, group, m, lsum, acc, scores, rows):  # pragma: no cover
-    """Fold tokens [t0, t1) of one block ([bs, kv_heads, D] views) into the state.
-
-    rows: float32 [8, D] scratch for widened bfloat16 rows (unused for float32).
-    """
-    _score_block(kb, t0, t1, q, scale, group, scores, rows)
-    _softmax_block(t0, t1, m, lsum, acc, scores)
-    _accumulate_block(vb, t0, t1, group, acc, scores, rows)
-
-
-@njit(cache=True, fastmath=True)
+@njit(cache=True, **JIT)
 def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no cover
     part = item[ITEM_PART]
     if part < 0:
@@ -197,7 +206,7 @@ def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no co
         part_l[part] = lsum
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, **JIT)
 def _item(
     item, query, key_cache, value_cache, block_tables, scale, out, part_acc, part_m, part_l
 ):  # pragma: no cover
@@ -211,7 +220,6 @@ def _item(
     lsum = np.zeros(num_heads, dtype=np.float32)
     acc = np.zeros((num_heads, head_dim), dtype=np.float32)
     scores = np.empty((num_heads, block_size), dtype=np.float32)
-    rows = np.empty((8, head_dim), dtype=np.float32)
     scale32 = np.float32(scale)
     lo, hi = item[ITEM_LO], item[ITEM_HI]
     for bi in range(lo // block_size, (hi - 1) // block_size + 1):
@@ -219,11 +227,13 @@ def _item(
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
         kb, vb = key_cache[block], value_cache[block]
-        _update_block(kb, vb, t0, t1, q, scale32, group, m, lsum, acc, scores, rows)
+        _score_block(kb, t0, t1, q, scale32, group, scores)
+        _softmax_block(t0, t1, m, lsum, acc, scores)
+        _accumulate_block(vb, t0, t1, group, acc, scores)
     _finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, **JIT)
 def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
     """Merge each split row's partial states into its output row: sum(acc_i w_i) / sum(l_i w_i)."""
     num_heads, head_dim = out.shape[1], out.shape[2]
@@ -246,7 +256,7 @@ def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
 
 # Two drivers (each compiled for float32 and for bfloat16 bits). Small batches run serially:
 # starting a parallel region costs more than the work (and far more on a busy machine).
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, parallel=True, **JIT)
 def decode_parallel(query, key_cache, value_cache, block_tables, items, splits, scale, out,
                     part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
     """Run every item across threads, then merge split rows.
@@ -263,7 +273,7 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, splits, 
     _combine(splits, out, part_acc, part_m, part_l)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, **JIT)
 def decode_serial(query, key_cache, value_cache, block_tables, items, splits, scale, out,
                   part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
     """As `decode_parallel`, on the calling thread."""
@@ -273,7 +283,7 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, splits, sc
     _combine(splits, out, part_acc, part_m, part_l)
 
 
-@njit(cache=True)
+@njit(cache=True, boundscheck=False)
 def write_rows(key, value, key_cache, value_cache, slot_mapping):  # pragma: no cover
     """Copy token t of key/value to slot slot_mapping[t] of the caches; skip negative slots.
 
