@@ -247,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         context=[512, 4096] if args.quick else [512, 4096, 32768],
         block_size=[16] if cuda else ([16, 32] if args.quick else [16, 32, 128]),
         dtype=["float32", "bfloat16"] if not cuda else ["bfloat16", "float16"],
-        max_kv_gib=24.0 if cuda else (0.6 if args.quick else 1.2),
+        max_kv_gib=24.0 if cuda else (0.6 if args.quick else 2.1),
         max_prefill_context=(32768 if cuda else 4096),
         min_time=0.15 if args.quick else 0.5,
     )

@@ -7,10 +7,13 @@ For each pool size it measures, in one run, side by side:
   (one allocation plus one free). Through `BlockPool` (the layer vLLM's BlockPool figures
   compare with), through `KVCacheManager` without prefix caching (prompts of 16-token blocks,
   sequence dicts, validation), and through the seed's first-free-scan allocator (a Python
-  port of FindFreePage + AllocatePages), timed on fewer steps at large sizes.
+  port of FindFreePage + AllocatePages), timed on fewer steps at large sizes. The floor: the
+  same churn through a bare stack of ids without any bookkeeping (what the workload's own
+  block tables cost, cold in cache at large sizes).
 * prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
   (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
-  hit block, then `free` separately.
+  hit block, then `free` separately. Repeated hits on a chain go through its spans; the walk
+  figure is the same hit with spans off (a first hit, or a chain shorter than a span).
 * build: seconds to construct `KVCacheManager(num_blocks, 16)`, and pool bookkeeping bytes
   per block measured with tracemalloc (pool arrays, then pool plus the prefix index's key
   list); and the same bytes in the busy pool after the prefix-hit run (array lengths).
@@ -28,6 +31,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,6 +131,28 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
     return statistics.median(rates), total_s / total_blocks * 1e6, steps
 
 
+class BareStack:
+    """The floor: allocation as a stack of ids with no counts, no index, no checks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.stack = array("i", range(num_blocks))
+
+    def allocate(self, num: int) -> array:
+        stack = self.stack
+        block_ids = stack[len(stack) - num :]
+        del stack[len(stack) - num :]
+        return block_ids
+
+    def free(self, block_ids: array) -> int:
+        self.stack.extend(block_ids)
+        return len(block_ids)
+
+
+def churn_floor(num_blocks: int, num_steps: int, seed: int) -> float:
+    bare = BareStack(num_blocks)
+    return churn(bare.allocate, bare.free, num_blocks, num_steps, seed)[0]
+
+
 def churn_pool(num_blocks: int, num_steps: int, seed: int) -> float:
     pool = BlockPool(num_blocks, PrefixIndex(num_blocks))
 
@@ -182,8 +208,9 @@ def churn_scan(num_blocks: int, num_steps: int, seed: int, budget_s: float) -> t
     return rate, steps
 
 
-def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, float]:
-    """(us per hit block in allocate, us per block in the following free, pool bytes/block).
+def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, float, float]:
+    """(us per hit block in allocate, the same with spans off, us per block in the following
+    free, pool bytes/block).
 
     The bytes are the pool's arrays plus the index's key list after the run, with the pool
     ~45 % held and ~45 % cached (the free stack and the cached queue at their working size).
@@ -204,6 +231,15 @@ def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, 
     prompt = [rng.randrange(50_000) for _ in range(MAX_SEQ_BLOCKS * BLOCK_SIZE + 1)]
     manager.allocate("warm", prompt)
     manager.free("warm")
+    hit, release = _time_hits(manager, prompt, repeats)
+    manager._index.span_blocks = 1 << 30  # no chain is that long: block by block
+    walk, _ = _time_hits(manager, prompt, repeats)
+    pool_bytes = manager._pool.nbytes() + 8 * num_blocks  # + the entry list: 8 B per block
+    return hit, walk, release, pool_bytes / num_blocks
+
+
+def _time_hits(manager: KVCacheManager, prompt: list[int], repeats: int) -> tuple[float, float]:
+    """Median us per block of `allocate` (all hits) and of the `free` after it."""
     hit, release = [], []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -214,8 +250,7 @@ def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, 
         assert num_cached == MAX_SEQ_BLOCKS * BLOCK_SIZE, "expected every full block to hit"
         hit.append((t1 - t0) / MAX_SEQ_BLOCKS * 1e6)
         release.append((t2 - t1) / (MAX_SEQ_BLOCKS + 1) * 1e6)
-    pool_bytes = manager._pool.nbytes() + 8 * num_blocks  # + the key list: 8 B per block
-    return statistics.median(hit), statistics.median(release), pool_bytes / num_blocks
+    return statistics.median(hit), statistics.median(release)
 
 
 def build(num_blocks: int) -> tuple[float, float, float]:
@@ -238,20 +273,25 @@ def build(num_blocks: int) -> tuple[float, float, float]:
 
 def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int]:
     builds = [build(num_blocks) for _ in range(args.repeats)]
-    pool_us = [churn_pool(num_blocks, args.steps, args.seed + r) for r in range(args.repeats)]
+    pool_us, floor_us = [], []
+    for r in range(args.repeats):  # interleaved: both see the same machine load
+        pool_us.append(churn_pool(num_blocks, args.steps, args.seed + r))
+        floor_us.append(churn_floor(num_blocks, args.steps, args.seed + r))
     manager_us = [churn_manager(num_blocks, args.steps, args.seed + r)
                   for r in range(args.repeats)]  # fmt: skip
-    hit_us, free_us, busy_bytes = prefix_hit(num_blocks, args.hit_repeats, args.seed)
+    hit_us, walk_us, free_us, busy_bytes = prefix_hit(num_blocks, args.hit_repeats, args.seed)
     scan_us, scan_steps = churn_scan(num_blocks, args.steps, args.seed, args.scan_budget)
     pool_median = statistics.median(pool_us)
     return {
         "num_blocks": num_blocks,
         "pool_us_per_block": pool_median,
+        "floor_us_per_block": statistics.median(floor_us),
         "manager_us_per_block": statistics.median(manager_us),
         "scan_us_per_block": scan_us,
         "scan_steps": scan_steps,
         "speedup_vs_scan": scan_us / pool_median,
         "hit_us_per_block": hit_us,
+        "hit_walk_us_per_block": walk_us,
         "hit_free_us_per_block": free_us,
         "build_s": statistics.median(b[0] for b in builds),
         "pool_bytes_per_block": builds[0][1],
@@ -279,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     flat = {
         key: max(r[key] for r in rows) / min(r[key] for r in rows)
-        for key in ("pool_us_per_block", "hit_us_per_block")
+        for key in ("pool_us_per_block", "floor_us_per_block", "hit_us_per_block")
     }
     print("largest/smallest: " + ", ".join(f"{k} {v:.2f}x" for k, v in flat.items()))
     path = write_results(args.out, config=vars(args), results={"rows": rows, "flatness": flat})

@@ -1,63 +1,60 @@
 """Development bench for the CPU decode kernel (llm.c `dev/` style): reference, numbered
 kernel variants, validation and timing in one file. The winner moves into `pagedkv/ops/`.
 
-    python benchmarks/dev_cpu_attention.py --batch 8 --context 4096 --block-size 16
-    python benchmarks/dev_cpu_attention.py --asm 2      # vector instructions of variant 2
+    python benchmarks/dev_cpu_attention.py --batch 8 --context 4096 --block-size 16 32
+    python benchmarks/dev_cpu_attention.py --threads 1 --variants 1 2 3 --serial --asm
 
-Variants (all share the plan of `pagedkv.ops.cpu_plan` and the kernel signature of
-`pagedkv.ops.cpu_kernels.decode_parallel`):
-    0  grouped SDPA on contiguous K/V (the baseline, not paged)
-    1  `cpu_kernels` as shipped
-    2  variant kernels defined below
-Timings interleave the variants in one process (rounds of one call each), so a busy machine
-slows them alike; the table gives medians and the ratio to variant 0.
+Variants (all use the plan of `pagedkv.ops.cpu_plan` and differ only in the per-item
+kernel; `--asm` counts their zmm/ymm FMAs, bfloat16 widenings and vectorized exps):
+    0  grouped SDPA on contiguous K/V: the baseline (not paged)
+    1  `pagedkv.ops.cpu_kernels` as shipped: scores four tokens per query-row load, one
+       max/rescale per block, a vectorizable exp (no SVML: `math.exp` is a scalar libm
+       call), eight weighted V rows per accumulator pass, bfloat16 rows widened once per
+       (token, KV head) into an L1 scratch row, compiled for 512-bit vectors
+    2  as 1, but bfloat16 widened inside the dot products (once per query head) and the
+       default 256-bit vectors
+    3  as 1, but two query heads per pass over each K/V row (register blocking)
+The pre-rework kernel (scalar `expf` per score, Python error model) is in git history.
+
+Measured 2026-11-29 on the development machine (2-core Emerald Rapids VM, shared, one
+thread, medians of 40 interleaved rounds, ratio = SDPA time / variant time):
+
+    shape (block 16)      v1 fp32  v2 fp32  v3 fp32 | v1 bf16  v2 bf16  v3 bf16
+    1 x 512               0.93x    0.89x    0.85x   | 0.90x    0.80x    0.92x
+    1 x 4096              1.71x    1.55x    1.50x   | 1.58x    0.95x    1.30x
+
+(the pre-rework kernel: 0.88x / 1.47x fp32, 0.85x / 0.98x bf16; v1 without 512-bit vectors:
+0.93x / 1.59x fp32, 0.91x / 1.05x bf16). Timings interleave the variants in one process
+(rounds of one call each), so a busy machine slows them alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import statistics
 import time
 
 import numba
-from numba import njit, prange
 import numpy as np
 import torch
 import torch.nn.functional as F
 from bench_attention import make_paged  # benchmarks/ (script dir)
+from numba import njit, prange
 
 from pagedkv.ops import cpu, cpu_kernels
-from pagedkv.ops.cpu_kernels import _combine, _f32_from_bits, load_row, to_f32
+from pagedkv.ops.cpu_kernels import (
+    JIT,
+    _combine,
+    _softmax_block,
+    prefer_512_bit_vectors,
+    to_f32,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-# ---------------------------------------------------------------- variant 2
-# v1 + a vectorizable exp (no SVML here: math.exp is a scalar libm call per score),
-# error_model="numpy", bfloat16 widened inline (no scratch row).
-JIT = dict(fastmath=True, boundscheck=False, error_model="numpy")
-_LN2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
-        0.0013333558146428443, 0.0001540353039338161)  # fmt: skip
-
-
-@njit(inline="always", **JIT)
-def exp_v2(x):  # pragma: no cover
-    """exp(x) for x <= 0 in float32 via 2^n * 2^f, |f| <= 1/2 (Taylor degree 6, rel err < 2e-7)."""
-    t = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
-    n = np.float32(math.floor(t + np.float32(0.5)))
-    f = t - n
-    p = np.float32(_LN2[5])
-    p = p * f + np.float32(_LN2[4])
-    p = p * f + np.float32(_LN2[3])
-    p = p * f + np.float32(_LN2[2])
-    p = p * f + np.float32(_LN2[1])
-    p = p * f + np.float32(_LN2[0])
-    p = p * f + np.float32(1.0)
-    return p * _f32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
-
-
+# ---------------------------------------------------------------- variant 2: widen inline
 @njit(inline="always", **JIT)
 def _score_v2(kb, t0, t1, q, scale, group, scores):  # pragma: no cover
     num_kv_heads, head_dim = kb.shape[1], kb.shape[2]
@@ -86,28 +83,6 @@ def _score_v2(kb, t0, t1, q, scale, group, scores):  # pragma: no cover
                 for d in range(head_dim):
                     s0 += qrow[d] * to_f32(k0[d])
                 scores[h, tail] = s0 * scale
-
-
-@njit(inline="always", **JIT)
-def _softmax_v2(t0, t1, m, lsum, acc, scores):  # pragma: no cover
-    for h in range(m.shape[0]):
-        row = scores[h, t0:t1]
-        new_max = m[h]
-        for t in range(row.shape[0]):
-            new_max = max(new_max, row[t])
-        if new_max > m[h]:
-            alpha = exp_v2(m[h] - new_max)
-            m[h] = new_max
-            lsum[h] *= alpha
-            a = acc[h]
-            for d in range(a.shape[0]):
-                a[d] *= alpha
-        total = np.float32(0.0)
-        for t in range(row.shape[0]):
-            w = exp_v2(row[t] - new_max)
-            row[t] = w
-            total += w
-        lsum[h] += total
 
 
 @njit(inline="always", **JIT)
@@ -146,8 +121,7 @@ def _item_v2(item, query, key_cache, value_cache, block_tables, scale, out, part
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size = key_cache.shape[1]
     group = num_heads // key_cache.shape[2]
-    q = query[item[2 - 2]]
-    table = block_tables[item[1]]
+    q, table = query[item[0]], block_tables[item[1]]
     m = np.full(num_heads, np.float32(-1.0e30), dtype=np.float32)
     lsum = np.zeros(num_heads, dtype=np.float32)
     acc = np.zeros((num_heads, head_dim), dtype=np.float32)
@@ -155,47 +129,16 @@ def _item_v2(item, query, key_cache, value_cache, block_tables, scale, out, part
     scale32 = np.float32(scale)
     lo, hi = item[2], item[3]
     for bi in range(lo // block_size, (hi - 1) // block_size + 1):
-        block = table[bi]
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
-        kb, vb = key_cache[block], value_cache[block]
+        kb, vb = key_cache[table[bi]], value_cache[table[bi]]
         _score_v2(kb, t0, t1, q, scale32, group, scores)
-        _softmax_v2(t0, t1, m, lsum, acc, scores)
+        _softmax_block(t0, t1, m, lsum, acc, scores)
         _accumulate_v2(vb, t0, t1, group, acc, scores)
-    part = item[5]
-    if part < 0:
-        row = out[item[4]]
-        for h in range(num_heads):
-            inv = np.float32(1.0) / lsum[h]
-            for d in range(head_dim):
-                row[h, d] = acc[h, d] * inv
-    else:
-        part_acc[part] = acc
-        part_m[part] = m
-        part_l[part] = lsum
+    cpu_kernels._finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
-@njit(parallel=True, **JIT)
-def decode_v2(query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc,
-              part_m, part_l):  # fmt: skip  # pragma: no cover
-    for i in prange(items.shape[0]):
-        _item_v2(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-                 part_m, part_l)  # fmt: skip
-    _combine(splits, out, part_acc, part_m, part_l)
-
-
-@njit(**JIT)
-def decode_v2_serial(query, key_cache, value_cache, block_tables, items, splits, scale, out,
-                     part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
-    for i in range(items.shape[0]):
-        _item_v2(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-                 part_m, part_l)  # fmt: skip
-    _combine(splits, out, part_acc, part_m, part_l)
-
-
-# ---------------------------------------------------------------- variant 3
-# v2 with two query heads of a group per pass: each K/V row loaded (and widened) feeds two
-# heads, halving row loads and bfloat16 conversions per FMA.
+# ---------------------------------------------------------------- variant 3: 2 heads/pass
 @njit(inline="always", **JIT)
 def _score_v3(kb, t0, t1, q, scale, group, scores):  # pragma: no cover
     num_kv_heads, head_dim = kb.shape[1], kb.shape[2]
@@ -283,11 +226,11 @@ def _accumulate_v3(vb, t0, t1, group, acc, weights):  # pragma: no cover
 @njit(**JIT)
 def _item_v3(item, query, key_cache, value_cache, block_tables, scale, out, part_acc, part_m,
              part_l):  # fmt: skip  # pragma: no cover
+    prefer_512_bit_vectors()
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size = key_cache.shape[1]
     group = num_heads // key_cache.shape[2]
-    q = query[item[2 - 2]]
-    table = block_tables[item[1]]
+    q, table = query[item[0]], block_tables[item[1]]
     m = np.full(num_heads, np.float32(-1.0e30), dtype=np.float32)
     lsum = np.zeros(num_heads, dtype=np.float32)
     acc = np.zeros((num_heads, head_dim), dtype=np.float32)
@@ -295,130 +238,131 @@ def _item_v3(item, query, key_cache, value_cache, block_tables, scale, out, part
     scale32 = np.float32(scale)
     lo, hi = item[2], item[3]
     for bi in range(lo // block_size, (hi - 1) // block_size + 1):
-        block = table[bi]
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
-        kb, vb = key_cache[block], value_cache[block]
+        kb, vb = key_cache[table[bi]], value_cache[table[bi]]
         _score_v3(kb, t0, t1, q, scale32, group, scores)
-        _softmax_v2(t0, t1, m, lsum, acc, scores)
+        _softmax_block(t0, t1, m, lsum, acc, scores)
         _accumulate_v3(vb, t0, t1, group, acc, scores)
-    part = item[5]
-    if part < 0:
-        row = out[item[4]]
-        for h in range(num_heads):
-            inv = np.float32(1.0) / lsum[h]
-            for d in range(head_dim):
-                row[h, d] = acc[h, d] * inv
-    else:
-        part_acc[part] = acc
-        part_m[part] = m
-        part_l[part] = lsum
+    cpu_kernels._finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
+# ---------------------------------------------------------------- drivers
 @njit(parallel=True, **JIT)
-def decode_v3(query, key_cache, value_cache, block_tables, items, splits, scale, out, part_acc,
-              part_m, part_l):  # fmt: skip  # pragma: no cover
+def drive_parallel(item_fn, query, key_cache, value_cache, block_tables, items, splits, scale,
+                   out, part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
     for i in prange(items.shape[0]):
-        _item_v3(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-                 part_m, part_l)  # fmt: skip
+        item_fn(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
+                part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
 @njit(**JIT)
-def decode_v3_serial(query, key_cache, value_cache, block_tables, items, splits, scale, out,
-                     part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+def drive_serial(item_fn, query, key_cache, value_cache, block_tables, items, splits, scale,
+                 out, part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
     for i in range(items.shape[0]):
-        _item_v3(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-                 part_m, part_l)  # fmt: skip
+        item_fn(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
+                part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
+ITEMS = {1: cpu_kernels._item, 2: _item_v2, 3: _item_v3}
+
+
 def build(batch, context, block_size, dtype, gen):
-    k, v, key_cache, value_cache, tables = make_paged(
-        batch, context, block_size, dtype, "cpu", gen
-    )
+    """Query, contiguous K/V [B, Hkv, L, D], the paged copy and the plan's index tensors."""
+    k, v, key_cache, value_cache, tables = make_paged(batch, context, block_size, dtype, "cpu", gen)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     return query, k, v, key_cache, value_cache, tables, seq_lens, starts
 
 
-def run_variant(fn, query, key_cache, value_cache, plan, scale):
+def run_variant(item_fn, is_serial, query, key_cache, value_cache, plan, scale):
+    """A no-argument callable running one variant on preallocated buffers; returns out."""
     q = query.float().numpy()
     out = np.empty((plan.rows.shape[0], NUM_HEADS, HEAD_DIM), dtype=np.float32)
     part_acc = np.empty((plan.num_parts, NUM_HEADS, HEAD_DIM), dtype=np.float32)
     part_m = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
     part_l = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
-    kc = cpu._cached_view(key_cache, "numba")
-    vc = cpu._cached_view(value_cache, "numba")
+    kc, vc = cpu._cached_view(key_cache, "numba"), cpu._cached_view(value_cache, "numba")
+    drive = drive_serial if is_serial else drive_parallel
 
     def call():
-        fn(q, kc, vc, plan.block_tables, plan.items, plan.splits, scale, out, part_acc,
-           part_m, part_l)  # fmt: skip
+        drive(item_fn, q, kc, vc, plan.block_tables, plan.items, plan.splits, scale, out,
+              part_acc, part_m, part_l)  # fmt: skip
         return out
 
     return call
 
 
 def vector_profile(fn) -> dict[str, int]:
-    """Counts of zmm/ymm FMAs and bf16 widening instructions in a compiled kernel."""
+    """Instruction counts in a compiled kernel (needs a fresh NUMBA_CACHE_DIR: no cached code)."""
     counts: dict[str, int] = {}
+    patterns = (
+        "vfmadd\\S*ps\\s.*zmm",
+        "vfmadd\\S*ps\\s.*ymm",
+        "vpmovzxwd",
+        "vrndscaleps|vroundps",
+        "expf",
+    )
     for asm in fn.inspect_asm().values():
-        for pat in ("vfmadd\\S*ps\\s.*zmm", "vfmadd\\S*ps\\s.*ymm", "vfmadd\\S*ss", "vpmovzxwd",
-                    "vrndscaleps|vroundps", "expf"):
+        for pat in patterns:
             counts[pat] = counts.get(pat, 0) + len(re.findall(pat, asm))
     return counts
 
 
+def bench_shape(args, batch, context, block_size, dtype, gen) -> str:
+    """Validate every variant against float32 SDPA, then time them interleaved."""
+    query, k, v, kc, vc, tables, lens, starts = build(batch, context, block_size, dtype, gen)
+    plan = cpu._make_plan(batch, tables, lens, starts, kc, None)
+    q4 = query.view(batch, NUM_KV_HEADS, -1, HEAD_DIM)  # (B, Hkv, group, D)
+    ref = F.scaled_dot_product_attention(q4.float(), k.float(), v.float())
+    ref = ref.reshape(batch, NUM_HEADS, HEAD_DIM).numpy()
+    calls = {0: lambda: F.scaled_dot_product_attention(q4, k, v)}
+    for n in args.variants:
+        calls[n] = run_variant(ITEMS[n], args.serial, query, kc, vc, plan, HEAD_DIM**-0.5)
+        err = float(np.abs(calls[n]() - ref).max())
+        if err > (1e-4 if dtype == torch.float32 else 2e-2):
+            raise AssertionError(f"variant {n}: expected max abs error < tolerance, got {err}")
+    times: dict[int, list[float]] = {n: [] for n in calls}
+    for _ in range(args.rounds):
+        for n, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append(time.perf_counter() - t0)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    gb = 2 * k.numel() * k.element_size() / 1e9
+    cells = " ".join(
+        f"v{n} {med[n] * 1e3:7.2f}ms {med[0] / med[n]:5.2f}x {gb / med[n]:5.1f}GB/s" for n in calls
+    )
+    return f"{str(dtype)[6:]:8s} B={batch:2d} L={context:5d} bs={block_size:3d} | {cells}"
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[8])
     p.add_argument("--context", type=int, nargs="+", default=[4096])
     p.add_argument("--block-size", type=int, nargs="+", default=[16])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--variants", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, default=2, help="torch and numba threads")
+    p.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--serial", action="store_true", help="run items on the calling thread")
     p.add_argument("--asm", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    kernels = {1: cpu_kernels.decode_parallel, 2: decode_v2, 11: cpu_kernels.decode_serial, 12: decode_v2_serial,
-               3: decode_v3, 13: decode_v3_serial}
     for dtype_name in args.dtype:
-        dtype = getattr(torch, dtype_name)
         for batch in args.batch:
             for context in args.context:
                 for bs in args.block_size:
-                    query, k, v, kc, vc, tables, lens, starts = build(batch, context, bs, dtype, gen)
-                    plan = cpu._make_plan(batch, tables, lens, starts, kc, None)
-                    scale = 1.0 / HEAD_DIM**0.5
-                    q4 = query.view(batch, NUM_KV_HEADS, -1, HEAD_DIM)
-                    ref = F.scaled_dot_product_attention(q4.float(), k.float(), v.float())
-                    ref = ref.reshape(batch, NUM_HEADS, HEAD_DIM).numpy()
-                    calls = {0: lambda: F.scaled_dot_product_attention(q4, k, v)}
-                    for n in args.variants:
-                        calls[n] = run_variant(kernels[n], query, kc, vc, plan, scale)
-                        err = np.abs(calls[n]() - ref).max()
-                        assert err < (1e-4 if dtype == torch.float32 else 2e-2), (n, err)
-                    times = {n: [] for n in calls}
-                    for _ in range(args.rounds):
-                        for n, fn in calls.items():
-                            t0 = time.perf_counter()
-                            fn()
-                            times[n].append(time.perf_counter() - t0)
-                    med = {n: statistics.median(t) for n, t in times.items()}
-                    gb = 2 * k.numel() * k.element_size() / 1e9
-                    cells = " ".join(
-                        f"v{n} {med[n] * 1e3:7.2f}ms {med[0] / med[n]:5.2f}x {gb / med[n]:5.1f}GB/s"
-                        for n in calls
-                    )
-                    print(f"{dtype_name:8s} B={batch:2d} L={context:5d} bs={bs:3d} | {cells}",
-                          flush=True)  # fmt: skip
+                    row = bench_shape(args, batch, context, bs, getattr(torch, dtype_name), gen)
+                    print(row, flush=True)
     if args.asm:
         for n in args.variants:
-            print(n, vector_profile(kernels[n]))
+            print(f"variant {n}:", vector_profile(ITEMS[n]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLMEngine": "pagedkv.engine.engine",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "BeamSearchParams": "pagedkv.engine.sampling_params",
+    "BeamSearchOutput": "pagedkv.engine.beam_search",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "KVCacheManager": "pagedkv.memory",

@@ -265,3 +265,17 @@ def test_failed_step_frees_every_block(llama_dir, monkeypatch):
     engine.kv_manager.check()
     again = beam_search(engine, prompts, params)
     assert [o.sequences[0].token_ids for o in again] == [o.sequences[0].token_ids for o in expected]
+
+
+def test_llm_beam_search_public_api(llama_dir):
+    from pagedkv import LLM
+
+    llm = LLM(str(llama_dir), block_size=8, num_blocks=64)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    direct = beam_search(llm.engine, [[5, 6, 7, 8, 9]], params)
+    (via_llm,) = llm.beam_search([5, 6, 7, 8, 9], params)
+    assert len(via_llm.sequences) == 3
+    assert [s.token_ids for s in via_llm.sequences] == [s.token_ids for s in direct[0].sequences]
+    scores = [s.score for s in via_llm.sequences]
+    assert scores == sorted(scores, reverse=True)
+    assert llm.stats()["num_used_blocks"] == 0

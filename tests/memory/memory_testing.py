@@ -26,7 +26,7 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
         "cached": pool.cached_block_ids(),
         "refs": pool.ref_counts(),
         "host_free": manager._host.free_block_ids(),
-        "keys": None if index is None else list(index.block_keys),
+        "keys": None if index is None else list(index.block_entries),
         "copies": list(manager._copies),
         "stats": manager.stats(),
     }

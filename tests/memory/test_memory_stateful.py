@@ -26,11 +26,14 @@ class ManagerMachine(RuleBasedStateMachine):
         block_size=st.integers(1, 4),
         num_host_blocks=st.integers(0, 10),
         caching=st.booleans(),
+        span_blocks=st.integers(2, 3),
     )
     def setup(self, num_blocks: int, block_size: int, num_host_blocks: int,
-              caching: bool) -> None:  # fmt: skip
+              caching: bool, span_blocks: int) -> None:  # fmt: skip
         self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
                                 num_host_blocks=num_host_blocks)  # fmt: skip
+        if self.m._index is not None:  # short spans, so that these short prompts use them
+            self.m._index.span_blocks = span_blocks
         self.bs = block_size
         self.device: list[Any] = [None] * (num_blocks * block_size)
         self.host: list[Any] = [None] * (num_host_blocks * block_size)

@@ -39,7 +39,7 @@ def test_match_follows_the_chain_and_stops_at_the_first_miss() -> None:
     # The same tokens after another parent are another key.
     assert index.insert(u2, (1, 2), 7) not in (u1, u2)
     # A duplicate prefix returns the existing uid and is not indexed.
-    assert index.insert(ROOT_UID, (1, 2), 3) == u1 and index.block_keys[3] is None
+    assert index.insert(ROOT_UID, (1, 2), 3) == u1 and index.block_entries[3] is None
     index.check()
 
 
@@ -94,7 +94,7 @@ def test_check_catches_a_leaked_block() -> None:
     m = KVCacheManager(8, 2)
     m.allocate("a", tokens(0, 5))
     m._seqs["a"].block_ids.pop()  # block 2 forgotten by its only holder
-    m._seqs["a"].token_ids[4:] = []
+    m._seqs["a"].token_ids = m._seqs["a"].token_ids[:4]
     with pytest.raises(AssertionError, match="block 2 is neither free nor held"):
         m.check()
 
@@ -110,6 +110,60 @@ def test_check_catches_a_block_both_free_and_held() -> None:
 def test_check_catches_a_wrong_cached_key() -> None:
     m = KVCacheManager(8, 2)
     m.allocate("a", tokens(0, 5))
-    m._seqs["a"].token_ids[2] = 99  # the block holds other tokens than its key says
+    other = list(m._seqs["a"].token_ids)
+    other[2] = 99  # the block holds other tokens than its key says
+    m._seqs["a"].token_ids = other
     with pytest.raises(AssertionError, match="indexed under other tokens"):
+        m.check()
+
+
+def test_keys_are_per_block_so_int32_blocks_hit_beside_other_tokens() -> None:
+    m = KVCacheManager(16, 2)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    # A token past int32 in block 2 sends this prompt down the block-by-block path; its
+    # int32 blocks still get the same keys, so blocks 0 and 1 hit.
+    assert m.allocate("b", [1, 2, 3, 4, 2**40, 6, 7]) == 4
+    assert m.block_table("b")[:2] == m.block_table("a")[:2]
+    assert m.num_cached_tokens([1, 2, 3, 4, 2**40, 6, 8]) == 6
+    assert m.num_cached_tokens([1, 2, 3, 4, 2**40 + 1, 6, 8]) == 4
+    m.check()
+
+
+def _span_manager() -> tuple[KVCacheManager, list[int]]:
+    """Blocks 0-3 hold a cached 4-block prompt, and a hit made them one span of 4."""
+    m = KVCacheManager(6, 2)
+    m._index.span_blocks = 4
+    prompt = tokens(0, 9)
+    m.allocate("a", prompt)
+    m.free("a")
+    assert m.allocate("b", prompt) == 8 and len(m._index._spans) == 1  # walked: span made
+    m.free("b")
+    return m, prompt
+
+
+def test_a_span_serves_the_same_chain_as_a_walk() -> None:
+    m, prompt = _span_manager()
+    assert m._index.match(prompt, 2, 4) == m._index.match_keys(m._index.keys_of(prompt, 2), 4)
+    assert m.allocate("c", prompt) == 8 and m.block_table("c")[:4] == [0, 1, 2, 3]
+    assert m.num_cached_tokens(tokens(0, 7) + [99, 98]) == 6  # block 3 differs: no span
+    m.check()
+
+
+def test_a_span_with_an_evicted_block_is_not_served() -> None:
+    m, prompt = _span_manager()
+    # 3 blocks with 1 never used and 1 free: evicts the least recently used cached block,
+    # block 3 (a prompt's last blocks go first), which x takes for its partial last block.
+    m.allocate("x", tokens(50, 5))
+    assert m.block_table("x")[2] == 3
+    m.free("x")
+    assert m.allocate("c", prompt) == 6  # blocks 0-2 by walking; block 3 is not a hit
+    assert m.block_table("c")[:3] == [0, 1, 2]
+    m.check()
+
+
+def test_check_catches_a_span_with_other_tokens() -> None:
+    m, _ = _span_manager()
+    ((key, span),) = m._index._spans.items()
+    m._index._spans[key] = (span[0], b"x" * len(span[1]), *span[2:])
+    with pytest.raises(AssertionError, match="holds other tokens than its entries"):
         m.check()

@@ -296,7 +296,7 @@ class BeamSearchRun:
         self.num_steps = 0
 
     def _new_search(self, index: int, prompt: PromptType, eos: tuple[int, ...]) -> _PromptSearch:
-        text, token_ids = self.engine._tokenize(prompt)  # same prompt forms as generate()
+        text, token_ids = self.engine.tokenize_prompt(prompt)  # same prompt forms as generate()
         if not token_ids:
             raise ValueError(f"prompt {index}: expected at least one token, got none")
         k, num_new = self.params.beam_width, self.params.max_tokens

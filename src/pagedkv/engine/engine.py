@@ -115,7 +115,7 @@ class LLMEngine:
             raise ValueError(f"request_id: expected a str, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id,
@@ -129,7 +129,12 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._arrivals += 1
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Resolve any accepted prompt form to (text or None, token ids).
+
+        Raises:
+            ValueError: an empty or malformed prompt, or text without a tokenizer.
+        """
         text: str | None = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.engine.beam_search import BeamSearchOutput
 
 
 class LLM:
@@ -127,6 +130,27 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        early_stopping: bool | str = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over the paged cache: beams share blocks up to where they diverge.
+
+        Returns:
+            One `BeamSearchOutput` per prompt, its `sequences` best first.
+
+        Raises:
+            ValueError: a bad prompt or params, or unfinished requests in the engine.
+        """
+        from pagedkv.engine.beam_search import beam_search
+
+        return beam_search(
+            self.engine, _as_prompt_list(prompts), params, early_stopping=early_stopping
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -75,9 +75,9 @@ def _check_keys(manager: KVCacheManager, seq_id: object, seq: SeqState) -> None:
     block_ids, tokens = seq.block_ids, seq.token_ids
     parent_uid: int | None = ROOT_UID
     for i, b in enumerate(block_ids):
-        key = index.block_keys[b]
+        key = index.key_of(b)
         if key is not None:
-            expected = tuple(tokens[i * block_size : (i + 1) * block_size])
+            expected = index.block_tokens(tokens[i * block_size : (i + 1) * block_size])
             assert i < len(tokens) // block_size, (
                 f"{seq_id!r}: partial block {b} (position {i}) is in the prefix index"
             )

@@ -19,8 +19,8 @@ from typing import Any
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ROOT_UID, PrefixIndex, iter_full_blocks
-from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list
+from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list, token_tuple
 
 
 class KVCacheManager:
@@ -183,10 +183,16 @@ class KVCacheManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"allocate: expected a new seq_id, got {seq_id!r} already in use")
-        tokens = token_list(token_ids)
+        tokens = token_tuple(token_ids)
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
-        hits, chain_uid = self._lookup(tokens)
+        # One pass over the prompt: the cached blocks and the keys of the full blocks after.
+        index, block_size = self._index, self._block_size
+        if index is None:
+            hits, chain_uid, keys = [], ROOT_UID, ()
+        else:
+            max_blocks = (len(tokens) - 1) // block_size  # the last token is always computed
+            hits, chain_uid, keys = index.lookup(tokens, block_size, max_blocks)
         num_fresh = -(-len(tokens) // self._block_size) - len(hits)
         pool = self._pool
         # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
@@ -203,9 +209,14 @@ class KVCacheManager:
         block_ids += self._pool.allocate(num_fresh)
         seq = SeqState(block_ids, tokens, len(hits), chain_uid)
         self._seqs[seq_id] = seq
-        self._key_full_blocks(seq)
+        if keys:
+            num_hits = len(hits)
+            seq.chain_uid = index.insert_keys(
+                chain_uid, keys, block_ids[num_hits : num_hits + len(keys)]
+            )
+        seq.num_keyed = len(tokens) // block_size if index is not None else 0
         num_cached = len(hits) * self._block_size
-        if self._index is not None:
+        if index is not None:
             self._num_queries += len(tokens)
             self._num_hits += num_cached
         return num_cached
@@ -239,6 +250,8 @@ class KVCacheManager:
                 self._copies.append((src, dst))
                 self._num_cow += 1
             seq.block_ids += new_block_ids
+        if type(seq.token_ids) is tuple:  # the prompt, kept as allocate got it
+            seq.token_ids = list(seq.token_ids)
         seq.token_ids += tokens
         if len(seq.token_ids) // self._block_size > seq.num_keyed:
             self._key_full_blocks(seq)
@@ -248,11 +261,11 @@ class KVCacheManager:
         if self._index is None:
             return
         start = seq.num_keyed
-        uid, insert, block_ids = seq.chain_uid, self._index.insert, seq.block_ids
-        for i, tokens in enumerate(iter_full_blocks(seq.token_ids, self._block_size, start), start):
-            uid = insert(uid, tokens, block_ids[i])
-        seq.chain_uid = uid
-        seq.num_keyed = len(seq.token_ids) // self._block_size
+        keys = self._index.keys_of(seq.token_ids, self._block_size, start)
+        seq.chain_uid = self._index.insert_keys(
+            seq.chain_uid, keys, seq.block_ids[start : start + len(keys)]
+        )
+        seq.num_keyed = start + len(keys)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.

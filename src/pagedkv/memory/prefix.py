@@ -1,10 +1,16 @@
 """Prefix index: full blocks findable by a chained key, verified on every hit.
 
-A block's key is ``(parent_uid, tokens)``: the uid of the entry for the block before it
-(``ROOT_UID`` for a sequence's first block) and the tuple of its ``block_size`` tokens. Every
-entry gets a fresh uid that is never reused, so a key names one whole prefix: block ``i``
-matches only if blocks ``0 .. i-1`` matched the same entries, and an entry left behind by an
-evicted parent can never be reached again.
+A block's key is ``(parent_uid, block_tokens)``: the uid of the entry for the block before it
+(``ROOT_UID`` for a sequence's first block) and the block's ``block_size`` tokens. Every entry
+gets a fresh uid that is never reused, so a key names one whole prefix: block ``i`` matches
+only if blocks ``0 .. i-1`` matched the same entries, and an entry left behind by an evicted
+parent can never be reached again.
+
+``block_tokens`` is canonical for the block's tokens alone: the bytes of the tokens packed as
+int32 when every token is an int that fits (the usual case), else the tuple of the tokens
+(a bytes key never equals a tuple key). Bytes cache their hash and compare with ``memcmp``;
+packing a whole prompt is one ``struct`` call and cutting it into blocks another, so the
+tokens of a hit are still compared one by one against the cached ones, at C speed.
 
 The key is the dict key itself, so a lookup compares the stored tokens and parent uid with the
 prompt's (Python's dict checks equality after the hash matches): two prompts whose keys hash
@@ -15,13 +21,24 @@ Standard library only.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 # The uid a sequence's first block chains from; entries get uids 1, 2, 3, ...
 ROOT_UID = 0
 
-BlockKey = tuple[int, tuple[Any, ...]]
+BlockTokens = bytes | tuple[Any, ...]
+BlockKey = tuple[int, BlockTokens]
+# (block_id, uid, key): one tuple per indexed block, never reused (its uid is fresh).
+Entry = tuple[int, int, BlockKey]
+
+# Blocks matched by one span lookup (see PrefixIndex._spans): 16 blocks of 16 tokens are 256
+# tokens, shorter than most system prompts; longer spans save little more per block.
+SPAN_BLOCKS = 16
+# Cached struct formats, per length; cleared past this many (lengths are bounded by prompts).
+_MAX_FORMATS = 4096
 
 
 def iter_full_blocks(
@@ -51,29 +68,103 @@ class PrefixIndex:
     """Map chained block keys to the blocks that hold them.
 
     Invariants (checked by `check`): each entry's block points back at the entry's key
-    (``block_keys[block_id] == key``), at most one entry per block, and uids are unique.
+    (``block_entries[block_id]`` is the entry), at most one entry per block, and uids are
+    unique.
     Duplicates (a second block with the same prefix, e.g. two sequences that generated the
     same text) are not indexed; they share the first entry's uid as their chain position.
     """
 
-    __slots__ = ("_entries", "block_keys", "_next_uid")
+    __slots__ = ("_entries", "block_entries", "_next_uid", "_spans", "span_blocks", "_packers",
+                 "_splitters")  # fmt: skip
 
-    def __init__(self, num_blocks: int) -> None:
-        # key -> (block_id, uid); one Python tuple per cached block (the index, not the pool).
-        self._entries: dict[BlockKey, tuple[int, int]] = {}
-        # block_id -> its key while indexed, else None: 8 bytes per block.
-        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+    def __init__(self, num_blocks: int, span_blocks: int = SPAN_BLOCKS) -> None:
+        if span_blocks < 2:
+            raise ValueError(f"span_blocks: expected >= 2, got {span_blocks}")
+        # key -> (block_id, uid, key); one Python tuple per cached block (the index, not the
+        # pool). An entry compares equal only to itself (its uid is never reused).
+        self._entries: dict[BlockKey, Entry] = {}
+        # block_id -> its entry while indexed, else None: 8 bytes per block.
+        self.block_entries: list[Entry | None] = [None] * num_blocks
         self._next_uid = ROOT_UID + 1
+        # Spans: key of a chain's block -> (getter, tokens, entries, block_ids, uid of the
+        # last) for the `span_blocks` blocks from it: a chain segment a lookup already walked,
+        # matched again with one dict lookup, one memcmp of the tokens and a C-level check
+        # that each block still holds its entry (``getter(block_entries) == entries``; an
+        # entry equals only itself, so a key evicted and indexed again does not pass). Dead
+        # spans fail that check and are swept; nothing else depends on them. Only chains of
+        # bytes keys get spans; `span_blocks` >= 2 (tests lower it).
+        self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], int]] = {}
+        self.span_blocks = span_blocks
+        # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
+        self._packers: dict[int, struct.Struct] = {}
+        self._splitters: dict[tuple[int, int], struct.Struct] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    # ----- canonical block tokens -----------------------------------------------------------
+    def _pack(self, token_ids: Sequence[Any]) -> bytes | None:
+        """The tokens as int32 bytes, or None if one is not an int in int32 range."""
+        packer = self._packers.get(len(token_ids))
+        if packer is None:
+            if len(self._packers) >= _MAX_FORMATS:
+                self._packers.clear()
+            packer = self._packers[len(token_ids)] = struct.Struct(f"={len(token_ids)}i")
+        try:
+            return packer.pack(*token_ids)
+        except (struct.error, TypeError):
+            return None
+
+    def block_tokens(self, tokens: Sequence[Any]) -> BlockTokens:
+        """The canonical form of one block's tokens (int32 bytes, else a tuple)."""
+        packed = self._pack(tokens)
+        return tuple(tokens) if packed is None else packed
+
+    def _split(self, packed: bytes, width: int, start: int, stop: int) -> tuple[bytes, ...]:
+        """Blocks ``start <= i < stop`` of `packed` (`width` bytes each), cut in one C call."""
+        if stop <= start:
+            return ()
+        shape = (stop - start, width)
+        splitter = self._splitters.get(shape)
+        if splitter is None:
+            if len(self._splitters) >= _MAX_FORMATS:
+                self._splitters.clear()
+            splitter = self._splitters[shape] = struct.Struct(f"{width}s" * shape[0])
+        return splitter.unpack_from(packed, start * width)
+
+    def keys_of(
+        self, token_ids: Sequence[Any], block_size: int, start: int = 0, stop: int | None = None
+    ) -> Sequence[BlockTokens]:
+        """Canonical tokens of full blocks ``start <= i < stop`` (stop: all full blocks).
+
+        Args:
+            token_ids: the sequence's tokens.
+            block_size: tokens per block.
+            start: first block index.
+            stop: one past the last block index; None for every full block.
+
+        Returns:
+            One `block_tokens` per full block in the range, equal to what `block_tokens`
+            gives for each block alone (so keys never depend on the rest of the prompt).
+        """
+        num_full = len(token_ids) // block_size
+        stop = num_full if stop is None else min(stop, num_full)
+        if stop <= start:
+            return ()
+        packed = self._pack(token_ids[start * block_size : stop * block_size])
+        if packed is None:  # some block holds a non-int32 token: block by block
+            blocks = iter_full_blocks(token_ids, block_size, start, stop)
+            return [self.block_tokens(block) for block in blocks]
+        return self._split(packed, 4 * block_size, 0, stop - start)
+
+    # ----- lookups and updates --------------------------------------------------------------
     def match(
         self, token_ids: Sequence[Any], block_size: int, max_blocks: int
     ) -> tuple[list[int], int]:
         """Find the cached blocks holding the leading full blocks of `token_ids`.
 
-        Side-effect free. Block ``i`` matches only if blocks ``0 .. i-1`` matched.
+        Side-effect free (but for spans, an internal shortcut: see `_match_packed`). Block
+        ``i`` matches only if blocks ``0 .. i-1`` matched.
 
         Args:
             token_ids: the prompt.
@@ -84,58 +175,153 @@ class PrefixIndex:
             ``(block_ids, uid)``: the matching blocks in order, and the uid of the last match
             (``ROOT_UID`` when nothing matched).
         """
+        return self.lookup(token_ids, block_size, max_blocks, with_rest=False)[:2]
+
+    def lookup(
+        self, token_ids: Sequence[Any], block_size: int, max_blocks: int, with_rest: bool = True
+    ) -> tuple[list[int], int, Sequence[BlockTokens]]:
+        """`match`, plus the canonical tokens of the full blocks after the matched ones.
+
+        The prompt is packed once (one ``struct`` call, no copy when `token_ids` is a tuple):
+        the lookup compares slices of it, and the rest's keys (to index the blocks about to
+        be computed) are cut from it.
+
+        Returns:
+            ``(block_ids, uid, rest)``: as `match`, and one `block_tokens` per full block
+            from ``len(block_ids)`` on (empty unless `with_rest`).
+        """
+        num_full = len(token_ids) // block_size
+        num = min(max_blocks, num_full)
+        packed = self._pack(token_ids) if num_full else None
+        if packed is None:  # a non-int32 token (or no full block): block by block
+            keys = self.keys_of(token_ids, block_size) if num_full else ()
+            block_ids, uid = self.match_keys(keys, num)
+            return block_ids, uid, keys[len(block_ids) :] if with_rest else ()
+        width = 4 * block_size
+        block_ids, uid = self._match_packed(packed, width, num)
+        rest = self._split(packed, width, len(block_ids), num_full) if with_rest else ()
+        return block_ids, uid, rest
+
+    def match_keys(self, keys: Sequence[BlockTokens], max_blocks: int) -> tuple[list[int], int]:
+        """`match` on block tokens from `keys_of`: the first ``max_blocks`` of `keys`."""
         get = self._entries.get
         block_ids: list[int] = []
-        append = block_ids.append
         uid = ROOT_UID
-        for tokens in iter_full_blocks(token_ids, block_size, 0, max_blocks):
+        for tokens in keys[:max_blocks]:
             entry = get((uid, tokens))
             if entry is None:
                 break
-            block_id, uid = entry
-            append(block_id)
+            block_ids.append(entry[0])
+            uid = entry[1]
         return block_ids, uid
 
-    def insert(self, parent_uid: int, tokens: tuple[Any, ...], block_id: int) -> int:
+    def _match_packed(self, packed: bytes, width: int, num: int) -> tuple[list[int], int]:
+        """`match` on the packed prompt (`width` bytes per block), ``num`` blocks at most.
+
+        Walks `span_blocks` blocks at a time: a live span (see `_spans`) matches a whole
+        chunk at once; else block by block, and a chunk walked whole becomes a span.
+        """
+        get, spans, block_entries = self._entries.get, self._spans, self.block_entries
+        num_span = self.span_blocks
+        span_width, end = width * num_span, width * num
+        block_ids: list[int] = []
+        append, uid = block_ids.append, ROOT_UID
+        for start in range(0, end, span_width):
+            stop = min(start + span_width, end)
+            if stop - start == span_width:
+                span = spans.get((uid, packed[start : start + width]))
+                # The key proved block 0 (tokens and parent), one memcmp the other tokens, and
+                # the entries the chain (evictions are not tracked here): then it is exactly
+                # the chain a walk finds.
+                if (
+                    span is not None
+                    and span[1] == packed[start:stop]
+                    and span[0](block_entries) == span[2]
+                ):
+                    block_ids += span[3]
+                    uid = span[4]
+                    continue
+            for tokens in self._split(packed, width, start // width, stop // width):
+                entry = get((uid, tokens))
+                if entry is None:
+                    return block_ids, uid
+                append(entry[0])
+                uid = entry[1]
+            if stop - start == span_width:
+                self._add_span(block_ids[-num_span:], uid)
+        return block_ids, uid
+
+    def _add_span(self, block_ids: list[int], uid: int) -> None:
+        """Record that `block_ids` (just walked, all indexed) form one chain ending at `uid`."""
+        getter = itemgetter(*block_ids)
+        entries = getter(self.block_entries)
+        tokens = b"".join(entry[2][1] for entry in entries)
+        self._spans[entries[0][2]] = (getter, tokens, entries, block_ids, uid)
+        # Live spans are at most one per entry (keyed by their first block's entry): drop
+        # dead ones when they outnumber the entries (amortized O(span_blocks) per span).
+        if len(self._spans) > 2 * len(self._entries) + 64:
+            block_entries = self.block_entries
+            self._spans = {k: v for k, v in self._spans.items() if v[0](block_entries) == v[2]}
+
+    def insert(self, parent_uid: int, tokens: Sequence[Any], block_id: int) -> int:
         """Index `block_id` as holding `tokens` after the prefix `parent_uid`.
 
         Args:
             parent_uid: the chain position of the block before (``ROOT_UID`` for the first).
-            tokens: the block's ``block_size`` tokens.
+            tokens: the block's ``block_size`` tokens (a tuple or a list).
             block_id: a held block whose KV is (or is being) computed for exactly this prefix.
 
         Returns:
             The uid naming this prefix: a fresh one, or the existing entry's uid if another
             block already holds the same prefix (then `block_id` stays unindexed).
         """
-        assert self.block_keys[block_id] is None, f"block {block_id} is indexed already"
-        key = (parent_uid, tokens)
-        entry = self._entries.get(key)
-        if entry is not None:
-            return entry[1]
-        uid = self._next_uid
-        self._next_uid = uid + 1
-        self._entries[key] = (block_id, uid)
-        self.block_keys[block_id] = key
+        return self.insert_keys(parent_uid, [self.block_tokens(tokens)], [block_id])
+
+    def insert_keys(
+        self, parent_uid: int, keys: Sequence[BlockTokens], block_ids: Sequence[int]
+    ) -> int:
+        """Index consecutive blocks: ``block_ids[i]`` holds ``keys[i]`` (from `keys_of`).
+
+        Returns:
+            The uid naming the prefix through the last block (see `insert`).
+        """
+        entries, block_entries = self._entries, self.block_entries
+        uid = parent_uid
+        for tokens, block_id in zip(keys, block_ids, strict=True):
+            assert block_entries[block_id] is None, f"block {block_id} is indexed already"
+            key = (uid, tokens)
+            entry = entries.get(key)
+            if entry is not None:
+                uid = entry[1]
+                continue
+            uid = self._next_uid
+            self._next_uid = uid + 1
+            entries[key] = block_entries[block_id] = (block_id, uid, key)
         return uid
 
     def remove(self, block_id: int) -> None:
         """Forget the entry held by `block_id` (eviction); its children become unreachable."""
-        key = self.block_keys[block_id]
-        assert key is not None, f"block {block_id} is not indexed"
-        del self._entries[key]
-        self.block_keys[block_id] = None
+        entry = self.block_entries[block_id]
+        assert entry is not None, f"block {block_id} is not indexed"
+        del self._entries[entry[2]]
+        self.block_entries[block_id] = None
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        """The key ``(parent_uid, block_tokens)`` `block_id` is indexed under, or None."""
+        entry = self.block_entries[block_id]
+        return None if entry is None else entry[2]
 
     def uid_of(self, block_id: int) -> int | None:
         """The uid of the entry `block_id` holds, or None if it is not indexed."""
-        key = self.block_keys[block_id]
-        return None if key is None else self._entries[key][1]
+        entry = self.block_entries[block_id]
+        return None if entry is None else entry[1]
 
     def clear(self) -> None:
         """Forget every entry (uids keep counting up, so old chains stay unreachable)."""
-        for block_id, _ in self._entries.values():
-            self.block_keys[block_id] = None
+        for entry in self._entries.values():
+            self.block_entries[entry[0]] = None
         self._entries.clear()
+        self._spans.clear()
 
     def check(self) -> None:
         """Assert the index's own invariants.
@@ -144,8 +330,9 @@ class PrefixIndex:
             AssertionError: naming the first broken invariant.
         """
         uids = set()
-        for key, (block_id, uid) in self._entries.items():
-            assert self.block_keys[block_id] == key, (
+        for key, entry in self._entries.items():
+            block_id, uid, entry_key = entry
+            assert self.block_entries[block_id] is entry and entry_key is key, (
                 f"prefix index: key of block {block_id} does not point back at its entry"
             )
             assert uid not in uids, f"prefix index: uid {uid} is used twice"
@@ -153,7 +340,23 @@ class PrefixIndex:
                 f"prefix index: block {block_id} chains from uid {key[0]}, not an older entry"
             )
             uids.add(uid)
-        num_keyed = sum(key is not None for key in self.block_keys)
+        for first_key, (getter, tokens, entries, block_ids, uid) in self._spans.items():
+            if getter(self.block_entries) != entries:
+                continue  # dead: never served
+            assert [e[0] for e in entries] == block_ids and entries[0][2] == first_key, (
+                f"prefix index: span at blocks {block_ids} does not start at its key"
+            )
+            assert len(block_ids) == self.span_blocks, (
+                f"prefix index: span at blocks {block_ids} is not {self.span_blocks} long"
+            )
+            assert tokens == b"".join(e[2][1] for e in entries), (
+                f"prefix index: span at blocks {block_ids} holds other tokens than its entries"
+            )
+            chain = [e[2][0] for e in entries[1:]] + [uid]
+            assert chain == [e[1] for e in entries], (
+                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {uid}"
+            )
+        num_keyed = sum(key is not None for key in self.block_entries)
         assert num_keyed == len(self._entries), (
             f"prefix index: {num_keyed} blocks carry a key but {len(self._entries)} are indexed"
         )

@@ -15,9 +15,15 @@ class SeqState:
     __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids")
 
     def __init__(
-        self, block_ids: array[int], token_ids: list[Any], num_keyed: int, chain_uid: int
+        self,
+        block_ids: array[int],
+        token_ids: list[Any] | tuple[Any, ...],
+        num_keyed: int,
+        chain_uid: int,
     ) -> None:
         self.block_ids = block_ids
+        # The prompt stays the tuple `allocate` packed its keys from (no second copy) until
+        # the first `append` turns it into a list.
         self.token_ids = token_ids
         # Leading full blocks already offered to the prefix index, and the uid naming the
         # prefix through the last of them (the parent of the next full block's key).
@@ -44,9 +50,18 @@ def token_list(token_ids: Sequence[Any]) -> list[Any]:
     Raises:
         ValueError: `token_ids` is not iterable, or is a str or bytes.
     """
+    return list(token_tuple(token_ids))
+
+
+def token_tuple(token_ids: Sequence[Any]) -> tuple[Any, ...]:
+    """`token_ids` as a tuple (a tuple is returned as is: it cannot change under us).
+
+    Raises:
+        ValueError: `token_ids` is not iterable, or is a str or bytes.
+    """
     if not isinstance(token_ids, (str, bytes)):
         try:
-            return list(token_ids)
+            return tuple(token_ids)
         except TypeError:
             pass
     raise ValueError(f"token_ids: expected a sequence of token ids, got {type(token_ids)}")

@@ -96,20 +96,16 @@ def _make_plan(
 def _cached_view(cache: torch.Tensor, kind: str) -> np.ndarray:
     """A NumPy view of a long-lived cache tensor, memoized on the tensor object.
 
-    Building the view costs microseconds per call (dtype view, reshape, `.numpy()`), which
-    matters for `write_kv` (target: a decode step's write in under 10 us). The memo is
-    dropped if the tensor's storage moves.
+    Building the view costs microseconds per call (dtype view, `.numpy()`), paid per layer
+    by small decode batches otherwise. The memo is dropped if the tensor's storage moves.
 
-    kind: "numba" -> [num_blocks, bs, kv_heads, D] float32, or uint16 bits for bfloat16;
-    "rows" -> [num_slots, kv_heads, D] (2-byte floats as int16 bits).
+    kind: "numba" -> [num_blocks, bs, kv_heads, D] float32, or uint16 bits for bfloat16.
     """
     memo = cache.__dict__.setdefault("_pagedkv_views", {})
     hit = memo.get(kind)
     if hit is not None and hit[0] == cache.data_ptr():
         return hit[1]
-    if kind == "rows":
-        view = _raw(cache).reshape(-1, cache.shape[2], cache.shape[3])
-    elif cache.dtype == torch.bfloat16:  # no NumPy bfloat16: hand over the raw bits
+    if cache.dtype == torch.bfloat16:  # no NumPy bfloat16: hand over the raw bits
         view = cache.view(torch.int16).numpy().view(np.uint16)
     else:
         view = cache.numpy()
@@ -253,11 +249,37 @@ def paged_attention_from_metadata(
     return _run(query, key_cache, value_cache, plan, scale, sliding_window)
 
 
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    # NumPy has no bfloat16: 2-byte floats travel as int16 bits (write_kv only copies bits)
-    if tensor.element_size() == 2:
-        return tensor.view(torch.int16).numpy()
-    return tensor.numpy()
+def _row_views(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """uint8 [num_slots, row_bytes] views of a contiguous cache pair (None if strided).
+
+    Memoized on `key_cache` and keyed by both storage addresses: a decode step's write has
+    a 10 us budget and building the views costs ~2 us. Restriding a cache in place
+    (`as_strided_`, `set_`) is not supported.
+    """
+    memo = key_cache.__dict__.get("_pagedkv_row_views")
+    if (
+        memo is not None and memo[0] is value_cache
+        and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
+    ):  # fmt: skip
+        return memo[3]
+    views = None
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        views = _bytes(key_cache), _bytes(value_cache)
+    key_cache.__dict__["_pagedkv_row_views"] = (
+        value_cache,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        views,
+    )
+    return views
+
+
+def _bytes(cache: torch.Tensor) -> np.ndarray:
+    # NumPy has no bfloat16: view 2-byte floats as int16 first (write_kv only copies bits)
+    raw = cache.view(torch.int16).numpy() if cache.element_size() == 2 else cache.numpy()
+    return raw.reshape(cache.shape[0] * cache.shape[1], -1).view(np.uint8)
 
 
 def write_kv(
@@ -275,18 +297,23 @@ def write_kv(
     Raises:
         ValueError: a slot is past the end of the cache.
     """
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    views = _row_views(key_cache, value_cache)
+    if views is None:
         from pagedkv.ops.reference import write_kv as write_strided
 
         write_strided(key, value, key_cache, value_cache, slot_mapping)
         return
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    num_slots = views[0].shape[0]
+    # The kernel reads its inputs through their addresses: keep contiguous ones alive here.
+    key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
     bad = cpu_kernels.write_rows(
-        _raw(key.contiguous()),
-        _raw(value.contiguous()),
-        _cached_view(key_cache, "rows"),
-        _cached_view(value_cache, "rows"),
-        slot_mapping.numpy(),
+        key.data_ptr(),
+        value.data_ptr(),
+        slots.data_ptr(),
+        slots.dtype == torch.int64,
+        key.shape[0],
+        views[0],
+        views[1],
     )
     if bad >= 0:
         raise ValueError(
