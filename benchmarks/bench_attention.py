@@ -41,18 +41,32 @@ def _sync(device: str) -> None:
 
 def timeit(fn, device: str, min_time: float, min_repeats: int = 3) -> float:
     """Median seconds per call after one warm-up, repeating for at least `min_time` seconds."""
-    fn()
-    _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_repeats or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
+    return timeit_side_by_side([fn], device, min_time, min_repeats)[0]
+
+
+def timeit_side_by_side(
+    fns: list, device: str, min_time: float, min_repeats: int = 3
+) -> list[float]:
+    """Median seconds per call of each function, timed in interleaved rounds.
+
+    One round calls every function once, so load from other processes on a shared machine
+    falls on all of them alike (timing one after the other lets a burst of load land on
+    one side of a ratio). Repeats for at least `min_time` seconds per function.
+    """
+    for fn in fns:
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 1000:
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < min_repeats or time.perf_counter() - start < min_time * len(fns):
+        for fn, samples in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+        if len(times[0]) >= 1000:
             break
-    return statistics.median(times)
+    return [statistics.median(samples) for samples in times]
 
 
 def read_bandwidth(device: str, gib: float = 1.0) -> float:
@@ -99,11 +113,15 @@ def bench_decode(batch, context, block_size, dtype, device, backend, min_time, g
         backend=backend,
     )
     q4 = query.view(batch, NUM_KV_HEADS, group, HEAD_DIM)  # (B, Hkv, group, D)
-    base = timeit(lambda: F.scaled_dot_product_attention(q4, k, v), device, min_time)
     args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
-    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
-    planned = timeit(
-        lambda: paged_attention_from_metadata(query, key_cache, value_cache, md), device, min_time
+    base, paged, planned = timeit_side_by_side(
+        [
+            lambda: F.scaled_dot_product_attention(q4, k, v),
+            lambda: paged_attention(*args, backend=backend),
+            lambda: paged_attention_from_metadata(query, key_cache, value_cache, md),
+        ],
+        device,
+        min_time,
     )
     out = paged_attention(*args, backend=backend).float()
     ref = F.scaled_dot_product_attention(q4, k, v).reshape(batch, NUM_HEADS, HEAD_DIM).float()
@@ -137,13 +155,15 @@ def bench_prefill(batch, context, block_size, dtype, device, backend, min_time, 
         backend=backend,
     )
     q4 = query.view(batch, context, NUM_HEADS, HEAD_DIM).transpose(1, 2)  # (B, H, L, D)
-    base = timeit(
-        lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True),
+    args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
+    base, paged = timeit_side_by_side(
+        [
+            lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True),
+            lambda: paged_attention(*args, backend=backend),
+        ],
         device,
         min_time,
     )
-    args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
-    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
     kv_bytes = 2 * k.numel() * k.element_size()
     return dict(
         kind="prefill",
@@ -190,11 +210,15 @@ def bench_mixed(batch, context, chunk, block_size, dtype, device, backend, min_t
             q_chunk, k[batch:], v[batch:], attn_mask=mask, enable_gqa=True
         )
 
-    base = timeit(baseline, device, min_time)
     args = (query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc)
-    paged = timeit(lambda: paged_attention(*args, backend=backend), device, min_time)
-    planned = timeit(
-        lambda: paged_attention_from_metadata(query, key_cache, value_cache, md), device, min_time
+    base, paged, planned = timeit_side_by_side(
+        [
+            baseline,
+            lambda: paged_attention(*args, backend=backend),
+            lambda: paged_attention_from_metadata(query, key_cache, value_cache, md),
+        ],
+        device,
+        min_time,
     )
     return dict(
         kind="mixed",

@@ -8,8 +8,8 @@ For each pool size it measures, in one run, side by side:
   compare with), through `KVCacheManager` without prefix caching (prompts of 16-token blocks,
   sequence dicts, validation), and through the seed's first-free-scan allocator (a Python
   port of FindFreePage + AllocatePages), timed on fewer steps at large sizes. The floor: the
-  same churn through a bare stack of ids without any bookkeeping (what the workload's own
-  block tables cost, cold in cache at large sizes).
+  same churn through a stand-in that only makes a block table and reads it back on free (the
+  workload's own cost: its tables go cold in cache at large sizes).
 * prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
   (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
   hit block, then `free` separately. Repeated hits on a chain go through its spans; the walk
@@ -131,25 +131,23 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
     return statistics.median(rates), total_s / total_blocks * 1e6, steps
 
 
-class BareStack:
-    """The floor: allocation as a stack of ids with no counts, no index, no checks."""
+class BareTables:
+    """The floor: what any allocator does per call (make a block table, read it back on free)
+    with no bookkeeping at all: every table holds the same ids."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.stack = array("i", range(num_blocks))
+    def __init__(self) -> None:
+        self.template = array("i", range(MAX_SEQ_BLOCKS))
 
     def allocate(self, num: int) -> array:
-        stack = self.stack
-        block_ids = stack[len(stack) - num :]
-        del stack[len(stack) - num :]
-        return block_ids
+        return self.template[:num]
 
     def free(self, block_ids: array) -> int:
-        self.stack.extend(block_ids)
+        block_ids[::-1]  # noqa: B018  # read the (cold) table back, as a free must
         return len(block_ids)
 
 
 def churn_floor(num_blocks: int, num_steps: int, seed: int) -> float:
-    bare = BareStack(num_blocks)
+    bare = BareTables()
     return churn(bare.allocate, bare.free, num_blocks, num_steps, seed)[0]
 
 
@@ -212,7 +210,7 @@ def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, 
     """(us per hit block in allocate, the same with spans off, us per block in the following
     free, pool bytes/block).
 
-    The bytes are the pool's arrays plus the index's key list after the run, with the pool
+    The bytes are the pool's arrays plus the index's entry list after the run, with the pool
     ~45 % held and ~45 % cached (the free stack and the cached queue at their working size).
     """
     rng = random.Random(seed)
@@ -231,26 +229,29 @@ def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, 
     prompt = [rng.randrange(50_000) for _ in range(MAX_SEQ_BLOCKS * BLOCK_SIZE + 1)]
     manager.allocate("warm", prompt)
     manager.free("warm")
-    hit, release = _time_hits(manager, prompt, repeats)
-    manager._index.span_blocks = 1 << 30  # no chain is that long: block by block
-    walk, _ = _time_hits(manager, prompt, repeats)
-    pool_bytes = manager._pool.nbytes() + 8 * num_blocks  # + the entry list: 8 B per block
-    return hit, walk, release, pool_bytes / num_blocks
-
-
-def _time_hits(manager: KVCacheManager, prompt: list[int], repeats: int) -> tuple[float, float]:
-    """Median us per block of `allocate` (all hits) and of the `free` after it."""
-    hit, release = [], []
+    # Alternate hits with spans (the default) and without (no chain is 2**30 blocks long), so
+    # both see the same machine load.
+    index, span_blocks = manager._index, manager._index.span_blocks
+    hit, walk, release = [], [], []
     for i in range(repeats):
-        t0 = time.perf_counter()
-        num_cached = manager.allocate(i, prompt)
-        t1 = time.perf_counter()
-        manager.free(i)
-        t2 = time.perf_counter()
-        assert num_cached == MAX_SEQ_BLOCKS * BLOCK_SIZE, "expected every full block to hit"
-        hit.append((t1 - t0) / MAX_SEQ_BLOCKS * 1e6)
-        release.append((t2 - t1) / (MAX_SEQ_BLOCKS + 1) * 1e6)
-    return statistics.median(hit), statistics.median(release)
+        index.span_blocks = span_blocks if i % 2 else 1 << 30
+        hit_us, free_us = _time_hit(manager, prompt)
+        (hit if i % 2 else walk).append(hit_us)
+        release.append(free_us)
+    pool_bytes = manager._pool.nbytes() + 8 * num_blocks  # + the entry list: 8 B per block
+    median = statistics.median
+    return median(hit), median(walk), median(release), pool_bytes / num_blocks
+
+
+def _time_hit(manager: KVCacheManager, prompt: list[int]) -> tuple[float, float]:
+    """Us per block of `allocate` (every full block a hit) and of the `free` after it."""
+    t0 = time.perf_counter()
+    num_cached = manager.allocate("hit", prompt)
+    t1 = time.perf_counter()
+    manager.free("hit")
+    t2 = time.perf_counter()
+    assert num_cached == MAX_SEQ_BLOCKS * BLOCK_SIZE, "expected every full block to hit"
+    return (t1 - t0) / MAX_SEQ_BLOCKS * 1e6, (t2 - t1) / (MAX_SEQ_BLOCKS + 1) * 1e6
 
 
 def build(num_blocks: int) -> tuple[float, float, float]:
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
     parser.add_argument("--steps", type=int, default=3000, help="churn steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
-    parser.add_argument("--hit-repeats", type=int, default=200)
+    parser.add_argument("--hit-repeats", type=int, default=400, help="hits, half with spans")
     parser.add_argument("--scan-budget", type=float, default=3.0,
                         help="seconds of churn for the scan baseline per size")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)

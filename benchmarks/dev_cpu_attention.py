@@ -13,18 +13,21 @@ kernel; `--asm` counts their zmm/ymm FMAs, bfloat16 widenings and vectorized exp
        (token, KV head) into an L1 scratch row, compiled for 512-bit vectors
     2  as 1, but bfloat16 widened inside the dot products (once per query head) and the
        default 256-bit vectors
-    3  as 1, but two query heads per pass over each K/V row (register blocking)
+    3  as 1, but two query heads per pass over each K/V row (register blocking), bfloat16
+       widened inside the dot products (once per head pair)
 The pre-rework kernel (scalar `expf` per score, Python error model) is in git history.
 
-Measured 2026-11-29 on the development machine (2-core Emerald Rapids VM, shared, one
-thread, medians of 40 interleaved rounds, ratio = SDPA time / variant time):
+Measured 2026-11-29 22:30 UTC on the development machine (2-core Emerald Rapids VM shared
+with other jobs, load average ~4; `--threads 1 --serial --rounds 40`, block 16; ratio = SDPA
+time / variant time, medians of interleaved rounds):
 
-    shape (block 16)      v1 fp32  v2 fp32  v3 fp32 | v1 bf16  v2 bf16  v3 bf16
-    1 x 512               0.93x    0.89x    0.85x   | 0.90x    0.80x    0.92x
-    1 x 4096              1.71x    1.55x    1.50x   | 1.58x    0.95x    1.30x
+    shape        v1 fp32  v2 fp32  v3 fp32 | v1 bf16  v2 bf16  v3 bf16
+    1 x 512      0.91x    0.91x    0.87x   | 0.90x    0.83x    0.96x
+    1 x 4096     1.30x    1.17x    1.27x   | 1.10x    0.98x    1.05x
 
-(the pre-rework kernel: 0.88x / 1.47x fp32, 0.85x / 0.98x bf16; v1 without 512-bit vectors:
-0.93x / 1.59x fp32, 0.91x / 1.05x bf16). Timings interleave the variants in one process
+Earlier quieter runs put the pre-rework kernel (scalar `expf`) at 0.77-0.88x fp32 and
+0.70-0.85x bf16 on the same shapes, and showed 512-bit vectors worth 1.05-1.25x (v1 with
+and without `prefer_512_bit_vectors`). Timings interleave the variants in one process
 (rounds of one call each), so a busy machine slows them alike.
 """
 

@@ -34,6 +34,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler()
         self._generators: dict[SeqId, torch.Generator] = {}
+        # torch's intra-op thread count when the engine started: the first step is the
+        # first Numba parallel region (the attention kernels), which can reset it.
+        self._num_threads: int | None = torch.get_num_threads()
 
     @torch.inference_mode()
     def execute(
@@ -77,7 +80,15 @@ class ModelRunner:
             self.kv_cache,
             metadata,
         )
+        if self._num_threads is not None:
+            self._restore_threads()
         return self._sample(step, hidden, requests)
+
+    def _restore_threads(self) -> None:
+        """Once, after the first forward: undo a reset of torch's thread count."""
+        wanted, self._num_threads = self._num_threads, None
+        if wanted is not None and torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slots of positions start..end-1 (block_id * block_size + offset): one range per

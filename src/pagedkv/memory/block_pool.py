@@ -8,18 +8,24 @@ Every block is in exactly one of three states::
              least recently freed first, only when no free block is left
     held     ref_count >= 1: in some sequence's block table
 
-No Python object per block: ``array('i')`` only, work batched per call, and block ids
+No Python object per block: flat containers only, work batched per call, and block ids
 handed out as ``array('i')`` slices (4 bytes per block in a block table, no int objects, so
-a pool of millions stays cache friendly). The cached queue is lazy: a hit does not unlink
-the block (the costliest per-block step of an intrusive linked list), it only bumps the
-block's count; the stale entry is skipped when it reaches the head, and the queue is
-compacted when stale entries outnumber live ones (amortized O(1)). A block's entry is live
-iff the block is cached and the entry is its newest (``stamp[block] == position``).
+a pool of millions stays cache friendly). The reference counts are a list of small ints:
+one pointer per block to CPython's shared small-int objects, and twice as fast as an array
+on the per-block steps of a hit or a free (specialized list loads and stores). While no
+block has two holders (no fork, no shared prefix held), `free` releases a block table
+without reading a count: one reversed slice onto the free stack. The cached queue is lazy:
+a hit does not unlink the block (the costliest per-block step of an intrusive linked list),
+it only bumps the block's count; the stale entry is skipped when it reaches the head, and
+the queue is compacted when stale entries outnumber live ones (amortized O(1)). A block's
+entry is live iff the block is cached and the entry is its newest
+(``stamp[block] == position``).
 
-Bookkeeping per block: extra references 4 B + queue stamp 4 B + free stack and queue
+Bookkeeping per block: extra references 8 B + queue stamp 4 B + free stack and queue
 together at most 8 B (free + live + stale entries <= 2 x num_blocks + slack), plus the
-prefix index's key list 8 B. Building touches no per-block Python object: zeroed arrays,
-an implicit range of never-used blocks, a list of None.
+prefix index's entry list 8 B: at most 28 B. Building touches no per-block Python object:
+a list of one repeated int, a zeroed array, an implicit range of never-used blocks, a list
+of None.
 
 Standard library only.
 """

@@ -8,13 +8,19 @@ parent can never be reached again.
 
 ``block_tokens`` is canonical for the block's tokens alone: the bytes of the tokens packed as
 int32 when every token is an int that fits (the usual case), else the tuple of the tokens
-(a bytes key never equals a tuple key). Bytes cache their hash and compare with ``memcmp``;
-packing a whole prompt is one ``struct`` call and cutting it into blocks another, so the
-tokens of a hit are still compared one by one against the cached ones, at C speed.
+(a bytes key never equals a tuple key). Packing a whole prompt is one ``struct`` call and
+cutting it into blocks another; bytes compare with ``memcmp``, so every token of a hit is
+still compared with the cached one, at C speed.
 
 The key is the dict key itself, so a lookup compares the stored tokens and parent uid with the
 prompt's (Python's dict checks equality after the hash matches): two prompts whose keys hash
 alike can never share a block. The hash is only an index.
+
+Spans make a repeated hit cost less than one dict lookup per block: once a lookup has walked
+``span_blocks`` aligned blocks of a chain, the next one matches them at once, comparing the
+bytes of all their tokens in one ``memcmp`` and checking in C that every block still holds
+the entry the walk found (entries are never reused). A span that fails the check (a block
+was evicted) is ignored, so a span hit is exactly what the walk would find.
 
 Standard library only.
 """
@@ -230,9 +236,9 @@ class PrefixIndex:
             stop = min(start + span_width, end)
             if stop - start == span_width:
                 span = spans.get((uid, packed[start : start + width]))
-                # The key proved block 0 (tokens and parent), one memcmp the other tokens, and
-                # the entries the chain (evictions are not tracked here): then it is exactly
-                # the chain a walk finds.
+                # The key proves block 0 (tokens and parent), one memcmp the other tokens, and
+                # the entry check that every block still holds the entry the walk found
+                # (evictions are not tracked here): then it is exactly what a walk finds.
                 if (
                     span is not None
                     and span[1] == packed[start:stop]
