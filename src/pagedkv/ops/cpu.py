@@ -39,9 +39,9 @@ class _Plan:
     rows: np.ndarray  # int64 [num_rows], query row of each kernel output row
     num_parts: int  # partial states the split rows need
     is_serial: bool
-    prefill_seqs: list[int]
-    starts: list[int]  # query_start_loc as a list
-    seq_lens: list[int]
+    prefill_seqs: np.ndarray  # int64 [num_prefill]
+    starts: np.ndarray  # int32 [num_seqs + 1], query_start_loc
+    seq_lens: np.ndarray  # int32 [num_seqs]
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
     covers_all: bool  # rows == arange(num_tokens): the kernel output is the whole output
 
@@ -58,6 +58,7 @@ def _make_plan(
     tables, starts, lens = block_tables.numpy(), query_start_loc.numpy(), seq_lens.numpy()
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     use_kernel = key_cache.dtype in _KERNEL_DTYPES
+    num_threads = cpu_kernels.num_threads()
     items, splits, rows, prefill, total, error, seq = cpu_plan.plan_items(
         starts,
         lens,
@@ -67,7 +68,7 @@ def _make_plan(
         block_size,
         sliding_window or 0,
         MAX_DECODE_QUERY if use_kernel else 0,
-        cpu_kernels.num_threads(),
+        num_threads,
     )
     if error == cpu_plan.BAD_BLOCK:
         raise ValueError(
@@ -84,10 +85,10 @@ def _make_plan(
         splits=splits,
         rows=rows,
         num_parts=int(splits[-1, 2]) if splits.shape[0] else 0,
-        is_serial=total * row_bytes < SERIAL_BYTES or cpu_kernels.num_threads() == 1,
-        prefill_seqs=prefill.tolist(),
-        starts=starts.tolist(),
-        seq_lens=lens.tolist(),
+        is_serial=total * row_bytes < SERIAL_BYTES or num_threads == 1,
+        prefill_seqs=prefill,
+        starts=starts,
+        seq_lens=lens,
         block_tables=tables,
         covers_all=rows.shape[0] == num_tokens,
     )
@@ -191,14 +192,14 @@ def _run(
     out = torch.empty_like(query)
     if has_rows:
         out[torch.from_numpy(plan.rows)] = rows_out.to(query.dtype)
-    for s in plan.prefill_seqs:
-        lo, hi = plan.starts[s], plan.starts[s + 1]
+    for s in plan.prefill_seqs.tolist():
+        lo, hi = int(plan.starts[s]), int(plan.starts[s + 1])
         out[lo:hi] = _prefill_seq(
             query[lo:hi],
             key_cache,
             value_cache,
             plan.block_tables[s],
-            plan.seq_lens[s],
+            int(plan.seq_lens[s]),
             scale,
             sliding_window,
         )
