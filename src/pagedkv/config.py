@@ -21,17 +21,35 @@ SUPPORTED_ARCHITECTURES = {
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
 DTYPE_BYTES = {
-    "float32": 4, "fp32": 4,
-    "bfloat16": 2, "bf16": 2,
-    "float16": 2, "fp16": 2, "half": 2,
-    "float8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float8": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
 }
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -94,17 +112,26 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config: expected {name} > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"config: expected num_attention_heads ({self.num_heads}) to be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"config: expected {self.num_layers} layer types, "
-                             f"got {len(self.sliding_windows)}")
+            raise ValueError(
+                f"config: expected {self.num_layers} layer types, got {len(self.sliding_windows)}"
+            )
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | Path) -> ModelConfig:
@@ -161,9 +188,19 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
     if architecture is None:
         raise ValueError(
             f"unsupported architecture {architectures or config.get('model_type')!r}: "
-            f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                           "num_hidden_layers", "num_attention_heads") if k not in config]
+            f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in config
+    ]
     if missing:
         raise ValueError(f"config.json is missing {', '.join(missing)}")
     try:
@@ -193,8 +230,7 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(_first(config, "max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias",
-                                           architecture == "Qwen2ForCausalLM")),
+            attention_bias=bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM")),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_windows=_sliding_windows(config, architecture, num_layers),
             bos_token_id=config.get("bos_token_id"),
@@ -205,8 +241,9 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json has a broken field: {exc}") from None
 
 
-def _sliding_windows(config: dict[str, Any], architecture: str,
-                     num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(
+    config: dict[str, Any], architecture: str, num_layers: int
+) -> tuple[int | None, ...]:
     window = config.get("sliding_window")
     if architecture == "MistralForCausalLM":
         return (int(window) if window else None,) * num_layers
@@ -259,10 +296,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs: expected > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
-                f"max_num_batched_tokens: expected > 0, got {self.max_num_batched_tokens}")
+                f"max_num_batched_tokens: expected > 0, got {self.max_num_batched_tokens}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
-                f"preemption_mode: expected 'recompute' or 'swap', got {self.preemption_mode!r}")
+                f"preemption_mode: expected 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if self.max_preemptions < 0:
             raise ValueError(f"max_preemptions: expected >= 0, got {self.max_preemptions}")
 

@@ -12,7 +12,7 @@ from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagedkv.engine.beam_search import BeamSearchOutput
+    from pagedkv.engine.beam_search import BeamSearchOutput, EarlyStopping
 
 
 class LLM:
@@ -136,7 +136,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         *,
-        early_stopping: bool | str = False,
+        early_stopping: EarlyStopping = False,
     ) -> list[BeamSearchOutput]:
         """Beam search over the paged cache: beams share blocks up to where they diverge.
 

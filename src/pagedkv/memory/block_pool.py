@@ -157,6 +157,7 @@ class BlockPool:
         Args:
             block_ids: held blocks, each at most once.
         """
+        released: Sequence[int]
         if self._num_shared:
             released = self._release(block_ids)
         elif type(block_ids) is array:  # none shared, all released: reversed in C

@@ -188,6 +188,8 @@ class KVCacheManager:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
         index, block_size = self._index, self._block_size
+        hits: list[int]
+        keys: Sequence[Any]
         if index is None:
             hits, chain_uid, keys = [], ROOT_UID, ()
         else:
@@ -210,6 +212,7 @@ class KVCacheManager:
         seq = SeqState(block_ids, tokens, len(hits), chain_uid)
         self._seqs[seq_id] = seq
         if keys:
+            assert index is not None, "allocate: block keys without a prefix index"
             num_hits = len(hits)
             seq.chain_uid = index.insert_keys(
                 chain_uid, keys, block_ids[num_hits : num_hits + len(keys)]
@@ -250,7 +253,7 @@ class KVCacheManager:
                 self._copies.append((src, dst))
                 self._num_cow += 1
             seq.block_ids += new_block_ids
-        if type(seq.token_ids) is tuple:  # the prompt, kept as allocate got it
+        if isinstance(seq.token_ids, tuple):  # the prompt, kept as allocate got it
             seq.token_ids = list(seq.token_ids)
         seq.token_ids += tokens
         if len(seq.token_ids) // self._block_size > seq.num_keyed:

@@ -355,7 +355,7 @@ class PrefixIndex:
             assert len(block_ids) == self.span_blocks, (
                 f"prefix index: span at blocks {block_ids} is not {self.span_blocks} long"
             )
-            assert tokens == b"".join(e[2][1] for e in entries), (
+            assert tokens == b"".join(e[2][1] for e in entries), (  # type: ignore[misc]  # spans are bytes-keyed
                 f"prefix index: span at blocks {block_ids} holds other tokens than its entries"
             )
             chain = [e[2][0] for e in entries[1:]] + [uid]
