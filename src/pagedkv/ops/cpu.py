@@ -161,9 +161,12 @@ def _prefill_seq(
     b0, b1 = first // block_size, -(-seq_len // block_size)
     blocks = torch.from_numpy(block_table[b0:b1].astype(np.int64))
     start = b0 * block_size
-    # (nb, bs, Hkv, D) -> (nb * bs, Hkv, D) -> (Hkv, L', D) with L' = seq_len - start
+    # (nb, bs, Hkv, D) -> (nb * bs, Hkv, D) -> (Hkv, L', D) with L' = seq_len - start.
+    # Contiguous K/V: SDPA's CPU kernel runs ~10 % slower on the strided view at 512 tokens,
+    # more than the copy costs.
     k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
     v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
+    k, v = k.contiguous(), v.contiguous()
     q = query.transpose(0, 1)  # (H, q, D)
     if sliding_window is None and start == 0 and query_len == seq_len:
         mask, causal = None, True
