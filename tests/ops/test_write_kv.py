@@ -49,3 +49,20 @@ def test_write_kv_rejects_slot_past_the_end() -> None:
         ValueError, match=r"^slot_mapping: expected slots < .* = 8, got .*\[1\] = 8"
     ):
         write_kv(key, key, key_cache, key_cache.clone(), torch.tensor([7, 8]))
+
+
+@pytest.mark.parametrize("heads, dim", [(1, 3), (3, 5), (2, 8)])
+def test_write_kv_any_row_width_and_offset_source(heads: int, dim: int) -> None:
+    """Rows copied as 8-byte words or as bytes (a float16 row of 6 or 30 bytes), from
+    sources that start anywhere in their storage."""
+    gen = torch.Generator().manual_seed(2)
+    key_cache = torch.zeros(3, 4, heads, dim, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    flat = torch.randn(1 + 2 * 3 * heads * dim, generator=gen).to(torch.float16)
+    key = flat[1 : 1 + 3 * heads * dim].view(3, heads, dim)  # starts 2 bytes into its storage
+    value = flat[1 + 3 * heads * dim :].view(3, heads, dim)
+    write_kv(key, value, key_cache, value_cache, torch.tensor([11, 0, 5]))
+    for t, slot in enumerate((11, 0, 5)):
+        assert torch.equal(key_cache.view(-1, heads, dim)[slot], key[t])
+        assert torch.equal(value_cache.view(-1, heads, dim)[slot], value[t])
+    assert int((key_cache != 0).any(-1).any(-1).sum()) == 3

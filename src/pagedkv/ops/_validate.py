@@ -179,8 +179,8 @@ def check_write_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Check `write_kv`'s arguments (metadata only).
+) -> int:
+    """Check `write_kv`'s arguments (metadata only); returns the number of tokens.
 
     One combined test covers the valid case; the detailed checks below run only to name
     what is wrong (this runs per layer per step, so the common path must be cheap: a decode
@@ -191,21 +191,29 @@ def check_write_args(
     is_tensor = type(key_cache) is torch.Tensor
     pair = key_cache.__dict__.get("_pagedkv_write_pair") if is_tensor else None
     if pair is not None and pair[0] is value_cache:
+        # Each `.shape` builds a torch.Size (~150 ns) and a device comparison costs ~180 ns:
+        # read each shape once and, for a CPU cache, test `is_cpu` instead.
         row_shape, dtype, device = pair[1], pair[2], pair[3]
+        key_shape = key.shape
         if (
-            key.shape[1:] == row_shape and value.shape == key.shape
-            and slot_mapping.shape == key.shape[:1] and slot_mapping.dtype in INDEX_DTYPES
+            key_shape[1:] == row_shape and value.shape == key_shape
+            and slot_mapping.shape == key_shape[:1] and slot_mapping.dtype in INDEX_DTYPES
             and key.dtype is dtype and value.dtype is dtype
-            and key.device == device and value.device == device and slot_mapping.device == device
+            and (
+                key.is_cpu and value.is_cpu and slot_mapping.is_cpu if device is None
+                else key.device == device and value.device == device
+                and slot_mapping.device == device
+            )
         ):  # fmt: skip
-            return
+            return key_shape[0]
     _check_write_args(key, value, key_cache, value_cache, slot_mapping)
     key_cache.__dict__["_pagedkv_write_pair"] = (
         value_cache,
         key_cache.shape[2:],
         key_cache.dtype,
-        key_cache.device,
+        None if key_cache.is_cpu else key_cache.device,  # None: compare with `is_cpu`
     )
+    return key.shape[0]
 
 
 def _check_write_args(

@@ -101,9 +101,8 @@ def write_kv(
     Raises:
         ValueError: a shape, dtype or device does not match ("expected X, got Y").
     """
-    _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping)
-    if key.shape[0] == 0:
-        return
+    if not _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping):
+        return  # no tokens
     # The common case first: a decode step's write has a 10 us budget, ~1 us of it Python.
     module = _loaded.get("cpu") if key.is_cpu else None
     if module is None:

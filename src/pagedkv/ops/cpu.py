@@ -256,7 +256,7 @@ def paged_attention_from_metadata(
 def _row_views(
     key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """uint8 [num_slots, row_bytes] views of a contiguous cache pair (None if strided).
+    """Raw [num_slots, row_words] views (`_bytes`) of a contiguous cache pair (None if strided).
 
     Memoized on `key_cache` and keyed by both storage addresses: a decode step's write has
     a 10 us budget and building the views costs ~2 us. Restriding a cache in place
@@ -281,9 +281,11 @@ def _row_views(
 
 
 def _bytes(cache: torch.Tensor) -> np.ndarray:
+    """[num_slots, row_words] raw view: uint64 words when a row allows, else bytes."""
     # NumPy has no bfloat16: view 2-byte floats as int16 first (write_kv only copies bits)
     raw = cache.view(torch.int16).numpy() if cache.element_size() == 2 else cache.numpy()
-    return raw.reshape(cache.shape[0] * cache.shape[1], -1).view(np.uint8)
+    rows = raw.reshape(cache.shape[0] * cache.shape[1], -1).view(np.uint8)
+    return rows.view(np.uint64) if rows.shape[1] % 8 == 0 else rows
 
 
 def write_kv(
@@ -307,20 +309,19 @@ def write_kv(
 
         write_strided(key, value, key_cache, value_cache, slot_mapping)
         return
-    num_slots = views[0].shape[0]
     # The kernel reads its inputs through their addresses: keep contiguous ones alive here.
     key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
     bad = cpu_kernels.write_rows(
         key.data_ptr(),
         value.data_ptr(),
         slots.data_ptr(),
-        slots.dtype == torch.int64,
+        slots.dtype is torch.int64,
         key.shape[0],
         views[0],
         views[1],
     )
     if bad >= 0:
         raise ValueError(
-            f"slot_mapping: expected slots < num_blocks * block_size = {num_slots}, "
+            f"slot_mapping: expected slots < num_blocks * block_size = {views[0].shape[0]}, "
             f"got slot_mapping[{bad}] = {int(slot_mapping[bad])}"
         )

@@ -332,6 +332,19 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, splits, sc
 
 
 @intrinsic
+def _pointer_like(typingctx, address, array):  # pragma: no cover
+    """An integer address as a pointer to elements of `array`'s dtype."""
+    if not isinstance(address, types.Integer) or not isinstance(array, types.Array):
+        return None
+    ptr_type = types.CPointer(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr_type))
+
+    return ptr_type(address, array), codegen
+
+
+@intrinsic
 def _pointer(typingctx, address, dtype):  # pragma: no cover
     """An integer address (`Tensor.data_ptr()`) as a pointer to `dtype` elements."""
     if not isinstance(address, types.Integer) or not isinstance(dtype, types.NumberClass):
@@ -351,21 +364,22 @@ def write_rows(key_address, value_address, slot_address, is_slot_int64, num_toke
 
     The new rows and slots arrive as addresses of contiguous tensors: turning a tensor into
     a NumPy array costs ~0.7 us, a tenth of a decode step's whole write (target < 10 us for
-    32 tokens). Rows are copied as bytes.
+    32 tokens). Rows are copied as raw words of the views' type.
 
     Args:
         key_address, value_address: `data_ptr()` of contiguous [num_tokens, kv_heads, D]
             tensors of the cache's dtype.
         slot_address: `data_ptr()` of the contiguous int64 (`is_slot_int64`) or int32 slots.
         num_tokens: rows in each.
-        key_cache, value_cache: uint8 [num_slots, row_bytes] views of the caches.
+        key_cache, value_cache: [num_slots, row_words] views of the caches, uint64 words
+            when a row is a multiple of 8 bytes (10 % faster than bytes), else uint8.
 
     Returns:
         -1, or the first token whose slot is past the end (nothing was written for it).
     """
-    num_slots, row_bytes = key_cache.shape
-    key = numba.carray(_pointer(key_address, np.uint8), (num_tokens, row_bytes))
-    value = numba.carray(_pointer(value_address, np.uint8), (num_tokens, row_bytes))
+    num_slots, row_words = key_cache.shape
+    key = numba.carray(_pointer_like(key_address, key_cache), (num_tokens, row_words))
+    value = numba.carray(_pointer_like(value_address, key_cache), (num_tokens, row_words))
     slots64 = numba.carray(_pointer(slot_address, np.int64), (num_tokens if is_slot_int64 else 0,))
     slots32 = numba.carray(_pointer(slot_address, np.int32), (num_tokens,))
     for t in range(num_tokens):
@@ -376,9 +390,9 @@ def write_rows(key_address, value_address, slot_address, is_slot_int64, num_toke
             return t
         # Explicit loops: numba's row assignment checks for overlap and is ~2x slower.
         k_dst, v_dst, k_src, v_src = key_cache[slot], value_cache[slot], key[t], value[t]
-        for i in range(row_bytes):
+        for i in range(row_words):
             k_dst[i] = k_src[i]
-        for i in range(row_bytes):
+        for i in range(row_words):
             v_dst[i] = v_src[i]
     return -1
 
