@@ -13,7 +13,9 @@ request, the serving case). In the same run:
 
 Efficiency is the matmul floor over the measured time: (prompt + output tokens) x 2 x the
 layers' matmul parameters, plus output tokens x 2 x the LM head's, over the `torch.mm` rate
-measured in this run at the model's MLP shapes. Issue 5's runs: memory pressure (pool at
+measured in this run at the model's MLP shapes. Beside it, for pagedkv: its matmuls alone,
+timed in isolation at the token counts of the steps it actually ran (`isolated_mm_seconds`),
+which bounds the efficiency any schedule of those steps could reach. Issue 5's runs: memory pressure (pool at
 ~30 % of the workload's blocks), recompute vs swap; parallel sampling (n = 4, seeded) vs
 the same samples as separate requests without prefix caching (peak blocks, throughput).
 
@@ -37,11 +39,13 @@ import argparse  # noqa: E402
 import random  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from _common import print_table, write_results  # noqa: E402 (benchmarks/ is on sys.path)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
@@ -145,6 +149,48 @@ def floor_seconds(workload: Workload, config: ModelConfig, mm_rate: float) -> fl
     return (tokens * 2 * layers + workload.num_output_tokens * 2 * head) / mm_rate
 
 
+def isolated_mm_seconds(
+    config: ModelConfig, dtype: torch.dtype, step_tokens: list[int], logit_rows: list[int]
+) -> float:
+    """Seconds the matmuls of the engine's own steps take alone: each step's linears, layer
+    after layer with every layer's own weights (as the model streams them from memory), and
+    its LM-head rows, timed at that step's token count with `F.linear`; best of 2 after a
+    warm-up, per distinct token count.
+
+    The floor above prices every matmul at the best rate of a 256-row GEMM; a decode step of
+    32 sequences multiplies 32 rows, which no GEMM runs at that rate, and re-reads all the
+    weights (more than the L3 cache in float32). This is the matmul time of the schedule the
+    engine actually ran, with nothing else in between: the bound on its floor efficiency
+    were attention, norms, sampling and Python free.
+    """
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer_shapes = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]  # (in, out)
+    layers = [
+        [torch.randn(out, inp, dtype=dtype) for inp, out in layer_shapes]
+        for _ in range(config.num_layers)
+    ]
+    head = torch.randn(config.vocab_size, h, dtype=dtype)
+
+    def best_time(rows: int, weights: list[list[torch.Tensor]]) -> float:
+        inputs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights[0]]
+        best = float("inf")
+        for _ in range(3):  # the first one warms up
+            t0 = time.perf_counter()
+            for layer in weights:
+                for x, w in zip(inputs, layer, strict=True):
+                    F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    total = 0.0
+    for rows, count in Counter(step_tokens).items():
+        total += count * best_time(rows, layers)
+    for rows, count in Counter(logit_rows).items():
+        total += count * best_time(rows, [[head]])
+    return total
+
+
 def run_pagedkv(
     model_dir: Path,
     dtype: str,
@@ -154,12 +200,30 @@ def run_pagedkv(
     sample: bool = False,
     **llm_kwargs: Any,
 ) -> dict[str, Any]:
-    """Time the engine on the workload; peak blocks in use read after every step."""
+    """Time the engine on the workload; peak blocks in use read after every step.
+
+    Also returns each step's token count and LM-head rows (`step_tokens`, `logit_rows`),
+    recorded by wrapping the model's two entry points (a list append per step).
+    """
     llm_kwargs.setdefault("num_blocks", n * sum(workload.blocks()) + 64)
     llm = LLM(str(model_dir), dtype=dtype, block_size=BLOCK_SIZE, seed=0, **llm_kwargs)
     warm = SamplingParams(temperature=0.0, max_tokens=2)  # compiles the kernels
     llm.generate([{"prompt_token_ids": workload.prompts[0][:8]}], warm, use_tqdm=False)
     engine = llm.engine
+    model = engine.runner.model
+    step_tokens: list[int] = []
+    logit_rows: list[int] = []
+    forward, compute_logits = model.forward, model.compute_logits
+
+    def recording_forward(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        step_tokens.append(input_ids.shape[0])
+        return forward(input_ids, *args)
+
+    def recording_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logit_rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    model.forward, model.compute_logits = recording_forward, recording_logits
     for i, (prompt, max_tokens) in enumerate(
         zip(workload.prompts, workload.max_tokens, strict=True)
     ):
@@ -185,10 +249,13 @@ def run_pagedkv(
         "num_cow_copies",
         "prefix_cache_hits",
     )
+    model.forward, model.compute_logits = forward, compute_logits
     return {
         "seconds": seconds,
         "tokens": tokens,
         "peak_used_blocks": peak,
+        "step_tokens": step_tokens,
+        "logit_rows": logit_rows,
         **{key: stats[key] for key in keys},
     }
 
@@ -327,6 +394,16 @@ def bench_throughput(
     for name, workload in workloads.items():
         floor = floor_seconds(workload, config, mm_rate)
         runs = {"pagedkv": run_pagedkv(model_dir, dtype, workload, **_engine_kwargs(args))}
+        ours = runs["pagedkv"]
+        mm_alone = isolated_mm_seconds(
+            config, torch_dtype, ours["step_tokens"], ours["logit_rows"]
+        )
+        print(
+            f"  {dtype:8s} {name:8s} pagedkv's {len(ours['step_tokens'])} steps: matmuls alone "
+            f"{mm_alone:.2f} s at their own shapes (floor {floor:.2f} s): efficiency bound "
+            f"{floor / mm_alone:.2f} with nothing but matmuls",
+            flush=True,
+        )
         if hf_model is not None:
             runs["hf_static"] = run_hf_static(hf_model, workload)
             runs["hf_continuous"] = run_hf_continuous(hf_model, workload, args.hf_max_batch_tokens)
@@ -339,6 +416,7 @@ def bench_throughput(
                 "tokens_per_s": workload.num_output_tokens / run["seconds"],
                 "floor_seconds": floor,
                 "floor_efficiency": floor / run["seconds"],
+                "pagedkv_mm_alone_seconds": mm_alone,
                 "mm_gflops": mm_rate / 1e9,
                 "pagedkv_speedup": runs["pagedkv"]["seconds"] ** -1 * run["seconds"],
                 "same_tokens_as_pagedkv": _agreement(runs["pagedkv"]["tokens"], run["tokens"]),
