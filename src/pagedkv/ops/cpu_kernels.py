@@ -332,29 +332,23 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, splits, sc
 
 
 @intrinsic
-def _pointer_like(typingctx, address, array):  # pragma: no cover
-    """An integer address as a pointer to elements of `array`'s dtype."""
-    if not isinstance(address, types.Integer) or not isinstance(array, types.Array):
+def _pointer(typingctx, address, like):  # pragma: no cover
+    """An integer address (`Tensor.data_ptr()`) as a pointer to elements of `like`: a NumPy
+    scalar type, or an array whose element type to take."""
+    if isinstance(like, types.NumberClass):
+        element = like.instance_type
+    elif isinstance(like, types.Array):
+        element = like.dtype
+    else:
         return None
-    ptr_type = types.CPointer(array.dtype)
+    if not isinstance(address, types.Integer):
+        return None
+    ptr_type = types.CPointer(element)
 
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], context.get_value_type(ptr_type))
 
-    return ptr_type(address, array), codegen
-
-
-@intrinsic
-def _pointer(typingctx, address, dtype):  # pragma: no cover
-    """An integer address (`Tensor.data_ptr()`) as a pointer to `dtype` elements."""
-    if not isinstance(address, types.Integer) or not isinstance(dtype, types.NumberClass):
-        return None
-    ptr_type = types.CPointer(dtype.instance_type)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(ptr_type))
-
-    return ptr_type(address, dtype), codegen
+    return ptr_type(address, like), codegen
 
 
 @njit(cache=True, **JIT)
@@ -378,8 +372,8 @@ def write_rows(key_address, value_address, slot_address, is_slot_int64, num_toke
         -1, or the first token whose slot is past the end (nothing was written for it).
     """
     num_slots, row_words = key_cache.shape
-    key = numba.carray(_pointer_like(key_address, key_cache), (num_tokens, row_words))
-    value = numba.carray(_pointer_like(value_address, key_cache), (num_tokens, row_words))
+    key = numba.carray(_pointer(key_address, key_cache), (num_tokens, row_words))
+    value = numba.carray(_pointer(value_address, key_cache), (num_tokens, row_words))
     slots64 = numba.carray(_pointer(slot_address, np.int64), (num_tokens if is_slot_int64 else 0,))
     slots32 = numba.carray(_pointer(slot_address, np.int32), (num_tokens,))
     for t in range(num_tokens):
