@@ -15,9 +15,10 @@ Efficiency is the matmul floor over the measured time: (prompt + output tokens) 
 layers' matmul parameters, plus output tokens x 2 x the LM head's, over the `torch.mm` rate
 measured in this run at the model's MLP shapes. Beside it, for pagedkv: its matmuls alone,
 timed in isolation at the token counts of the steps it actually ran (`isolated_mm_seconds`),
-which bounds the efficiency any schedule of those steps could reach. Issue 5's runs: memory pressure (pool at
-~30 % of the workload's blocks), recompute vs swap; parallel sampling (n = 4, seeded) vs
-the same samples as separate requests without prefix caching (peak blocks, throughput).
+which bounds the efficiency any schedule of those steps could reach. Issue 5's runs: memory
+pressure (pool at ~30 % of the workload's blocks), recompute vs swap; parallel sampling
+(n = 4, seeded) vs the same samples as separate requests without prefix caching (peak
+blocks, throughput).
 
 Threads: this machine has 2 cores, shared. Every run uses 2 torch threads (`--threads`),
 1 inter-op thread, as many Numba threads, and OMP_WAIT_POLICY=PASSIVE, set before torch

@@ -7,15 +7,16 @@ every K/V row is read from HBM once per step. With more than one partition, each
 program writes a partial (running max, sum, unnormalized output) and
 ``_reduce_kernel`` merges them.
 
-Expected speed on an H200 (bf16, GQA 32/8, head_dim 128, batch 64, context 4096;
-not measured in this session): 1.07 GB of KV per step, so 224 us at the 4.8 TB/s
-peak. 64 x 8 x 2 partitions = 1024 programs stream 64-token tiles (16 KiB of K and
-of V) with cp.async one tile ahead; at 94 registers and 39 KiB of shared memory
-(compile_check.py, sm_90) 5 programs fit per SM, so ~5 x 32 KiB of loads are in
-flight per SM, several times the ~30 KiB Little's law asks (4.8 TB/s x ~0.8 us /
-132 SMs). The dots (M = 16 padded group, N = 64, K = 128) sit far below the
-tensor-core roof, so memory bounds the kernel: 80-90 % of peak is the expectation.
-Within a block, one head's rows are 256 B runs (NHD), full 32 B sectors.
+Measured on an H200 (git c06ab2d kernels, torch 2.11, triton 3.6; bf16, GQA 32/8,
+head_dim 128, block 16; `benchmarks/bench_attention.py --device cuda`, per call incl. host
+overhead): batch 64 x 4096 1.059 ms against 0.284 ms for SDPA on contiguous KV, 1014 GB/s
+= 24 % of the 4189 GB/s read bandwidth measured in the same run (the target is 80 %); 64 x
+32768 7.3 ms (1.18 TB/s, 28 %), 8 x 32768 1.30 ms, so large shapes are kernel-bound at
+1.1-1.2 TB/s; 1 x 4096 0.174 ms against 0.078 ms (about 0.1 ms of fixed cost per call);
+1 x 32768 0.255 ms, 1.62x SDPA (the split pays). The design estimate was 224 us for 64 x
+4096 (1.07 GB at 4.8 TB/s, 1024 programs streaming 64-key tiles, 5 per SM at 94 registers
+and 39 KiB shared per compile_check.py); the measurement is 4x off it.
+`benchmarks/tune_triton.py` sweeps the launch configuration and locates the fixed cost.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def decode_attention(
     max_span: int,
     partition_size: int,
     tile_blocks: int,
+    meta: dict | None = None,
 ) -> torch.Tensor:
     """Attention for batches of (mostly) one new token per sequence, one program per row.
 
@@ -180,6 +182,8 @@ def decode_attention(
         partition_size: tokens per program, a multiple of ``tile_blocks * block_size``;
             ``>= max_span`` disables the split and the reduce launch.
         tile_blocks: blocks per key tile.
+        meta: launch options merged over `decode_meta`'s, e.g. ``{"num_warps": 8,
+            "num_stages": 2}`` (benchmarks/tune_triton.py); None in normal use.
 
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype.
@@ -200,17 +204,17 @@ def decode_attention(
                                dtype=torch.float32, device=query.device)  # fmt: skip
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel when IS_SPLIT is false
-    meta = decode_meta(
+    options = decode_meta(
         is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
         head_dim=head_dim, block_size=key_cache.shape[1], tile_blocks=tile_blocks,
         use_window=sliding_window is not None, is_split=is_split,
-    )  # fmt: skip
+    ) | (meta or {})  # fmt: skip
     _decode_kernel[(num_tokens, num_kv_heads, num_parts)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         part_max, part_sum, part_acc, scale * _LOG2E, sliding_window or 0, partition_size,
         seq_lens.shape[0], num_parts, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), **meta,
+        out.stride(1), **options,
     )  # fmt: skip
     if is_split:
         _reduce_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU session's one command (issue 3), from the repository root on the device machine:
+#   bash benchmarks/device_check.sh
+# No network and no installs there: the device brings torch, triton and numba; the package is
+# used from src/ through PYTHONPATH. Each step runs under its own `timeout` (515 s in all,
+# + 5 s grace each: < 9 min) and a failing step does not stop the next. Everything lands
+# under $OUT (default benchmarks/results/device): a log per step, tune_triton.json (+ the
+# default kernel's TTGIR), attention_cuda.json, device_check_summary.txt.
+#   (a) the GPU tests: `-m gpu` over tests/ops, then test_triton.py natively on CUDA
+#       (it interprets only when CUDA is absent; TRITON_INTERPRET must be unset here)
+#   (b) benchmarks/tune_triton.py: launch-config sweep, v2 variant, probes, host cost
+#   (c) benchmarks/bench_attention.py --device cuda on a bounded grid
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/device}"
+mkdir -p "$OUT"
+export OUT PYTHONPATH=src
+unset TRITON_INTERPRET
+SUMMARY="$OUT/device_check_summary.txt"
+: >"$SUMMARY"
+
+step() {  # step NAME SECONDS CMD...: run under a timeout, log to $OUT/NAME.log, note rc
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (timeout ${limit}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$SUMMARY"
+}
+
+{
+    date -u
+    git rev-parse HEAD 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
+    python -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', \
+torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$OUT/environment.txt"
+
+if python -c "import pytest" 2>/dev/null; then
+    step tests_gpu 100 python -m pytest -q -p no:cacheprovider tests/ops -m gpu
+    step tests_triton 110 python -m pytest -q -p no:cacheprovider tests/ops/test_triton.py
+else
+    echo "tests skipped: pytest is not installed on this machine" | tee -a "$SUMMARY"
+fi
+step tune_triton 215 python benchmarks/tune_triton.py --budget-s 165
+step bench_attention 90 python benchmarks/bench_attention.py --device cuda \
+    --batch 1 8 64 --context 4096 32768 --block-size 16 --dtype bfloat16 \
+    --max-prefill-context 4096 --min-time 0.1 --out-dir "$OUT"
+cat "$SUMMARY"
