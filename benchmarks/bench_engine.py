@@ -396,9 +396,7 @@ def bench_throughput(
         floor = floor_seconds(workload, config, mm_rate)
         runs = {"pagedkv": run_pagedkv(model_dir, dtype, workload, **_engine_kwargs(args))}
         ours = runs["pagedkv"]
-        mm_alone = isolated_mm_seconds(
-            config, torch_dtype, ours["step_tokens"], ours["logit_rows"]
-        )
+        mm_alone = isolated_mm_seconds(config, torch_dtype, ours["step_tokens"], ours["logit_rows"])
         print(
             f"  {dtype:8s} {name:8s} pagedkv's {len(ours['step_tokens'])} steps: matmuls alone "
             f"{mm_alone:.2f} s at their own shapes (floor {floor:.2f} s): efficiency bound "
