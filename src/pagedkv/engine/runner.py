@@ -12,7 +12,7 @@ from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.models import CausalLM
-from pagedkv.ops import AttentionMetadata
+from pagedkv.ops import AttentionMetadata, warmup
 
 
 class ModelRunner:
@@ -37,6 +37,14 @@ class ModelRunner:
         # torch's intra-op thread count when the engine started: the first step is the
         # first Numba parallel region (the attention kernels), which can reset it.
         self._num_threads: int | None = torch.get_num_threads()
+        # Compile the attention kernels now, not in the middle of serving a request.
+        warmup(
+            kv_cache.key_caches[0],
+            kv_cache.value_caches[0],
+            model.config.num_heads,
+            backend=attention_backend,
+        )
+        self._restore_threads()
 
     @torch.inference_mode()
     def execute(

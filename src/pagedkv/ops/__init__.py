@@ -9,6 +9,7 @@ from pagedkv.ops.attention import (
     available_backends,
     paged_attention,
     paged_attention_from_metadata,
+    warmup,
     write_kv,
 )
 from pagedkv.ops.metadata import AttentionMetadata
@@ -18,5 +19,6 @@ __all__ = [
     "available_backends",
     "paged_attention",
     "paged_attention_from_metadata",
+    "warmup",
     "write_kv",
 ]

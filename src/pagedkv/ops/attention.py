@@ -8,7 +8,8 @@ A backend is a module exporting
 
 and receiving arguments already validated here. It may also export
 ``paged_attention_from_metadata(query, key_cache, value_cache, attn_metadata, *, scale,
-sliding_window)`` to reuse a per-step plan. Backends are imported lazily, on first use.
+sliding_window)`` to reuse a per-step plan, and ``warmup(key_cache, value_cache, num_heads)``
+to compile its kernels ahead of the first step. Backends are imported lazily, on first use.
 """
 
 from __future__ import annotations
@@ -79,6 +80,42 @@ def _get(backend: str, device: torch.device) -> ModuleType:
         return _load(name)
     except ImportError as exc:
         raise ValueError(f"backend: expected an importable backend, got {name!r} ({exc})") from exc
+
+
+def warmup(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, *, backend: str = "auto"
+) -> None:
+    """Get the backend's kernels for this cache pair ready before the first step.
+
+    JIT backends compile on first use, seconds per kernel, and a kernel can first be needed
+    deep into serving (the CPU backend's parallel decode only runs for large batches). An
+    engine calls this once at start-up; backends without a warm-up do nothing. Reads the
+    caches, never writes them.
+
+    Args:
+        key_cache, value_cache: the pools steps will use, [num_blocks, block_size,
+            num_kv_heads, head_dim].
+        num_heads: query heads, a multiple of num_kv_heads.
+        backend: as for `paged_attention`.
+
+    Raises:
+        ValueError: bad caches, `num_heads` or backend.
+    """
+    num_kv_heads = _validate.check_kv_pair(key_cache, value_cache)[2]
+    if (
+        isinstance(num_heads, bool)
+        or not isinstance(num_heads, int)
+        or num_heads < 1
+        or (num_heads % num_kv_heads)
+    ):
+        raise ValueError(
+            f"num_heads: expected a positive multiple of num_kv_heads = {num_kv_heads}, "
+            f"got {num_heads!r}"
+        )
+    module = _get(backend, key_cache.device)
+    prepare = getattr(module, "warmup", None)
+    if prepare is not None:
+        prepare(key_cache, value_cache, num_heads)
 
 
 def write_kv(

@@ -9,7 +9,7 @@ float16 and float64 caches take the SDPA path for every sequence (Numba has no f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -325,3 +325,30 @@ def write_kv(
             f"slot_mapping: expected slots < num_blocks * block_size = {views[0].shape[0]}, "
             f"got slot_mapping[{bad}] = {int(slot_mapping[bad])}"
         )
+
+
+def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
+    """Compile, or load from Numba's on-disk cache, every kernel a step over this cache pair
+    can call: the planner, the serial and the parallel decode kernel, and the KV write.
+
+    A first compile takes seconds per kernel; without this it lands in whichever step first
+    takes each path (a parallel decode appears only once a batch is large enough). Numba
+    specializes on types, not sizes, so one-token inputs compile what the real ones use.
+    Reads block 0 of the caches, writes nothing (the write's only slot is padding).
+    """
+    head_dim = key_cache.shape[3]
+    query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
+    index = dict(dtype=torch.int32)
+    plan = _make_plan(
+        1,
+        torch.zeros(1, 1, **index),
+        torch.ones(1, **index),
+        torch.tensor([0, 1], **index),
+        key_cache,
+        None,
+    )
+    _run(query, key_cache, value_cache, plan, 1.0, None)  # plan_items, then serial decode
+    if plan.rows.shape[0] and plan.is_serial:
+        _decode_rows(query, key_cache, value_cache, replace(plan, is_serial=False), 1.0)
+    row = torch.zeros(1, key_cache.shape[2], head_dim, dtype=key_cache.dtype)
+    write_kv(row, row, key_cache, value_cache, torch.full((1,), -1, dtype=torch.int64))
