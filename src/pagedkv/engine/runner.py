@@ -34,8 +34,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler()
         self._generators: dict[SeqId, torch.Generator] = {}
-        # torch's intra-op thread count when the engine started: the first step is the
-        # first Numba parallel region (the attention kernels), which can reset it.
+        # torch's intra-op thread count when the engine started: the first Numba parallel
+        # region (the attention kernels: the warm-up below, or else the first step) can reset
+        # it, so it is restored once after that.
         self._num_threads: int | None = torch.get_num_threads()
         # Compile the attention kernels now, not in the middle of serving a request.
         warmup(
