@@ -310,6 +310,19 @@ def run_config(case: Case, cfg: Config, tables=None) -> torch.Tensor:
     )
 
 
+def _routed_meta(block_size: int, tile_blocks: int, *, is_fp32: bool, is_split: bool) -> dict:
+    """`decode_meta` for this script's geometry (GQA 32/8, head_dim 128, no window)."""
+    return decode.decode_meta(
+        is_fp32=is_fp32,
+        group=NUM_HEADS // NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=block_size,
+        tile_blocks=tile_blocks,
+        use_window=False,
+        is_split=is_split,
+    )
+
+
 def default_config(case: Case, num_sms: int) -> Config:
     """What `pagedkv.ops.triton` routes this batch to today."""
     block_size = case.args[1].shape[1]
@@ -317,15 +330,7 @@ def default_config(case: Case, num_sms: int) -> Config:
     part = tops.choose_partition_size(
         case.batch, NUM_KV_HEADS, case.context, tile_blocks * block_size, num_sms
     )
-    options = decode.decode_meta(
-        is_fp32=False,
-        group=4,
-        head_dim=HEAD_DIM,
-        block_size=block_size,
-        tile_blocks=tile_blocks,
-        use_window=False,
-        is_split=True,
-    )
+    options = _routed_meta(block_size, tile_blocks, is_fp32=False, is_split=True)
     return Config(
         "v1",
         tile_blocks,
@@ -499,14 +504,8 @@ def _bare_decode(case: Case):
     span = tables.shape[1] * block_size
     tile_blocks = tops.tile_blocks_for(block_size, tops._DECODE_TILE_LANES)
     out = torch.empty_like(query)
-    options = decode.decode_meta(
-        is_fp32=query.dtype == torch.float32,
-        group=4,
-        head_dim=HEAD_DIM,
-        block_size=block_size,
-        tile_blocks=tile_blocks,
-        use_window=False,
-        is_split=False,
+    options = _routed_meta(
+        block_size, tile_blocks, is_fp32=query.dtype == torch.float32, is_split=False
     )
     part = partition_size(span, tile_blocks * block_size, 1)
 
