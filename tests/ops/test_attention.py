@@ -68,6 +68,28 @@ def test_empty_query_sequences_are_skipped() -> None:
         torch.testing.assert_close(out.double(), expected(case), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_reads_strided_caches(dtype: torch.dtype) -> None:
+    """Pools that are views into wider tensors (dense last dim, other strides not) give the
+    same answer as contiguous ones: the decode kernel reads flat views, so they must not
+    reach it (a reshape would silently read a copy)."""
+    case = make_case([1, 20, 33], [1, 1, 4], block_size=8, num_heads=8, num_kv_heads=2,
+                     head_dim=32, dtype=dtype)  # fmt: skip
+    wide_k = torch.full((*case.key_cache.shape[:3], 48), float("nan"), dtype=dtype)
+    wide_v = wide_k.clone()
+    wide_k[..., :32], wide_v[..., :32] = case.key_cache, case.value_cache
+    key_cache, value_cache = wide_k[..., :32], wide_v[..., :32]
+    assert not key_cache.is_contiguous()
+    args = (case.query, key_cache, value_cache, *case.args()[3:])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    out = paged_attention(*args, backend="cpu")
+    torch.testing.assert_close(out.double(), expected(case), rtol=tol, atol=tol)
+    key_cache.mul_(-0.5)  # in place, as writes of new KV do: the next call must see it
+    value_cache.add_(1.0)
+    out = paged_attention(*args, backend="cpu")
+    torch.testing.assert_close(out, paged_attention(*args, backend="reference"), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_cpu_backend_other_dtypes(dtype: torch.dtype) -> None:
     """float16/float64 take the gather + SDPA path for every sequence."""

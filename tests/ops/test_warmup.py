@@ -36,8 +36,8 @@ def test_warmup_compiles_every_kernel_and_leaves_the_cache_alone() -> None:
     signatures = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert signatures["plan_items"]
     for name in ("decode_serial", "decode_parallel"):
-        assert "Array(float32, 4, 'C'" in signatures[name], signatures[name]
-        assert "Array(uint16, 4, 'C'" in signatures[name], signatures[name]
+        assert "Array(float32, 1, 'C'" in signatures[name], signatures[name]
+        assert "Array(uint16, 1, 'C'" in signatures[name], signatures[name]
     assert "Array(uint64, 2, 'C'" in signatures["write_rows"], signatures["write_rows"]
 
 

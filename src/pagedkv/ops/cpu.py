@@ -52,12 +52,19 @@ def _make_plan(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     sliding_window: int | None,
 ) -> _Plan:
     """Validate the batch's lengths and block ids and split it; raises ValueError."""
     tables, starts, lens = block_tables.numpy(), query_start_loc.numpy(), seq_lens.numpy()
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    use_kernel = key_cache.dtype in _KERNEL_DTYPES
+    # The kernel reads flat views of the caches: a strided pool (allowed by the contract as
+    # long as the last dim is dense) takes the gather path instead.
+    use_kernel = (
+        key_cache.dtype in _KERNEL_DTYPES
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
     num_threads = cpu_kernels.num_threads()
     items, splits, rows, prefill, total, error, seq = cpu_plan.plan_items(
         starts,
@@ -100,7 +107,8 @@ def _cached_view(cache: torch.Tensor, kind: str) -> np.ndarray:
     Building the view costs microseconds per call (dtype view, `.numpy()`), paid per layer
     by small decode batches otherwise. The memo is dropped if the tensor's storage moves.
 
-    kind: "numba" -> [num_blocks, bs, kv_heads, D] float32, or uint16 bits for bfloat16.
+    kind: "flat" -> the contiguous cache as one 1-D array, float32, or uint16 bits for
+    bfloat16.
     """
     memo = cache.__dict__.setdefault("_pagedkv_views", {})
     hit = memo.get(kind)
@@ -110,6 +118,7 @@ def _cached_view(cache: torch.Tensor, kind: str) -> np.ndarray:
         view = cache.view(torch.int16).numpy().view(np.uint16)
     else:
         view = cache.numpy()
+    view = view.reshape(-1)  # a view: only contiguous caches come here
     memo[kind] = (cache.data_ptr(), view)
     return view
 
@@ -131,8 +140,10 @@ def _decode_rows(
     kernel = cpu_kernels.decode_serial if plan.is_serial else cpu_kernels.decode_parallel
     kernel(
         q,
-        _cached_view(key_cache, "numba"),
-        _cached_view(value_cache, "numba"),
+        _cached_view(key_cache, "flat"),
+        _cached_view(value_cache, "flat"),
+        key_cache.shape[1],
+        key_cache.shape[2],
         plan.block_tables,
         plan.items,
         plan.splits,
@@ -222,7 +233,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Backend entry point; the contract is `pagedkv.ops.paged_attention` (inputs validated)."""
     plan = _make_plan(
-        query.shape[0], block_tables, seq_lens, query_start_loc, key_cache, sliding_window
+        query.shape[0],
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        key_cache,
+        value_cache,
+        sliding_window,
     )
     return _run(query, key_cache, value_cache, plan, scale, sliding_window)
 
@@ -248,6 +265,7 @@ def paged_attention_from_metadata(
             md.seq_lens,
             md.query_start_loc,
             key_cache,
+            value_cache,
             sliding_window,
         )
     return _run(query, key_cache, value_cache, plan, scale, sliding_window)
@@ -345,6 +363,7 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
         torch.ones(1, **index),
         torch.tensor([0, 1], **index),
         key_cache,
+        value_cache,
         None,
     )
     _run(query, key_cache, value_cache, plan, 1.0, None)  # plan_items, then serial decode

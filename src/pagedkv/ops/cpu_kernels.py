@@ -12,16 +12,21 @@ Each item walks its blocks through the block table::
     blocks     bt[lo//bs]  ...               bt[(hi-1)//bs]   (each read contiguously)
 
 and keeps, per query head, an online softmax state (running max m, sum l, weighted sum acc).
-For a block it scores all its tokens first, raises the max once, rescales, then accumulates,
-reading each K/V row once for all query heads of its group, in memory order. The running
-max starts at a large negative finite value, never -inf: under `fastmath` the compiler may
-assume no infinities, and exp(-inf - -inf) would be undefined.
+For a block it scores all its tokens first, raises the max once, rescales, then accumulates.
+The running max starts at a large negative finite value, never -inf: under `fastmath` the
+compiler may assume no infinities, and exp(-inf - -inf) would be undefined.
 
-What made it fast (variants and figures: benchmarks/dev_cpu_attention.py): every loop runs
-over a view from 0 and vectorizes (checked with `inspect_asm`: zmm FMAs, no libm `expf`);
-exp is plain arithmetic (`exp_neg`) because without SVML `math.exp` is a scalar call per
-score; bfloat16 rows are widened once per (token, KV head) into an L1 row shared by the
-group; the item function asks LLVM for 512-bit vectors (`prefer_512_bit_vectors`).
+The caches arrive as flat 1-D views (NHD: a token's row holds all its KV heads, so a block is
+one contiguous run of block_size x num_kv_heads x head_dim elements) and the inner loops are
+written with explicit 16-lane vectors (`pagedkv.ops.simd`), walking a block's rows in memory
+order. With GQA (group >= 2) the scores are 4 tokens x 4 query heads of one KV head per tile
+and the V accumulation keeps four heads' accumulators in registers, so each K/V vector
+loaded feeds four heads; a group that is not a multiple of 4 completes its last tile with a
+sink row (index num_heads of the scratch arrays, never read). Without GQA (group 1) nothing
+is shared and a tile is 4 tokens of one head. A head's vectors are padded to whole vectors
+(zeros in the query, partial loads at the end of each K/V row), so any head_dim works. exp
+is plain arithmetic (`exp_neg`) because without SVML `math.exp` is a scalar call per score.
+Variants and figures: benchmarks/dev_cpu_attention.py.
 
 Item table (int64 [num_items, 6]) columns: query row, sequence, lo, hi, output row, partial
 slot (-1: single item, written to the output row). Split table (int64 [num_split, 3]):
@@ -37,7 +42,22 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange
 from numba.core import types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
+
+from pagedkv.ops.simd import (
+    LANES,
+    vadd,
+    velem,
+    vfma,
+    vload,
+    vload_n,
+    vmul,
+    vsplat,
+    vstore,
+    vstore_quarter,
+    vsum16,
+    vzero,
+)
 
 _NEG = -1.0e30
 JIT = dict(fastmath=True, boundscheck=False, error_model="numpy")
@@ -78,42 +98,6 @@ def prefer_512_bit_vectors(typingctx):  # pragma: no cover
     return types.none(), codegen
 
 
-def to_f32(x):  # pragma: no cover
-    """A cache element as float32: float32 as is, bfloat16 bits (uint16) widened."""
-    raise NotImplementedError("only callable from Numba-compiled code")
-
-
-@overload(to_f32, inline="always")
-def _to_f32(x):  # pragma: no cover
-    if x == types.uint16:
-        # bfloat16 is the high half of a float32: shift the bits up, then reinterpret.
-        return lambda x: _f32_from_bits(np.uint32(np.uint32(x) << 16))
-    if x == types.float32:
-        return lambda x: x
-    return None
-
-
-def load_row(block, t, g, scratch, i):  # pragma: no cover
-    """Row (t, g) of a block as float32 [D]: a view for float32, else widened into scratch[i]."""
-    raise NotImplementedError("only callable from Numba-compiled code")
-
-
-@overload(load_row, inline="always")
-def _load_row(block, t, g, scratch, i):  # pragma: no cover
-    if block.dtype == types.float32:
-        return lambda block, t, g, scratch, i: block[t, g]
-
-    def widen(block, t, g, scratch, i):
-        # Widen once into an L1-resident row that every query head of the group then reads:
-        # widening in the dot products instead repeats it per head (measured 10-15 % slower).
-        src, dst = block[t, g], scratch[i]
-        for d in range(src.shape[0]):
-            dst[d] = to_f32(src[d])
-        return dst
-
-    return widen
-
-
 _LN2_POWERS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
                0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161)  # fmt: skip
 """ln(2)^k / k! for k = 1..6: Taylor coefficients of 2^f = exp(f ln 2)."""
@@ -142,142 +126,290 @@ def exp_neg(x):  # pragma: no cover
 
 
 @njit(cache=True, inline="always", **JIT)
-def _score_block(kb, t0, t1, q, scale, group, scores, rows):  # pragma: no cover
-    """scores[h, t] = scale * q[h] . k[t, h // group] for rows [t0, t1) of one block.
+def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, group,
+                  num_kv_heads, head_dim, scores, stride):  # fmt: skip  # pragma: no cover
+    """scores[h * stride + t] = scale * q[h] . k[t, h // group] for tokens [t0, t1) of the
+    block starting at element `base` of the flat key cache; `group` >= 2.
 
-    Rows are visited in memory order (token, then KV head) and four tokens at a time, so
-    each query row loaded feeds four dot products.
+    Four tokens at a time in memory order (their rows are adjacent), and within them each KV
+    head's query heads four at a time: a 4 x 4 tile of dot products, 16 FMAs per 8 vector
+    loads, reduced together by `vsum16`. When the group is not a multiple of 4 its last
+    tile is completed with the sink row `num_heads` (a zero query whose scores are never
+    read): wasting part of one tile per group (half for group 2, a quarter for group 3)
+    measured faster than narrower tiles or tiles spanning KV heads. Past t1 a tile re-reads
+    the last row; its extra scores land in the padding (`stride` >= block_size + 4) or
+    after t1.
     """
-    num_kv_heads, head_dim = kb.shape[1], kb.shape[2]
+    row = num_kv_heads * head_dim
+    vscale = vsplat(scale)
+    z = vzero()
+    last = t1 - 1
     t = t0
-    while t + 4 <= t1:
+    while t < t1:
+        r0 = base + t * row
+        r1 = base + min(t + 1, last) * row
+        r2 = base + min(t + 2, last) * row
+        r3 = base + min(t + 3, last) * row
         for g in range(num_kv_heads):
-            k0, k1 = load_row(kb, t, g, rows, 0), load_row(kb, t + 1, g, rows, 1)
-            k2, k3 = load_row(kb, t + 2, g, rows, 2), load_row(kb, t + 3, g, rows, 3)
-            for h in range(g * group, (g + 1) * group):
-                qrow = q[h]
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for d in range(head_dim):
-                    x = qrow[d]
-                    s0 += x * k0[d]
-                    s1 += x * k1[d]
-                    s2 += x * k2[d]
-                    s3 += x * k3[d]
-                scores[h, t], scores[h, t + 1] = s0 * scale, s1 * scale
-                scores[h, t + 2], scores[h, t + 3] = s2 * scale, s3 * scale
+            end = (g + 1) * group
+            for h in range(g * group, end, 4):
+                h1, h2, h3 = _tile_heads(h, end, num_heads)
+                q0, q1, q2, q3 = h * padded_dim, h1 * padded_dim, h2 * padded_dim, h3 * padded_dim
+                s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = z
+                s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = z
+                for c in range(0, head_dim, LANES):
+                    n = head_dim - c
+                    k0, k1 = vload_n(key_cache, r0 + c, n), vload_n(key_cache, r1 + c, n)
+                    k2, k3 = vload_n(key_cache, r2 + c, n), vload_n(key_cache, r3 + c, n)
+                    s00, s01, s02, s03 = _fma4(vload(q_pad, q0 + c), k0, k1, k2, k3,
+                                               s00, s01, s02, s03)  # fmt: skip
+                    s10, s11, s12, s13 = _fma4(vload(q_pad, q1 + c), k0, k1, k2, k3,
+                                               s10, s11, s12, s13)  # fmt: skip
+                    s20, s21, s22, s23 = _fma4(vload(q_pad, q2 + c), k0, k1, k2, k3,
+                                               s20, s21, s22, s23)  # fmt: skip
+                    s30, s31, s32, s33 = _fma4(vload(q_pad, q3 + c), k0, k1, k2, k3,
+                                               s30, s31, s32, s33)  # fmt: skip
+                tile = vsum16(s00, s01, s02, s03, s10, s11, s12, s13,
+                              s20, s21, s22, s23, s30, s31, s32, s33)  # fmt: skip
+                tile = vmul(tile, vscale)  # lanes 4i + j: the tile's head i, token t + j
+                vstore_quarter(scores, h * stride + t, tile, 0)
+                vstore_quarter(scores, h1 * stride + t, tile, 1)
+                vstore_quarter(scores, h2 * stride + t, tile, 2)
+                vstore_quarter(scores, h3 * stride + t, tile, 3)
+            r0, r1, r2, r3 = r0 + head_dim, r1 + head_dim, r2 + head_dim, r3 + head_dim
         t += 4
-    for tail in range(t, t1):
-        for g in range(num_kv_heads):
-            k0 = load_row(kb, tail, g, rows, 0)
-            for h in range(g * group, (g + 1) * group):
-                qrow = q[h]
-                s0 = np.float32(0.0)
-                for d in range(head_dim):
-                    s0 += qrow[d] * k0[d]
-                scores[h, tail] = s0 * scale
 
 
 @njit(cache=True, inline="always", **JIT)
-def _softmax_block(t0, t1, m, lsum, acc, scores):  # pragma: no cover
-    """Raise each head's running max over the block's scores, rescale, scores -> exp weights.
-
-    One max and at most one rescale of acc per head and block, not per token; the exps run
-    over a contiguous view from 0 so that they vectorize.
-    """
-    for h in range(m.shape[0]):
-        row = scores[h, t0:t1]
-        new_max = m[h]
-        for t in range(row.shape[0]):
-            new_max = max(new_max, row[t])
-        if new_max > m[h]:
-            alpha = exp_neg(m[h] - new_max)
-            m[h] = new_max
-            lsum[h] *= alpha
-            a = acc[h]
-            for d in range(a.shape[0]):
-                a[d] *= alpha
-        total = np.float32(0.0)
-        for t in range(row.shape[0]):
-            w = exp_neg(row[t] - new_max)
-            row[t] = w
-            total += w
-        lsum[h] += total
+def _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, head_dim,
+                  scores, stride):  # fmt: skip  # pragma: no cover
+    """As `_score_shared` when every query head has its own KV head (group 1): no K row is
+    shared, so a tile is 4 tokens of one head, still in memory order."""
+    row = num_heads * head_dim
+    vscale = vsplat(scale)
+    z = vzero()
+    last = t1 - 1
+    for t in range(t0, t1, 4):
+        r0 = base + t * row
+        r1 = base + min(t + 1, last) * row
+        r2 = base + min(t + 2, last) * row
+        r3 = base + min(t + 3, last) * row
+        for h in range(num_heads):
+            s0 = s1 = s2 = s3 = z
+            for c in range(0, head_dim, LANES):
+                n = head_dim - c
+                q = vload(q_pad, h * padded_dim + c)
+                s0 = vfma(q, vload_n(key_cache, r0 + c, n), s0)
+                s1 = vfma(q, vload_n(key_cache, r1 + c, n), s1)
+                s2 = vfma(q, vload_n(key_cache, r2 + c, n), s2)
+                s3 = vfma(q, vload_n(key_cache, r3 + c, n), s3)
+            tile = vsum16(s0, s1, s2, s3, z, z, z, z, z, z, z, z, z, z, z, z)
+            vstore_quarter(scores, h * stride + t, vmul(tile, vscale), 0)
+            r0, r1, r2, r3 = r0 + head_dim, r1 + head_dim, r2 + head_dim, r3 + head_dim
 
 
 @njit(cache=True, inline="always", **JIT)
-def _accumulate_block(vb, t0, t1, group, acc, weights, rows):  # pragma: no cover
-    """acc[h] += sum_t weights[h, t] * v[t, h // group], eight tokens per pass over acc.
+def softmax_update(h, row, acc_row, m, lsum):  # pragma: no cover
+    """Fold one head's block of scores into its online softmax state: raise the running max
+    m[h] once for the block, rescale acc_row and lsum[h], turn `row` into exp weights.
 
-    Summing eight weighted V rows before touching acc cuts its loads and stores (the cost
-    that dominated a one-token-at-a-time loop) by eight.
+    One max and at most one rescale per head and block, not per token; the exps run over a
+    contiguous view from 0 so that they vectorize.
     """
-    num_kv_heads, head_dim = vb.shape[1], vb.shape[2]
-    t = t0
-    while t + 8 <= t1:
+    new_max = m[h]
+    for t in range(row.shape[0]):
+        new_max = max(new_max, row[t])
+    if new_max > m[h]:
+        alpha = exp_neg(m[h] - new_max)
+        m[h] = new_max
+        lsum[h] *= alpha
+        for d in range(acc_row.shape[0]):
+            acc_row[d] *= alpha
+    total = np.float32(0.0)
+    for t in range(row.shape[0]):
+        w = exp_neg(row[t] - new_max)
+        row[t] = w
+        total += w
+    lsum[h] += total
+
+
+@njit(cache=True, inline="always", **JIT)
+def _softmax_block(t0, t1, m, lsum, acc, scores, stride):  # pragma: no cover
+    """`softmax_update` for every head over tokens [t0, t1) of the flat scores."""
+    num_heads = m.shape[0]
+    padded_dim = acc.shape[0] // (num_heads + 1)
+    for h in range(num_heads):
+        softmax_update(
+            h,
+            scores[h * stride + t0 : h * stride + t1],
+            acc[h * padded_dim : (h + 1) * padded_dim],
+            m,
+            lsum,
+        )
+
+
+@njit(cache=True, inline="always", **JIT)
+def _fma4(q, k0, k1, k2, k3, s0, s1, s2, s3):  # pragma: no cover
+    """One query vector against four key vectors: (s_j + q * k_j for j in 0..3)."""
+    return vfma(q, k0, s0), vfma(q, k1, s1), vfma(q, k2, s2), vfma(q, k3, s3)
+
+
+@njit(cache=True, inline="always", **JIT)
+def _axpy(weights, i, v, acc):  # pragma: no cover
+    """acc + weights[i] * v."""
+    return vfma(vsplat(velem(weights, i)), v, acc)
+
+
+@njit(cache=True, inline="always", **JIT)
+def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads, head_dim,
+                       acc, padded_dim, weights, stride):  # fmt: skip  # pragma: no cover
+    """acc[h] += sum_t weights[h * stride + t] * v[t, h // group] over tokens [t0, t1);
+    `group` >= 2.
+
+    Eight tokens at a time in memory order; within them, per 16-lane slice of a KV head's
+    rows, four query heads' accumulators stay in registers (eight, split by token parity,
+    so that the FMA chains overlap) while each V vector feeds all four. A group's last tile
+    is completed with the sink row `num_heads`, as in `_score_shared`.
+    """
+    row = num_kv_heads * head_dim
+    first = t0
+    while first < t1:
+        stop = min(first + 8, t1)
         for g in range(num_kv_heads):
-            v0, v1 = load_row(vb, t, g, rows, 0), load_row(vb, t + 1, g, rows, 1)
-            v2, v3 = load_row(vb, t + 2, g, rows, 2), load_row(vb, t + 3, g, rows, 3)
-            v4, v5 = load_row(vb, t + 4, g, rows, 4), load_row(vb, t + 5, g, rows, 5)
-            v6, v7 = load_row(vb, t + 6, g, rows, 6), load_row(vb, t + 7, g, rows, 7)
-            for h in range(g * group, (g + 1) * group):
-                a, w = acc[h], weights[h]
-                p0, p1, p2, p3 = w[t], w[t + 1], w[t + 2], w[t + 3]
-                p4, p5, p6, p7 = w[t + 4], w[t + 5], w[t + 6], w[t + 7]
-                for d in range(head_dim):
-                    a[d] += (p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]) + (
-                        p4 * v4[d] + p5 * v5[d] + p6 * v6[d] + p7 * v7[d]
-                    )
-        t += 8
-    for tail in range(t, t1):
-        for g in range(num_kv_heads):
-            v0 = load_row(vb, tail, g, rows, 0)
-            for h in range(g * group, (g + 1) * group):
-                a, p0 = acc[h], weights[h, tail]
-                for d in range(head_dim):
-                    a[d] += p0 * v0[d]
+            end = (g + 1) * group
+            for h in range(g * group, end, 4):
+                h1, h2, h3 = _tile_heads(h, end, num_heads)
+                w0, w1, w2, w3 = h * stride, h1 * stride, h2 * stride, h3 * stride
+                a0, a1, a2, a3 = h * padded_dim, h1 * padded_dim, h2 * padded_dim, h3 * padded_dim
+                for c in range(0, head_dim, LANES):
+                    n = head_dim - c
+                    even0, even1 = vload(acc, a0 + c), vload(acc, a1 + c)
+                    even2, even3 = vload(acc, a2 + c), vload(acc, a3 + c)
+                    odd0 = odd1 = odd2 = odd3 = vzero()
+                    r = base + g * head_dim + c
+                    t = first
+                    while t + 2 <= stop:
+                        v = vload_n(value_cache, r + t * row, n)
+                        u = vload_n(value_cache, r + (t + 1) * row, n)
+                        even0 = _axpy(weights, w0 + t, v, even0)
+                        even1 = _axpy(weights, w1 + t, v, even1)
+                        even2 = _axpy(weights, w2 + t, v, even2)
+                        even3 = _axpy(weights, w3 + t, v, even3)
+                        odd0 = _axpy(weights, w0 + t + 1, u, odd0)
+                        odd1 = _axpy(weights, w1 + t + 1, u, odd1)
+                        odd2 = _axpy(weights, w2 + t + 1, u, odd2)
+                        odd3 = _axpy(weights, w3 + t + 1, u, odd3)
+                        t += 2
+                    if t < stop:
+                        v = vload_n(value_cache, r + t * row, n)
+                        even0 = _axpy(weights, w0 + t, v, even0)
+                        even1 = _axpy(weights, w1 + t, v, even1)
+                        even2 = _axpy(weights, w2 + t, v, even2)
+                        even3 = _axpy(weights, w3 + t, v, even3)
+                    vstore(acc, a0 + c, vadd(even0, odd0))
+                    vstore(acc, a1 + c, vadd(even1, odd1))
+                    vstore(acc, a2 + c, vadd(even2, odd2))
+                    vstore(acc, a3 + c, vadd(even3, odd3))
+        first = stop
+
+
+@njit(cache=True, inline="always", **JIT)
+def _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padded_dim, weights,
+                       stride):  # fmt: skip  # pragma: no cover
+    """As `_accumulate_shared` when every query head has its own KV head (group 1): one
+    head at a time, its accumulator split over four FMA chains."""
+    row = num_heads * head_dim
+    first = t0
+    while first < t1:
+        stop = min(first + 8, t1)
+        for h in range(num_heads):
+            w, a = h * stride, h * padded_dim
+            for c in range(0, head_dim, LANES):
+                n = head_dim - c
+                r = base + h * head_dim + c
+                x0, x1, x2, x3 = vload(acc, a + c), vzero(), vzero(), vzero()
+                t = first
+                while t + 4 <= stop:
+                    x0 = _axpy(weights, w + t, vload_n(value_cache, r + t * row, n), x0)
+                    x1 = _axpy(weights, w + t + 1, vload_n(value_cache, r + (t + 1) * row, n), x1)
+                    x2 = _axpy(weights, w + t + 2, vload_n(value_cache, r + (t + 2) * row, n), x2)
+                    x3 = _axpy(weights, w + t + 3, vload_n(value_cache, r + (t + 3) * row, n), x3)
+                    t += 4
+                while t < stop:
+                    x0 = _axpy(weights, w + t, vload_n(value_cache, r + t * row, n), x0)
+                    t += 1
+                vstore(acc, a + c, vadd(vadd(x0, x1), vadd(x2, x3)))
+        first = stop
+
+
+@njit(cache=True, inline="always")
+def _tile_heads(h, end, num_heads):  # pragma: no cover
+    """The other three heads of the tile starting at head h of a group ending at `end`:
+    h + 1 .. h + 3, or the sink row `num_heads` past the group's end."""
+    return (
+        h + 1 if h + 1 < end else num_heads,
+        h + 2 if h + 2 < end else num_heads,
+        h + 3 if h + 3 < end else num_heads,
+    )
 
 
 @njit(cache=True, **JIT)
 def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no cover
+    """Write a single item's normalized output row, or a split item's partial state."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    padded_dim = acc.shape[0] // (num_heads + 1)
     part = item[ITEM_PART]
-    if part < 0:
-        row = out[item[ITEM_OUT]]
-        for h in range(acc.shape[0]):
-            inv = np.float32(1.0) / lsum[h]
-            for d in range(acc.shape[1]):
-                row[h, d] = acc[h, d] * inv
-    else:
-        part_acc[part] = acc
-        part_m[part] = m
-        part_l[part] = lsum
+    for h in range(num_heads):
+        a = acc[h * padded_dim : h * padded_dim + head_dim]
+        if part < 0:
+            row, inv = out[item[ITEM_OUT], h], np.float32(1.0) / lsum[h]
+            for d in range(head_dim):
+                row[d] = a[d] * inv
+        else:
+            part_acc[part, h] = a
+            part_m[part, h] = m[h]
+            part_l[part, h] = lsum[h]
 
 
 @njit(cache=True, **JIT)
-def _item(
-    item, query, key_cache, value_cache, block_tables, scale, out, part_acc, part_m, part_l
-):  # pragma: no cover
-    """One item over caches [num_blocks, bs, kv_heads, D], float32 or bfloat16 bits (uint16)."""
+def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_tables, scale,
+          out, part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+    """One item over flat caches (float32, or bfloat16 bits as uint16)."""
     prefer_512_bit_vectors()
     num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size = key_cache.shape[1]
-    group = num_heads // key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    padded_dim = -(-head_dim // LANES) * LANES  # whole vectors per head, zeros past head_dim
+    stride = block_size + LANES  # a score row plus room for a tile's overhang
+    # Per-head rows plus a sink row (index num_heads) for tiles that run past the last head.
+    q_pad = np.zeros((num_heads + 1) * padded_dim, dtype=np.float32)
     q = query[item[ITEM_QROW]]
+    for h in range(num_heads):
+        q_pad[h * padded_dim : h * padded_dim + head_dim] = q[h]
     table = block_tables[item[ITEM_SEQ]]
     m = np.full(num_heads, np.float32(_NEG), dtype=np.float32)
     lsum = np.zeros(num_heads, dtype=np.float32)
-    acc = np.zeros((num_heads, head_dim), dtype=np.float32)
-    scores = np.empty((num_heads, block_size), dtype=np.float32)
+    acc = np.zeros((num_heads + 1) * padded_dim, dtype=np.float32)
+    scores = np.zeros((num_heads + 1) * stride, dtype=np.float32)
     scale32 = np.float32(scale)
-    rows = np.empty((8, head_dim), dtype=np.float32)  # widened bfloat16 rows
+    block_elements = block_size * num_kv_heads * head_dim
     lo, hi = item[ITEM_LO], item[ITEM_HI]
     for bi in range(lo // block_size, (hi - 1) // block_size + 1):
-        block = table[bi]
+        base = table[bi] * block_elements
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
-        kb, vb = key_cache[block], value_cache[block]
-        _score_block(kb, t0, t1, q, scale32, group, scores, rows)
-        _softmax_block(t0, t1, m, lsum, acc, scores)
-        _accumulate_block(vb, t0, t1, group, acc, scores, rows)
+        if group > 1:
+            _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads, group,
+                          num_kv_heads, head_dim, scores, stride)  # fmt: skip
+        else:
+            _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads,
+                          head_dim, scores, stride)  # fmt: skip
+        _softmax_block(t0, t1, m, lsum, acc, scores, stride)
+        if group > 1:
+            _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads,
+                               head_dim, acc, padded_dim, scores, stride)  # fmt: skip
+        else:
+            _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padded_dim,
+                               scores, stride)  # fmt: skip
     _finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
@@ -305,29 +437,31 @@ def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
 # Two drivers (each compiled for float32 and for bfloat16 bits). Small batches run serially:
 # starting a parallel region costs more than the work (and far more on a busy machine).
 @njit(cache=True, parallel=True, **JIT)
-def decode_parallel(query, key_cache, value_cache, block_tables, items, splits, scale, out,
-                    part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+def decode_parallel(query, key_cache, value_cache, block_size, num_kv_heads, block_tables,
+                    items, splits, scale, out, part_acc, part_m,
+                    part_l):  # fmt: skip  # pragma: no cover
     """Run every item across threads, then merge split rows.
 
     Args:
-        query: float32 [num_tokens, H, D]. key_cache, value_cache: float32 or uint16
-        (bfloat16 bits) [num_blocks, bs, kv_heads, D]. block_tables: int32 [num_seqs, max].
-        items, splits: the plan (module docstring). out: float32 [num_rows, H, D].
-        part_acc/part_m/part_l: float32 [num_parts, H, D] / [num_parts, H] scratch.
+        query: float32 [num_tokens, H, D]. key_cache, value_cache: flat (1-D) C-contiguous
+        views of caches [num_blocks, block_size, num_kv_heads, D], float32 or uint16
+        (bfloat16 bits). block_tables: int32 [num_seqs, max]. items, splits: the plan
+        (module docstring). out: float32 [num_rows, H, D]. part_acc/part_m/part_l: float32
+        [num_parts, H, D] / [num_parts, H] scratch.
     """
     for i in prange(items.shape[0]):
-        _item(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-              part_m, part_l)  # fmt: skip
+        _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads, block_tables,
+              scale, out, part_acc, part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
 @njit(cache=True, **JIT)
-def decode_serial(query, key_cache, value_cache, block_tables, items, splits, scale, out,
-                  part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
+def decode_serial(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
+                  splits, scale, out, part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
     """As `decode_parallel`, on the calling thread."""
     for i in range(items.shape[0]):
-        _item(items[i], query, key_cache, value_cache, block_tables, scale, out, part_acc,
-              part_m, part_l)  # fmt: skip
+        _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads, block_tables,
+              scale, out, part_acc, part_m, part_l)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
