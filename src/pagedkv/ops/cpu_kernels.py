@@ -317,28 +317,42 @@ def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads
 def _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padded_dim, weights,
                        stride):  # fmt: skip  # pragma: no cover
     """As `_accumulate_shared` when every query head has its own KV head (group 1): one
-    head at a time, its accumulator split over four FMA chains."""
+    head at a time; over a whole 8-token tile its eight weights are splat once and each
+    16-lane slice takes eight V rows in two FMA chains (per-slice weight loads and fewer
+    rows per slice measured 4-14 % slower at DRAM-bound shapes)."""
     row = num_heads * head_dim
     first = t0
     while first < t1:
         stop = min(first + 8, t1)
         for h in range(num_heads):
             w, a = h * stride, h * padded_dim
+            if stop - first == 8:  # a whole tile: its eight weights stay in registers
+                i = w + first
+                p0, p1 = vsplat(velem(weights, i)), vsplat(velem(weights, i + 1))
+                p2, p3 = vsplat(velem(weights, i + 2)), vsplat(velem(weights, i + 3))
+                p4, p5 = vsplat(velem(weights, i + 4)), vsplat(velem(weights, i + 5))
+                p6, p7 = vsplat(velem(weights, i + 6)), vsplat(velem(weights, i + 7))
+                for c in range(0, head_dim, LANES):
+                    n = head_dim - c
+                    r = base + first * row + h * head_dim + c
+                    x, y = vload(acc, a + c), vzero()
+                    x = vfma(p0, vload_n(value_cache, r, n), x)
+                    y = vfma(p1, vload_n(value_cache, r + row, n), y)
+                    x = vfma(p2, vload_n(value_cache, r + 2 * row, n), x)
+                    y = vfma(p3, vload_n(value_cache, r + 3 * row, n), y)
+                    x = vfma(p4, vload_n(value_cache, r + 4 * row, n), x)
+                    y = vfma(p5, vload_n(value_cache, r + 5 * row, n), y)
+                    x = vfma(p6, vload_n(value_cache, r + 6 * row, n), x)
+                    y = vfma(p7, vload_n(value_cache, r + 7 * row, n), y)
+                    vstore(acc, a + c, vadd(x, y))
+                continue
             for c in range(0, head_dim, LANES):
                 n = head_dim - c
                 r = base + h * head_dim + c
-                x0, x1, x2, x3 = vload(acc, a + c), vzero(), vzero(), vzero()
-                t = first
-                while t + 4 <= stop:
+                x0 = vload(acc, a + c)
+                for t in range(first, stop):
                     x0 = _axpy(weights, w + t, vload_n(value_cache, r + t * row, n), x0)
-                    x1 = _axpy(weights, w + t + 1, vload_n(value_cache, r + (t + 1) * row, n), x1)
-                    x2 = _axpy(weights, w + t + 2, vload_n(value_cache, r + (t + 2) * row, n), x2)
-                    x3 = _axpy(weights, w + t + 3, vload_n(value_cache, r + (t + 3) * row, n), x3)
-                    t += 4
-                while t < stop:
-                    x0 = _axpy(weights, w + t, vload_n(value_cache, r + t * row, n), x0)
-                    t += 1
-                vstore(acc, a + c, vadd(vadd(x0, x1), vadd(x2, x3)))
+                vstore(acc, a + c, x0)
         first = stop
 
 
