@@ -9,7 +9,9 @@ For each pool size it measures, in one run, side by side:
   sequence dicts, validation), and through the seed's first-free-scan allocator (a Python
   port of FindFreePage + AllocatePages), timed on fewer steps at large sizes. The floor: the
   same churn through a stand-in that only makes a block table and reads it back on free (the
-  workload's own cost: its tables go cold in cache at large sizes).
+  workload's own cost: its tables go cold in cache at large sizes). "calls only" is the
+  `BlockPool` churn with each allocate and free call timed on its own: the allocator without
+  the workload's steps around it.
 * prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
   (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
   hit block, then `free` separately. Repeated hits on a chain go through its spans; the walk
@@ -87,12 +89,15 @@ def _workload(num_blocks: int, num_steps: int, seed: int) -> tuple[list[int], li
 
 def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
           time_budget_s: float = float("inf"), fill=None,
-          chunk: int = 50) -> tuple[float, float, int]:  # fmt: skip
+          chunk: int = 50, calls_only: bool = False) -> tuple[float, float, int]:  # fmt: skip
     """Run the 90 %-full churn.
 
     Steps are timed in chunks of `chunk`; on a shared machine a chunk that lost the CPU to
     another process is an outlier, so the median chunk rate is the figure to quote.
-    `fill` (default `alloc`) takes the untimed first 90 %.
+    `fill` (default `alloc`) takes the untimed first 90 %. With `calls_only`, a chunk's time
+    is the sum of its `alloc` and `free` calls, each timed on its own (the clock's own cost
+    subtracted): the allocator without the workload around it (picking the victim, keeping
+    the list of live tables, deallocating the dropped table after `free` returns).
 
     Returns:
         (median chunk microseconds per block, overall microseconds per block, steps timed);
@@ -111,10 +116,30 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
             next_size += 1
 
     refill(fill or alloc)  # untimed fill to 90 %
+    in_calls_ns = 0
+    if calls_only:
+        clock, clock_ns = time.perf_counter_ns, _clock_cost_ns()
+        untimed_alloc, untimed_free = alloc, free
+
+        def timed_alloc(num: int):
+            nonlocal in_calls_ns
+            start = clock()
+            table = untimed_alloc(num)
+            in_calls_ns += clock() - start - clock_ns
+            return table
+
+        def timed_free(table) -> int:
+            nonlocal in_calls_ns
+            start = clock()
+            n = untimed_free(table)
+            in_calls_ns += clock() - start - clock_ns
+            return n
+
+        alloc, free = timed_alloc, timed_free
     rates, total_s, total_blocks, steps = [], 0.0, 0.0, 0
     began = time.perf_counter()
     while steps < len(picks) and time.perf_counter() - began < time_budget_s:
-        first_size, freed = next_size, 0
+        first_size, freed, in_calls_ns = next_size, 0, 0
         start = time.perf_counter()
         for pick in picks[steps : steps + chunk]:
             i = int(pick * len(held))
@@ -122,13 +147,22 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
             n = free(held.pop())
             used -= n
             freed += n
-            refill()
-        elapsed = time.perf_counter() - start
+            refill(alloc)
+        elapsed = in_calls_ns / 1e9 if calls_only else time.perf_counter() - start
         steps += min(chunk, len(picks) - steps)
         num = (sum(sizes[first_size:next_size]) + freed) / 2
         rates.append(elapsed / num * 1e6)
         total_s, total_blocks = total_s + elapsed, total_blocks + num
     return statistics.median(rates), total_s / total_blocks * 1e6, steps
+
+
+def _clock_cost_ns() -> int:
+    """Median cost of reading `time.perf_counter_ns` twice back to back."""
+    clock, samples = time.perf_counter_ns, []
+    for _ in range(2001):
+        start = clock()
+        samples.append(clock() - start)
+    return int(statistics.median(samples))
 
 
 class BareTables:
@@ -151,14 +185,14 @@ def churn_floor(num_blocks: int, num_steps: int, seed: int) -> float:
     return churn(bare.allocate, bare.free, num_blocks, num_steps, seed)[0]
 
 
-def churn_pool(num_blocks: int, num_steps: int, seed: int) -> float:
+def churn_pool(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False) -> float:
     pool = BlockPool(num_blocks, PrefixIndex(num_blocks))
 
     def free(block_ids: list[int]) -> int:
         pool.free(block_ids)
         return len(block_ids)
 
-    return churn(pool.allocate, free, num_blocks, num_steps, seed)[0]
+    return churn(pool.allocate, free, num_blocks, num_steps, seed, calls_only=calls_only)[0]
 
 
 def churn_manager(num_blocks: int, num_steps: int, seed: int) -> float:
@@ -274,9 +308,10 @@ def build(num_blocks: int) -> tuple[float, float, float]:
 
 def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int]:
     builds = [build(num_blocks) for _ in range(args.repeats)]
-    pool_us, floor_us = [], []
-    for r in range(args.repeats):  # interleaved: both see the same machine load
+    pool_us, calls_us, floor_us = [], [], []
+    for r in range(args.repeats):  # interleaved: all see the same machine load
         pool_us.append(churn_pool(num_blocks, args.steps, args.seed + r))
+        calls_us.append(churn_pool(num_blocks, args.steps, args.seed + r, calls_only=True))
         floor_us.append(churn_floor(num_blocks, args.steps, args.seed + r))
     manager_us = [churn_manager(num_blocks, args.steps, args.seed + r)
                   for r in range(args.repeats)]  # fmt: skip
@@ -286,6 +321,7 @@ def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int
     return {
         "num_blocks": num_blocks,
         "pool_us_per_block": pool_median,
+        "pool_calls_us_per_block": statistics.median(calls_us),
         "floor_us_per_block": statistics.median(floor_us),
         "manager_us_per_block": statistics.median(manager_us),
         "scan_us_per_block": scan_us,
@@ -320,7 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     flat = {
         key: max(r[key] for r in rows) / min(r[key] for r in rows)
-        for key in ("pool_us_per_block", "floor_us_per_block", "hit_us_per_block")
+        for key in (
+            "pool_us_per_block",
+            "pool_calls_us_per_block",
+            "floor_us_per_block",
+            "hit_us_per_block",
+        )
     }
     print("largest/smallest: " + ", ".join(f"{k} {v:.2f}x" for k, v in flat.items()))
     path = write_results(args.out, config=vars(args), results={"rows": rows, "flatness": flat})
