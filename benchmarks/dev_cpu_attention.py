@@ -143,7 +143,11 @@ def _score_block(kb, t0, t1, q, scale, group, scores, rows):  # pragma: no cover
 @njit(inline="always", **JIT)
 def _softmax_block(t0, t1, m, lsum, acc, scores):  # pragma: no cover
     for h in range(m.shape[0]):
-        softmax_update(h, scores[h, t0:t1], acc[h], m, lsum)
+        alpha = softmax_update(h, scores[h, t0:t1], m, lsum)
+        if alpha != np.float32(1.0):
+            a = acc[h]
+            for d in range(a.shape[0]):
+                a[d] *= alpha
 
 
 @njit(inline="always", **JIT)

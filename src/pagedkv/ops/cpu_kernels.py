@@ -209,43 +209,43 @@ def _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
 
 
 @njit(cache=True, inline="always", **JIT)
-def softmax_update(h, row, acc_row, m, lsum):  # pragma: no cover
+def softmax_update(h, row, m, lsum):  # pragma: no cover
     """Fold one head's block of scores into its online softmax state: raise the running max
-    m[h] once for the block, rescale acc_row and lsum[h], turn `row` into exp weights.
+    m[h] once for the block, rescale lsum[h], turn `row` into exp weights.
 
-    One max and at most one rescale per head and block, not per token; the exps run over a
-    contiguous view from 0 so that they vectorize.
+    Returns:
+        The factor the head's accumulator must be multiplied by (1.0 when the max did not
+        rise: then the caller skips the rescale, and makes no view of the accumulator).
     """
     new_max = m[h]
     for t in range(row.shape[0]):
         new_max = max(new_max, row[t])
+    alpha = np.float32(1.0)
     if new_max > m[h]:
         alpha = exp_neg(m[h] - new_max)
         m[h] = new_max
         lsum[h] *= alpha
-        for d in range(acc_row.shape[0]):
-            acc_row[d] *= alpha
     total = np.float32(0.0)
-    for t in range(row.shape[0]):
+    for t in range(row.shape[0]):  # a contiguous view from 0: vectorizes
         w = exp_neg(row[t] - new_max)
         row[t] = w
         total += w
     lsum[h] += total
+    return alpha
 
 
 @njit(cache=True, inline="always", **JIT)
 def _softmax_block(t0, t1, m, lsum, acc, scores, stride):  # pragma: no cover
-    """`softmax_update` for every head over tokens [t0, t1) of the flat scores."""
+    """`softmax_update` for every head over tokens [t0, t1) of the flat scores: one max and
+    at most one rescale of the accumulator per head and block, not per token."""
     num_heads = m.shape[0]
     padded_dim = acc.shape[0] // (num_heads + 1)
     for h in range(num_heads):
-        softmax_update(
-            h,
-            scores[h * stride + t0 : h * stride + t1],
-            acc[h * padded_dim : (h + 1) * padded_dim],
-            m,
-            lsum,
-        )
+        alpha = softmax_update(h, scores[h * stride + t0 : h * stride + t1], m, lsum)
+        if alpha != np.float32(1.0):
+            head_acc = acc[h * padded_dim : (h + 1) * padded_dim]
+            for d in range(head_acc.shape[0]):
+                head_acc[d] *= alpha
 
 
 @njit(cache=True, inline="always", **JIT)
