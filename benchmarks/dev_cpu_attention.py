@@ -60,8 +60,8 @@ from pagedkv.ops.cpu_kernels import (
     JIT,
     _combine,
     _f32_from_bits,
+    exp_neg,
     prefer_512_bit_vectors,
-    softmax_update,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -143,11 +143,23 @@ def _score_block(kb, t0, t1, q, scale, group, scores, rows):  # pragma: no cover
 @njit(inline="always", **JIT)
 def _softmax_block(t0, t1, m, lsum, acc, scores):  # pragma: no cover
     for h in range(m.shape[0]):
-        alpha = softmax_update(h, scores[h, t0:t1], m, lsum)
-        if alpha != np.float32(1.0):
+        row = scores[h, t0:t1]
+        new_max = m[h]
+        for t in range(row.shape[0]):
+            new_max = max(new_max, row[t])
+        if new_max > m[h]:
+            alpha = exp_neg(m[h] - new_max)
+            m[h] = new_max
+            lsum[h] *= alpha
             a = acc[h]
             for d in range(a.shape[0]):
                 a[d] *= alpha
+        total = np.float32(0.0)
+        for t in range(row.shape[0]):
+            w = exp_neg(row[t] - new_max)
+            row[t] = w
+            total += w
+        lsum[h] += total
 
 
 @njit(inline="always", **JIT)

@@ -45,16 +45,24 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from pagedkv.ops.simd import (
+    EXP_FLOOR,
     LANES,
+    LN2_POWERS,
     vadd,
     velem,
+    vexp_neg,
     vfma,
+    vhmax,
+    vhsum,
+    vkeep,
     vload,
     vload_n,
+    vmax,
     vmul,
     vsplat,
     vstore,
     vstore_quarter,
+    vsub,
     vsum16,
     vzero,
 )
@@ -98,29 +106,23 @@ def prefer_512_bit_vectors(typingctx):  # pragma: no cover
     return types.none(), codegen
 
 
-_LN2_POWERS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
-               0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161)  # fmt: skip
-"""ln(2)^k / k! for k = 1..6: Taylor coefficients of 2^f = exp(f ln 2)."""
-
-
 @njit(cache=True, inline="always", **JIT)
 def exp_neg(x):  # pragma: no cover
-    """exp(x) for float32 x <= 0, in plain arithmetic so that loops over it vectorize.
+    """exp(x) for float32 x <= 0 in plain arithmetic (`simd.vexp_neg` is the 16-lane form).
 
-    There is no SVML here, so `math.exp` is a scalar libm call per score (a third of the
-    kernel's time). x = (n + f) / log2(e) with integer n and |f| <= 1/2: 2^n is built in the
-    exponent bits, 2^f by a degree-6 Taylor polynomial (relative error < 2e-7). Inputs below
-    -87 are clamped (exp(-87) ~ 1.6e-38, still a normal float32).
+    There is no SVML here, so `math.exp` is a scalar libm call. x = (n + f) / log2(e) with
+    integer n and |f| <= 1/2: 2^n is built in the exponent bits, 2^f by a degree-6 Taylor
+    polynomial (relative error < 2e-7). Inputs below EXP_FLOOR are clamped.
     """
-    t = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    t = max(x, np.float32(EXP_FLOOR)) * np.float32(1.4426950408889634)
     n = np.float32(math.floor(t + np.float32(0.5)))
     f = t - n
-    p = np.float32(_LN2_POWERS[5])
-    p = p * f + np.float32(_LN2_POWERS[4])
-    p = p * f + np.float32(_LN2_POWERS[3])
-    p = p * f + np.float32(_LN2_POWERS[2])
-    p = p * f + np.float32(_LN2_POWERS[1])
-    p = p * f + np.float32(_LN2_POWERS[0])
+    p = np.float32(LN2_POWERS[5])
+    p = p * f + np.float32(LN2_POWERS[4])
+    p = p * f + np.float32(LN2_POWERS[3])
+    p = p * f + np.float32(LN2_POWERS[2])
+    p = p * f + np.float32(LN2_POWERS[1])
+    p = p * f + np.float32(LN2_POWERS[0])
     p = p * f + np.float32(1.0)
     return p * _f32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
@@ -209,43 +211,38 @@ def _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
 
 
 @njit(cache=True, inline="always", **JIT)
-def softmax_update(h, row, m, lsum):  # pragma: no cover
-    """Fold one head's block of scores into its online softmax state: raise the running max
-    m[h] once for the block, rescale lsum[h], turn `row` into exp weights.
-
-    Returns:
-        The factor the head's accumulator must be multiplied by (1.0 when the max did not
-        rise: then the caller skips the rescale, and makes no view of the accumulator).
-    """
-    new_max = m[h]
-    for t in range(row.shape[0]):
-        new_max = max(new_max, row[t])
-    alpha = np.float32(1.0)
-    if new_max > m[h]:
-        alpha = exp_neg(m[h] - new_max)
-        m[h] = new_max
-        lsum[h] *= alpha
-    total = np.float32(0.0)
-    for t in range(row.shape[0]):  # a contiguous view from 0: vectorizes
-        w = exp_neg(row[t] - new_max)
-        row[t] = w
-        total += w
-    lsum[h] += total
-    return alpha
-
-
-@njit(cache=True, inline="always", **JIT)
 def _softmax_block(t0, t1, m, lsum, acc, scores, stride):  # pragma: no cover
-    """`softmax_update` for every head over tokens [t0, t1) of the flat scores: one max and
-    at most one rescale of the accumulator per head and block, not per token."""
-    num_heads = m.shape[0]
+    """Fold each head's block of scores (tokens [t0, t1)) into its online softmax state:
+    raise the running max m[h] once for the block, rescale lsum[h] and the accumulator,
+    turn the scores into exp weights, 16 lanes at a time.
+
+    Whole vectors may run up to 15 elements past the block's scores (still inside the
+    head's padded row); those lanes count as -1e30 for the max and 0 for the sum. One loop
+    body per head, no helper call: per-call reference counting of the array arguments
+    cost more than the arithmetic of a 16-token block.
+    """
+    num_heads, count = m.shape[0], t1 - t0
     padded_dim = acc.shape[0] // (num_heads + 1)
+    floor = np.float32(_NEG)
     for h in range(num_heads):
-        alpha = softmax_update(h, scores[h * stride + t0 : h * stride + t1], m, lsum)
-        if alpha != np.float32(1.0):
-            head_acc = acc[h * padded_dim : (h + 1) * padded_dim]
-            for d in range(head_acc.shape[0]):
-                head_acc[d] *= alpha
+        start = h * stride + t0
+        running = vsplat(m[h])
+        for c in range(0, count, LANES):
+            running = vmax(running, vkeep(vload(scores, start + c), count - c, floor))
+        new_max = vhmax(running)
+        if new_max > m[h]:
+            alpha = exp_neg(m[h] - new_max)
+            m[h] = new_max
+            lsum[h] *= alpha
+            for c in range(h * padded_dim, (h + 1) * padded_dim, LANES):
+                vstore(acc, c, vmul(vload(acc, c), vsplat(alpha)))
+        shift, total = vsplat(new_max), vzero()
+        for c in range(0, count, LANES):
+            weights = vexp_neg(vsub(vload(scores, start + c), shift))
+            weights = vkeep(weights, count - c, np.float32(0.0))
+            vstore(scores, start + c, weights)
+            total = vadd(total, weights)
+        lsum[h] += vhsum(total)
 
 
 @njit(cache=True, inline="always", **JIT)

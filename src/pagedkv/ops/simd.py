@@ -258,3 +258,135 @@ def vload_n(arr, offset, n):  # pragma: no cover
     for i in range(n):
         vec = vinsert(vec, i, velem(arr, offset + i))
     return vec
+
+
+def _splat_constant(value: float) -> ir.Constant:
+    return ir.Constant(_VEC, [value] * LANES)
+
+
+def _lane_max(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _reduce(builder: ir.IRBuilder, vec: ir.Value, combine) -> ir.Value:  # type: ignore[no-untyped-def]
+    """Combine the 16 lanes pairwise down to one (4 shuffles), as a float32 scalar."""
+    width = LANES // 2
+    while width:
+        upper = builder.shuffle_vector(
+            vec,
+            ir.Constant(_VEC, ir.Undefined),
+            _constant_indices([width + i if i < width else i for i in range(LANES)]),
+        )
+        vec = combine(builder, vec, upper)
+        width //= 2
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+@intrinsic
+def vmax(typingctx, a, b):  # pragma: no cover
+    """The larger of a and b in every lane."""
+    if not a == b == f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _lane_max(builder, args[0], args[1])
+
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def vsub(typingctx, a, b):  # pragma: no cover
+    """a - b in every lane."""
+    if not a == b == f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, vec):  # pragma: no cover
+    """The largest lane of vec."""
+    if vec != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _reduce(builder, args[0], _lane_max)
+
+    return types.float32(vec), codegen
+
+
+@intrinsic
+def vhsum(typingctx, vec):  # pragma: no cover
+    """The sum of the lanes of vec."""
+    if vec != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _reduce(builder, args[0], lambda b, x, y: b.fadd(x, y))
+
+    return types.float32(vec), codegen
+
+
+@intrinsic
+def vkeep(typingctx, vec, n, fill):  # pragma: no cover
+    """vec with lanes n .. 15 replaced by `fill` (a row's tail past its last valid lane)."""
+    if vec != f32x16 or not isinstance(n, types.Integer) or not isinstance(fill, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        count = context.cast(builder, args[1], sig.args[1], types.int32)
+        count = builder.insert_element(
+            ir.Constant(ir.VectorType(_I32, LANES), ir.Undefined), count, ir.Constant(_I32, 0)
+        )
+        count = builder.shuffle_vector(
+            count, ir.Constant(ir.VectorType(_I32, LANES), ir.Undefined),
+            _constant_indices([0] * LANES),
+        )  # fmt: skip
+        keep = builder.icmp_signed("<", _constant_indices(list(range(LANES))), count)
+        value = context.cast(builder, args[2], sig.args[2], types.float32)
+        value = builder.insert_element(ir.Constant(_VEC, ir.Undefined), value, ir.Constant(_I32, 0))
+        value = builder.shuffle_vector(
+            value, ir.Constant(_VEC, ir.Undefined), _constant_indices([0] * LANES)
+        )
+        return builder.select(keep, args[0], value)
+
+    return f32x16(vec, n, fill), codegen
+
+
+LN2_POWERS = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+              0.009618129107628477, 0.0013333558146428443, 0.0001540353039338161)  # fmt: skip
+"""ln(2)^k / k! for k = 1..6: Taylor coefficients of 2^f = exp(f ln 2)."""
+EXP_FLOOR = -87.0
+"""exp inputs are clamped here: exp(-87) ~ 1.6e-38, still a normal float32."""
+
+
+@intrinsic
+def vexp_neg(typingctx, x):  # pragma: no cover
+    """exp(x) in every lane, for x <= 0 (the same arithmetic as `exp_neg` in cpu_kernels:
+    2^n from exponent bits times a degree-6 polynomial, relative error < 2e-7)."""
+    if x != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = builder.fmul(_lane_max(builder, args[0], _splat_constant(EXP_FLOOR)),
+                         _splat_constant(1.4426950408889634))  # fmt: skip
+        floor = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.floor.v16f32"
+        )
+        n = builder.call(floor, [builder.fadd(t, _splat_constant(0.5))])
+        f = builder.fsub(t, n)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v16f32"
+        )
+        p = _splat_constant(LN2_POWERS[5])
+        for coefficient in (*LN2_POWERS[4::-1], 1.0):
+            p = builder.call(fma, [p, f, _splat_constant(coefficient)])
+        ints = ir.VectorType(_I32, LANES)
+        exponent = builder.add(builder.fptosi(n, ints), _constant_indices([127] * LANES))
+        scale = builder.bitcast(builder.shl(exponent, _constant_indices([23] * LANES)), _VEC)
+        return builder.fmul(p, scale)
+
+    return f32x16(x), codegen
