@@ -82,3 +82,45 @@ def test_vstore_quarter_writes_four_lanes() -> None:
     out = np.full(10, -1.0, dtype=np.float32)
     _quarters(x, out)
     np.testing.assert_array_equal(out, [12, 13, 14, 15, 0, 1, 2, 3, -1, -1])
+
+
+@njit
+def _reductions(x, out):
+    a, b = simd.vload(x, 0), simd.vload(x, 16)
+    simd.vstore(out, 0, simd.vmax(a, b))
+    simd.vstore(out, 16, simd.vsub(a, b))
+    simd.vstore(out, 32, simd.vkeep(a, 5, np.float32(-7.0)))
+    out[48] = simd.vhmax(a)
+    out[49] = simd.vhsum(b)
+
+
+def test_lane_max_difference_tail_fill_and_horizontal_reductions() -> None:
+    x = np.random.default_rng(2).standard_normal(32).astype(np.float32)
+    a, b = x[:16], x[16:]
+    out = np.zeros(50, dtype=np.float32)
+    _reductions(x, out)
+    np.testing.assert_array_equal(out[:16], np.maximum(a, b))
+    np.testing.assert_array_equal(out[16:32], a - b)
+    np.testing.assert_array_equal(out[32:48], np.concatenate([a[:5], np.full(11, -7.0)]))
+    assert out[48] == a.max()
+    np.testing.assert_allclose(out[49], b.sum(), rtol=1e-5)
+
+
+@njit
+def _exps(x, out):
+    for i in range(0, x.shape[0], 16):
+        simd.vstore(out, i, simd.vexp_neg(simd.vload(x, i)))
+
+
+def test_vexp_neg_matches_exp_to_float32_precision() -> None:
+    """exp over [-100, 0]: relative error < 1e-6 for x >= -10 (where softmax weights
+    matter), < 5e-6 down to the clamp at -87 (x * log2(e) rounded to float32), then the
+    clamp."""
+    x = np.linspace(-100.0, 0.0, 4096, dtype=np.float32)
+    out = np.empty_like(x)
+    _exps(x, out)
+    want = np.exp(np.maximum(x, -87.0).astype(np.float64))
+    near = x >= -10
+    np.testing.assert_allclose(out[near], want[near], rtol=1e-6)
+    np.testing.assert_allclose(out, want, rtol=5e-6)
+    assert out[-1] == 1.0

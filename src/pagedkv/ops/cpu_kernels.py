@@ -112,7 +112,9 @@ def exp_neg(x):  # pragma: no cover
 
     There is no SVML here, so `math.exp` is a scalar libm call. x = (n + f) / log2(e) with
     integer n and |f| <= 1/2: 2^n is built in the exponent bits, 2^f by a degree-6 Taylor
-    polynomial (relative error < 2e-7). Inputs below EXP_FLOOR are clamped.
+    polynomial (relative error < 2.2e-7 on [-1, 0], < 6e-7 on [-10, 0], < 5e-6 down to
+    EXP_FLOOR, where x * log2(e) rounded to float32 dominates). Inputs below EXP_FLOOR are
+    clamped.
     """
     t = max(x, np.float32(EXP_FLOOR)) * np.float32(1.4426950408889634)
     n = np.float32(math.floor(t + np.float32(0.5)))

@@ -366,7 +366,7 @@ EXP_FLOOR = -87.0
 @intrinsic
 def vexp_neg(typingctx, x):  # pragma: no cover
     """exp(x) in every lane, for x <= 0 (the same arithmetic as `exp_neg` in cpu_kernels:
-    2^n from exponent bits times a degree-6 polynomial, relative error < 2e-7)."""
+    2^n from exponent bits times a degree-6 polynomial; relative error as stated there)."""
     if x != f32x16:
         return None
 
