@@ -17,11 +17,16 @@ bfloat16 widenings, vectorized rounding (the exp) and libm `expf` calls):
 Older variants (bfloat16 widened inside the dot products, two heads per pass) are in git
 history (before 2026-11-30).
 
-Why variant 1 (2026-11-30, quiet development machine). Per token of 32/8 heads x 128 (one
-thread, block 16, K/V in L2), variant 2 spent ~160-185 ns scoring and ~110-200 ns
-accumulating against ~50 ns each at the FMA rate: the loop vectorizer wraps every 128-long
-dot product in alias checks and a remainder loop, keeps one dependent FMA chain per head and
-reduces each score horizontally on its own. Variant 1 takes 86 + 108 ns. Other layouts
+Why variant 1 (2026-11-30, development machine). Per token of 32/8 heads x 128 (one
+thread, block 16, K/V in L2), variant 2 spent ~175 ns scoring, ~40 ns in the softmax and
+~105-180 ns accumulating, against ~50 ns each for scores and accumulation at the FMA rate:
+the loop vectorizer wraps every 128-long dot product in alias checks and a remainder loop,
+keeps one dependent FMA chain per head and reduces each score horizontally on its own.
+Variant 1 takes 70 + 20 + 78 ns (176 ns per token in all). Its first version spent 105 ns
+per token in the softmax at block 16 (19 at block 128): the per-head helper it called took
+array arguments, and Numba's reference counting of them (atomic NRT_incref/decref calls in
+the loop, visible with `inspect_asm`) cost more than a 16-token block's arithmetic; the
+softmax is now one loop body per head in 16-lane vectors. Other layouts
 measured: visiting a block KV head by KV head (4 KiB strides) instead of in memory order lost
 10 % at DRAM-bound shapes; tiles whose four heads span KV heads (each head loading its own
 rows) ran 0.6-0.75x of variant 2 at groups 1, 2, 3 and 7, so groups that are not a
