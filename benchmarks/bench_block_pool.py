@@ -108,7 +108,7 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
     held: list[object] = []
     used = next_size = 0
 
-    def refill(alloc=alloc) -> None:
+    def refill(alloc) -> None:
         nonlocal used, next_size
         while used + sizes[next_size] <= target:
             held.append(alloc(sizes[next_size]))
