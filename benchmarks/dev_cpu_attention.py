@@ -264,14 +264,17 @@ def drive_serial_v2(query, key_cache, value_cache, block_tables, items, splits, 
 
 def _cache_args(variant: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     """The cache arguments each variant's driver takes after the query."""
-    kc, vc = cpu._cached_view(key_cache, "flat"), cpu._cached_view(value_cache, "flat")
+    kc, vc = cpu._flat_views(key_cache, value_cache)
     if variant == 1:  # flat views plus the geometry
         return kc, vc, key_cache.shape[1], key_cache.shape[2]
     return kc.reshape(key_cache.shape), vc.reshape(value_cache.shape)  # 4-D views
 
 
 DRIVERS = {
-    1: (cpu_kernels.decode_serial, cpu_kernels.decode_parallel),
+    1: (
+        lambda *args: cpu_kernels.decode(*args, True),
+        lambda *args: cpu_kernels.decode(*args, False),
+    ),
     2: (drive_serial_v2, drive_parallel_v2),
 }
 ITEMS = {1: cpu_kernels._item, 2: _item_v2}

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from paged_cases import ATTENTION_GRID, check_backend, expected, make_case
 
-from pagedkv.ops import AttentionMetadata, paged_attention, paged_attention_from_metadata
+from pagedkv.ops import (
+    AttentionMetadata,
+    cpu,
+    paged_attention,
+    paged_attention_from_metadata,
+)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -143,3 +148,48 @@ def test_from_metadata_matches_plain_call(window: int | None) -> None:
         case.query, case.key_cache, case.value_cache, md, sliding_window=window
     )
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_plain_decode_batch_matches_planned_call(
+    dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of decode rows only takes the plain call's one-kernel path (plan and run in
+    one compiled call, index tensors by address), never the general path; it must agree
+    bit for bit with the planned path, here with rows split across threads and index
+    tensors that are strided views (their contiguous copies are what the kernel reads)."""
+    lens, queries = [1, 37, 700, 3000], [1, 1, 2, 4]
+    case = make_case(lens, queries, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64,
+                     dtype=dtype)  # fmt: skip
+    tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
+    md = AttentionMetadata.build(tables, lens, queries, list(range(sum(queries))))
+    planned = paged_attention_from_metadata(
+        case.query, case.key_cache, case.value_cache, md, sliding_window=window
+    )
+    wide = torch.full((case.block_tables.shape[0], 2 * case.block_tables.shape[1]), 7,
+                      dtype=torch.int32)  # fmt: skip
+    wide[:, ::2] = case.block_tables
+    strided = (case.query, case.key_cache, case.value_cache, wide[:, ::2])
+    lens_t = torch.stack([case.seq_lens, case.seq_lens], dim=1)[:, 0]
+    assert not strided[3].is_contiguous() and not lens_t.is_contiguous()
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("a decode-only batch fell back to the general path")
+
+    monkeypatch.setattr(cpu, "_make_plan", general_path)
+    plain = paged_attention(*strided, lens_t, case.query_start_loc, sliding_window=window)
+    assert plain.dtype == dtype
+    torch.testing.assert_close(plain, planned, rtol=0, atol=0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(plain.double(), expected(case, window), rtol=tol, atol=tol)
+
+
+def test_plain_decode_batch_rejects_bad_block_ids() -> None:
+    """The one-kernel path leaves errors to the general path, which names them."""
+    case = make_case([5, 20], [1, 1], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)
+    tables = case.block_tables.clone()
+    tables[1, 2] = case.key_cache.shape[0]  # the last block of sequence 1
+    with pytest.raises(ValueError, match=r"^block_tables: expected block ids in \[0, "):
+        paged_attention(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
+                        case.query_start_loc, backend="cpu")  # fmt: skip

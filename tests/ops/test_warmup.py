@@ -20,7 +20,7 @@ for dtype in (torch.float32, torch.bfloat16):
     before = key_cache.clone(), value_cache.clone()
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
-for kernel in (cpu_plan.plan_items, cpu_kernels.decode_serial, cpu_kernels.decode_parallel,
+for kernel in (cpu_plan.plan_items, cpu_kernels.decode, cpu_kernels.plan_and_decode,
                cpu_kernels.write_rows):
     print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
 """
@@ -28,14 +28,15 @@ for kernel in (cpu_plan.plan_items, cpu_kernels.decode_serial, cpu_kernels.decod
 
 def test_warmup_compiles_every_kernel_and_leaves_the_cache_alone() -> None:
     """In a fresh process (compiled signatures are per process), warm-up alone readies the
-    planner, both decode kernels and the write, for float32 and bfloat16 caches."""
+    planner, the decode kernel for planned batches and for plain calls, and the write, for
+    float32 and bfloat16 caches."""
     result = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
     signatures = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert signatures["plan_items"]
-    for name in ("decode_serial", "decode_parallel"):
+    for name in ("decode", "plan_and_decode"):
         assert "Array(float32, 1, 'C'" in signatures[name], signatures[name]
         assert "Array(uint16, 1, 'C'" in signatures[name], signatures[name]
     assert "Array(uint64, 2, 'C'" in signatures["write_rows"], signatures["write_rows"]

@@ -48,6 +48,30 @@ def check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[i
     return tuple(key_cache.shape)
 
 
+def known_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    """Check a cache pair once and remember it: (value_cache, (num_kv_heads, head_dim), dtype,
+    device, or None for the CPU).
+
+    The ops run per layer per step, and a decode step's write has a 10 us budget: the pair's
+    checks are memoized on `key_cache` (a tensor's shape, dtype and device do not change;
+    restriding a cache in place with `resize_`, `set_` or `as_strided_` is not supported), so
+    a call with a known pair reads only the new tensors' attributes. Raises like
+    `check_kv_pair`.
+    """
+    pair = key_cache.__dict__.get("_pagedkv_pair") if type(key_cache) is torch.Tensor else None
+    if pair is not None and pair[0] is value_cache:
+        return pair
+    check_kv_pair(key_cache, value_cache)
+    pair = (
+        value_cache,
+        key_cache.shape[2:],
+        key_cache.dtype,
+        None if key_cache.is_cpu else key_cache.device,  # None: compare with `is_cpu`
+    )
+    key_cache.__dict__["_pagedkv_pair"] = pair
+    return pair
+
+
 def check_index(
     name: str,
     tensor: torch.Tensor,
@@ -70,26 +94,31 @@ def check_index(
 
 
 def _attention_args_ok(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sliding_window
+    query, block_tables, seq_lens, query_start_loc, sliding_window, pair
 ) -> bool:
+    # Each `.shape` builds a torch.Size and a device comparison costs ~180 ns: read each
+    # attribute once and, for a CPU cache, test `is_cpu`.
+    _, (num_kv_heads, head_dim), dtype, device = pair
+    int32 = torch.int32
     try:
-        shape, device, num_seqs = key_cache.shape, key_cache.device, seq_lens.shape[0]
+        q_shape, num_seqs = query.shape, seq_lens.shape
         return (
-            key_cache.dim() == 4 and value_cache.shape == shape and query.dim() == 3
-            and query.shape[2] == shape[3] and query.shape[1] % shape[2] == 0
-            and key_cache.dtype in SUPPORTED_DTYPES
-            and key_cache.dtype == value_cache.dtype == query.dtype
-            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-            and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
-            and seq_lens.dim() == 1 and query_start_loc.shape == (num_seqs + 1,)
-            and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
-            and value_cache.device == device and query.device == device
-            and block_tables.device == device and seq_lens.device == device
-            and query_start_loc.device == device
+            len(q_shape) == 3 and q_shape[2] == head_dim and q_shape[1] % num_kv_heads == 0
+            and query.dtype is dtype and len(num_seqs) == 1
+            and block_tables.dtype is int32 and seq_lens.dtype is int32
+            and query_start_loc.dtype is int32
+            and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs[0]
+            and query_start_loc.shape == (num_seqs[0] + 1,)
+            and (
+                query.is_cpu and block_tables.is_cpu and seq_lens.is_cpu
+                and query_start_loc.is_cpu if device is None
+                else query.device == device and block_tables.device == device
+                and seq_lens.device == device and query_start_loc.device == device
+            )
             and (sliding_window is None or (type(sliding_window) is int and sliding_window >= 1))
         )  # fmt: skip
-    except (AttributeError, TypeError, IndexError, ZeroDivisionError):
-        return False  # not tensors, or 0-dim: the detailed checks say which
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return False  # not tensors: the detailed checks say which
 
 
 def check_attention_args(
@@ -106,8 +135,8 @@ def check_attention_args(
 
     As in `check_write_args`, one combined test passes the valid case cheaply.
     """
-    if _attention_args_ok(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc, sliding_window):  # fmt: skip
+    pair = known_pair(key_cache, value_cache)
+    if _attention_args_ok(query, block_tables, seq_lens, query_start_loc, sliding_window, pair):
         if scale is None:
             return 1.0 / math.sqrt(query.shape[2])
         if not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale):
@@ -184,16 +213,11 @@ def check_write_args(
 
     One combined test covers the valid case; the detailed checks below run only to name
     what is wrong (this runs per layer per step, so the common path must be cheap: a decode
-    step's write has a 10 us budget). The cache pair's own checks are memoized on
-    `key_cache` (a tensor's shape, dtype and device do not change), so a call with a known
-    pair reads nine attributes of the new tensors.
+    step's write has a 10 us budget). The cache pair's checks are memoized (`known_pair`),
+    so a call with a known pair reads nine attributes of the new tensors.
     """
-    is_tensor = type(key_cache) is torch.Tensor
-    pair = key_cache.__dict__.get("_pagedkv_write_pair") if is_tensor else None
-    if pair is not None and pair[0] is value_cache:
-        # Each `.shape` builds a torch.Size (~150 ns) and a device comparison costs ~180 ns:
-        # read each shape once and, for a CPU cache, test `is_cpu` instead.
-        row_shape, dtype, device = pair[1], pair[2], pair[3]
+    _, row_shape, dtype, device = known_pair(key_cache, value_cache)
+    try:
         key_shape = key.shape
         if (
             key_shape[1:] == row_shape and value.shape == key_shape
@@ -206,13 +230,9 @@ def check_write_args(
             )
         ):  # fmt: skip
             return key_shape[0]
+    except (AttributeError, TypeError):
+        pass  # not tensors: the detailed checks say which
     _check_write_args(key, value, key_cache, value_cache, slot_mapping)
-    key_cache.__dict__["_pagedkv_write_pair"] = (
-        value_cache,
-        key_cache.shape[2:],
-        key_cache.dtype,
-        None if key_cache.is_cpu else key_cache.device,  # None: compare with `is_cpu`
-    )
     return key.shape[0]
 
 
@@ -223,21 +243,7 @@ def _check_write_args(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    try:
-        shape = key_cache.shape
-        if (
-            key_cache.dim() == 4 and value_cache.shape == shape and key.dim() == 3
-            and key.shape[1:] == shape[2:] and value.shape == key.shape
-            and slot_mapping.shape == key.shape[:1]
-            and key_cache.dtype in SUPPORTED_DTYPES and slot_mapping.dtype in INDEX_DTYPES
-            and key_cache.dtype == value_cache.dtype == key.dtype == value.dtype
-            and key_cache.device == value_cache.device == key.device == value.device
-            and slot_mapping.device == key.device
-            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-        ):  # fmt: skip
-            return
-    except (AttributeError, TypeError):
-        pass  # not tensors: the detailed checks say which
+    """Name what is wrong with arguments the combined test rejected."""
     _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):

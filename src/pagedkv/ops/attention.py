@@ -199,6 +199,19 @@ def paged_attention(
         scale,
         sliding_window,
     )
+    if query.is_cpu and (backend == "auto" or backend == "cpu"):
+        # The common case without the lookups below (a few us per call on a cold cache).
+        module = _loaded.get("cpu") or _load("cpu")
+        return module.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            sliding_window=sliding_window,
+        )
     name = resolve_backend(backend, query.device)
     if query.device.type == "cpu" and name != "cpu":
         # The cpu backend checks lengths and block ids while planning, in one Numba pass.

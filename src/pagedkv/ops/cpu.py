@@ -9,7 +9,7 @@ float16 and float64 caches take the SDPA path for every sequence (Numba has no f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,11 +60,7 @@ def _make_plan(
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     # The kernel reads flat views of the caches: a strided pool (allowed by the contract as
     # long as the last dim is dense) takes the gather path instead.
-    use_kernel = (
-        key_cache.dtype in _KERNEL_DTYPES
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-    )
+    use_kernel = _flat_views(key_cache, value_cache) is not None
     num_threads = cpu_kernels.num_threads()
     items, splits, rows, prefill, total, error, seq = cpu_plan.plan_items(
         starts,
@@ -101,26 +97,43 @@ def _make_plan(
     )
 
 
-def _cached_view(cache: torch.Tensor, kind: str) -> np.ndarray:
-    """A NumPy view of a long-lived cache tensor, memoized on the tensor object.
+def _flat_views(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The caches as flat NumPy arrays for the decode kernel, or None if it cannot read them.
 
-    Building the view costs microseconds per call (dtype view, `.numpy()`), paid per layer
-    by small decode batches otherwise. The memo is dropped if the tensor's storage moves.
-
-    kind: "flat" -> the contiguous cache as one 1-D array, float32, or uint16 bits for
-    bfloat16.
+    float32 arrives as is, bfloat16 as its uint16 bits (NumPy has no bfloat16); other dtypes
+    and strided caches (allowed by the contract as long as the last dim is dense; a flat
+    view of them would be a copy) take the gather path. Memoized on `key_cache` and keyed
+    by both storage addresses: building the views costs microseconds, paid per layer by
+    small decode batches otherwise.
     """
-    memo = cache.__dict__.setdefault("_pagedkv_views", {})
-    hit = memo.get(kind)
-    if hit is not None and hit[0] == cache.data_ptr():
-        return hit[1]
+    memo = key_cache.__dict__.get("_pagedkv_flat")
+    if (
+        memo is not None and memo[0] is value_cache
+        and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
+    ):  # fmt: skip
+        return memo[3]
+    views = None
+    if (
+        key_cache.dtype in _KERNEL_DTYPES
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    ):
+        views = _flat(key_cache), _flat(value_cache)
+    key_cache.__dict__["_pagedkv_flat"] = (
+        value_cache,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        views,
+    )
+    return views
+
+
+def _flat(cache: torch.Tensor) -> np.ndarray:
     if cache.dtype == torch.bfloat16:  # no NumPy bfloat16: hand over the raw bits
-        view = cache.view(torch.int16).numpy().view(np.uint16)
-    else:
-        view = cache.numpy()
-    view = view.reshape(-1)  # a view: only contiguous caches come here
-    memo[kind] = (cache.data_ptr(), view)
-    return view
+        return cache.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    return cache.numpy().reshape(-1)
 
 
 def _decode_rows(
@@ -137,11 +150,9 @@ def _decode_rows(
     part_acc = np.empty((plan.num_parts, num_heads, head_dim), dtype=np.float32)
     part_m = np.empty((plan.num_parts, num_heads), dtype=np.float32)
     part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
-    kernel = cpu_kernels.decode_serial if plan.is_serial else cpu_kernels.decode_parallel
-    kernel(
+    cpu_kernels.decode(
         q,
-        _cached_view(key_cache, "flat"),
-        _cached_view(value_cache, "flat"),
+        *_flat_views(key_cache, value_cache),
         key_cache.shape[1],
         key_cache.shape[2],
         plan.block_tables,
@@ -152,6 +163,7 @@ def _decode_rows(
         part_acc,
         part_m,
         part_l,
+        plan.is_serial,
     )
     return torch.from_numpy(out)
 
@@ -220,6 +232,60 @@ def _run(
     return out
 
 
+def _decode_only(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
+    """A batch of decode rows only, planned and run in one kernel call; None otherwise.
+
+    None (the batch has a prefill sequence, a bad length or block id, or caches the kernel
+    cannot read) sends the caller to the general path, which plans again and names any error.
+    """
+    views = _flat_views(key_cache, value_cache)
+    if views is None:
+        return None
+    # The kernel reads these through their addresses: the contiguous copies (the tensors
+    # themselves, usually) must stay alive until it returns.
+    q = query.contiguous() if query.dtype == torch.float32 else query.float()
+    tables, lens, starts = (
+        block_tables.contiguous(),
+        seq_lens.contiguous(),
+        query_start_loc.contiguous(),
+    )
+    out = torch.empty_like(q)  # float32 and contiguous, as q (and cheaper than torch.empty)
+    num_tokens, num_heads, head_dim = q.shape
+    status, _ = cpu_kernels.plan_and_decode(
+        q.data_ptr(),
+        num_tokens,
+        num_heads,
+        views[0],
+        views[1],
+        key_cache.shape[1],
+        key_cache.shape[2],
+        head_dim,
+        tables.data_ptr(),
+        tables.shape[0],
+        tables.shape[1],
+        lens.data_ptr(),
+        starts.data_ptr(),
+        sliding_window or 0,
+        MAX_DECODE_QUERY,
+        SERIAL_BYTES,
+        cpu_kernels.num_threads(),
+        scale,
+        out.data_ptr(),
+    )
+    if status != cpu_plan.OK:
+        return None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -232,6 +298,12 @@ def paged_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Backend entry point; the contract is `pagedkv.ops.paged_attention` (inputs validated)."""
+    out = _decode_only(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        sliding_window,
+    )  # fmt: skip
+    if out is not None:
+        return out
     plan = _make_plan(
         query.shape[0],
         block_tables,
@@ -347,27 +419,20 @@ def write_kv(
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Compile, or load from Numba's on-disk cache, every kernel a step over this cache pair
-    can call: the planner, the serial and the parallel decode kernel, and the KV write.
+    can call: the planner, the decode kernel of planned batches and of plain calls, and the
+    KV write.
 
     A first compile takes seconds per kernel; without this it lands in whichever step first
-    takes each path (a parallel decode appears only once a batch is large enough). Numba
-    specializes on types, not sizes, so one-token inputs compile what the real ones use.
-    Reads block 0 of the caches, writes nothing (the write's only slot is padding).
+    takes each path. Numba specializes on types, not sizes, so one-token inputs compile what
+    the real ones use. Reads block 0 of the caches, writes nothing (the write's only slot is
+    padding).
     """
     head_dim = key_cache.shape[3]
     query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
     index = dict(dtype=torch.int32)
-    plan = _make_plan(
-        1,
-        torch.zeros(1, 1, **index),
-        torch.ones(1, **index),
-        torch.tensor([0, 1], **index),
-        key_cache,
-        value_cache,
-        None,
-    )
-    _run(query, key_cache, value_cache, plan, 1.0, None)  # plan_items, then serial decode
-    if plan.rows.shape[0] and plan.is_serial:
-        _decode_rows(query, key_cache, value_cache, replace(plan, is_serial=False), 1.0)
+    batch = torch.zeros(1, 1, **index), torch.ones(1, **index), torch.tensor([0, 1], **index)
+    plan = _make_plan(1, *batch, key_cache, value_cache, None)
+    _run(query, key_cache, value_cache, plan, 1.0, None)  # plan_items, then decode
+    paged_attention(query, key_cache, value_cache, *batch, scale=1.0, sliding_window=None)
     row = torch.zeros(1, key_cache.shape[2], head_dim, dtype=key_cache.dtype)
     write_kv(row, row, key_cache, value_cache, torch.full((1,), -1, dtype=torch.int64))
