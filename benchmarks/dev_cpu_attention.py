@@ -9,8 +9,9 @@ bfloat16 widenings, vectorized rounding (the exp) and libm `expf` calls):
     0  grouped SDPA on contiguous K/V: the baseline (not paged)
     1  `pagedkv.ops.cpu_kernels` as shipped: explicit 16-lane vectors (`pagedkv.ops.simd`),
        scores as tiles of 4 tokens x 4 query heads of one KV head reduced by one
-       transposing tree, the V accumulation with four heads' accumulators in registers,
-       both in memory order over flat cache views (group 1: tiles of 4 tokens x 1 head)
+       transposing tree, the V accumulation over the same tiles with their 16 weights in
+       registers, both in memory order over flat cache views (group 1: tiles of 4 tokens x
+       1 head), software prefetch as `cpu_kernels.prefetch_mode` picks
     2  the previous kernel (below, kept for the A/B): plain loops that LLVM vectorizes,
        four tokens per query-row load when scoring, eight weighted V rows per accumulator
        pass, bfloat16 rows widened once per (token, KV head) into an L1 scratch row
@@ -270,13 +271,7 @@ def _cache_args(variant: int, key_cache: torch.Tensor, value_cache: torch.Tensor
     return kc.reshape(key_cache.shape), vc.reshape(value_cache.shape)  # 4-D views
 
 
-DRIVERS = {
-    1: (
-        lambda *args: cpu_kernels.decode(*args, True),
-        lambda *args: cpu_kernels.decode(*args, False),
-    ),
-    2: (drive_serial_v2, drive_parallel_v2),
-}
+DRIVERS = {2: (drive_serial_v2, drive_parallel_v2)}  # variant 1 calls cpu_kernels.decode
 ITEMS = {1: cpu_kernels._item, 2: _item_v2}
 
 
@@ -297,7 +292,13 @@ def run_variant(variant, is_serial, query, key_cache, value_cache, plan, scale):
     part_m = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
     part_l = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
     caches = _cache_args(variant, key_cache, value_cache)
-    drive = DRIVERS[variant][0 if is_serial else 1]
+    if variant == 1:  # the shipped driver, with the plan's prefetch mode
+
+        def drive(*args):
+            cpu_kernels.decode(*args, is_serial, plan.prefetch)
+
+    else:
+        drive = DRIVERS[variant][0 if is_serial else 1]
 
     def call():
         drive(q, *caches, plan.block_tables, plan.items, plan.splits, scale, out, part_acc,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from paged_cases import ATTENTION_GRID, check_backend, expected, make_case
 from pagedkv.ops import (
     AttentionMetadata,
     cpu,
+    cpu_kernels,
     paged_attention,
     paged_attention_from_metadata,
 )
@@ -193,3 +196,32 @@ def test_plain_decode_batch_rejects_bad_block_ids() -> None:
     with pytest.raises(ValueError, match=r"^block_tables: expected block ids in \[0, "):
         paged_attention(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
                         case.query_start_loc, backend="cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_decode_kernel_prefetch_modes_agree(dtype: torch.dtype, block_size: int) -> None:
+    """Software prefetch is a hint: every mode gives the same bits, including the K rows
+    asked for past a block's end (in the next block, or nowhere after an item's last)."""
+    case = make_case([3, 13, 40, 301], [1, 1, 1, 1], block_size=block_size, num_heads=8,
+                     num_kv_heads=2, head_dim=32, dtype=dtype)  # fmt: skip
+    plan = cpu._make_plan(4, case.block_tables, case.seq_lens, case.query_start_loc,
+                          case.key_cache, case.value_cache, None)  # fmt: skip
+    modes = (cpu_kernels.PREFETCH_NONE, cpu_kernels.PREFETCH_K, cpu_kernels.PREFETCH_KV)
+    outs = [
+        cpu._decode_rows(
+            case.query, case.key_cache, case.value_cache, replace(plan, prefetch=mode), 32**-0.5
+        )  # fmt: skip
+        for mode in modes
+    ]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(outs[0].double(), expected(case), rtol=tol, atol=tol)
+
+
+def test_prefetch_mode_by_dtype_and_size() -> None:
+    k = cpu_kernels
+    assert k.prefetch_mode(2, 1) == k.PREFETCH_KV
+    assert k.prefetch_mode(4, k.PREFETCH_BYTES) == k.PREFETCH_K
+    assert k.prefetch_mode(4, k.PREFETCH_BYTES - 1) == k.PREFETCH_NONE

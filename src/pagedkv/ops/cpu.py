@@ -39,6 +39,7 @@ class _Plan:
     rows: np.ndarray  # int64 [num_rows], query row of each kernel output row
     num_parts: int  # partial states the split rows need
     is_serial: bool
+    prefetch: int  # cpu_kernels.prefetch_mode
     prefill_seqs: np.ndarray  # int64 [num_prefill]
     starts: np.ndarray  # int32 [num_seqs + 1], query_start_loc
     seq_lens: np.ndarray  # int32 [num_seqs]
@@ -89,6 +90,7 @@ def _make_plan(
         rows=rows,
         num_parts=int(splits[-1, 2]) if splits.shape[0] else 0,
         is_serial=total * row_bytes < SERIAL_BYTES or num_threads == 1,
+        prefetch=cpu_kernels.prefetch_mode(key_cache.element_size(), total * row_bytes),
         prefill_seqs=prefill,
         starts=starts,
         seq_lens=lens,
@@ -164,6 +166,7 @@ def _decode_rows(
         part_m,
         part_l,
         plan.is_serial,
+        plan.prefetch,
     )
     return torch.from_numpy(out)
 

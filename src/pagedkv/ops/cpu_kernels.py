@@ -62,6 +62,7 @@ from pagedkv.ops.simd import (
     vload_n,
     vmax,
     vmul,
+    vprefetch,
     vsplat,
     vstore,
     vstore_quarter,
@@ -134,9 +135,51 @@ def exp_neg(x):  # pragma: no cover
     return p * _f32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
+PREFETCH_NONE, PREFETCH_K, PREFETCH_KV = range(3)
+PREFETCH_BYTES = 64 << 20
+"""float32 batches reading at least this much KV prefetch K rows ahead. Measured on the
+development machine (run I in docs/benchmarks.md): 1.08-1.11x at 268 MB, which streams from
+DRAM, 0.94-0.96x at 4-33 MB, which stays in cache between calls."""
+
+
+@njit(cache=True)
+def prefetch_mode(element_size, kv_bytes):  # pragma: no cover
+    """Software prefetch for a batch: bfloat16 always asks for the next tile's K and this
+    tile's V (a 16-lane load covers half a cache line, so demand loads alone keep too few
+    lines in flight: 1.02-1.49x); float32 asks for K ahead once the batch is too large to
+    stay in cache (`PREFETCH_BYTES`)."""
+    if element_size == 2:
+        return PREFETCH_KV
+    return PREFETCH_K if kv_bytes >= PREFETCH_BYTES else PREFETCH_NONE
+
+
+@njit(cache=True, inline="always", **JIT)
+def _prefetch_tile(key_cache, value_cache, base, next_base, t, t1, block_size, row, head_offset,
+                   head_dim, r0, r1, r2, r3, prefetch):  # fmt: skip  # pragma: no cover
+    """Prefetch one KV head's slice of the K rows four tokens after the tile at token t
+    (from the next block past t1) and, for PREFETCH_KV, of the tile's own V rows r0..r3."""
+    line = 16 if key_cache.itemsize == 4 else 32  # elements per 64-byte cache line
+    for ahead in range(t + 4, t + 8):
+        if ahead < t1:
+            r = base + ahead * row + head_offset
+        elif next_base >= 0:
+            r = next_base + (ahead - block_size) * row + head_offset
+        else:
+            break
+        for c in range(0, head_dim, line):
+            vprefetch(key_cache, r + c)
+    if prefetch == PREFETCH_KV:
+        for c in range(0, head_dim, line):
+            vprefetch(value_cache, r0 + c)
+            vprefetch(value_cache, r1 + c)
+            vprefetch(value_cache, r2 + c)
+            vprefetch(value_cache, r3 + c)
+
+
 @njit(cache=True, inline="always", **JIT)
 def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, group,
-                  num_kv_heads, head_dim, scores, stride):  # fmt: skip  # pragma: no cover
+                  num_kv_heads, head_dim, scores, stride, value_cache, next_base, block_size,
+                  prefetch):  # fmt: skip  # pragma: no cover
     """scores[h * stride + t] = scale * q[h] . k[t, h // group] for tokens [t0, t1) of the
     block starting at element `base` of the flat key cache; `group` >= 2.
 
@@ -148,6 +191,10 @@ def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
     measured faster than narrower tiles or tiles spanning KV heads. Past t1 a tile re-reads
     the last row; its extra scores land in the padding (`stride` >= block_size + 4) or
     after t1.
+
+    `prefetch` (see `prefetch_mode`) asks for the K rows one tile ahead (in the next block,
+    at `next_base`, when past this one; -1: none) and, with PREFETCH_KV, for this tile's V
+    rows, which `_accumulate_shared` reads after the softmax.
     """
     row = num_kv_heads * head_dim
     vscale = vsplat(scale)
@@ -161,6 +208,9 @@ def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
         r3 = base + min(t + 3, last) * row
         for g in range(num_kv_heads):
             end = (g + 1) * group
+            if prefetch != PREFETCH_NONE:
+                _prefetch_tile(key_cache, value_cache, base, next_base, t, t1, block_size, row,
+                               g * head_dim, head_dim, r0, r1, r2, r3, prefetch)  # fmt: skip
             for h in range(g * group, end, 4):
                 h1, h2, h3 = _tile_heads(h, end, num_heads)
                 q0, q1, q2, q3 = h * padded_dim, h1 * padded_dim, h2 * padded_dim, h3 * padded_dim
@@ -265,56 +315,64 @@ def _axpy(weights, i, v, acc):  # pragma: no cover
 
 
 @njit(cache=True, inline="always", **JIT)
+def _splat4(weights, w, t, t1):  # pragma: no cover
+    """Splats of weights[w + t .. w + t + 3]; zero for tokens at or past t1 (a tail tile's
+    extra rows repeat the last one)."""
+    zero = np.float32(0.0)
+    return (
+        vsplat(velem(weights, w + t)),
+        vsplat(velem(weights, w + t + 1) if t + 1 < t1 else zero),
+        vsplat(velem(weights, w + t + 2) if t + 2 < t1 else zero),
+        vsplat(velem(weights, w + t + 3) if t + 3 < t1 else zero),
+    )
+
+
+@njit(cache=True, inline="always", **JIT)
+def _add4(acc, i, p0, p1, p2, p3, v0, v1, v2, v3):  # pragma: no cover
+    """acc[i : i + 16] += p0 v0 + p1 v1 + p2 v2 + p3 v3."""
+    x = vfma(p0, v0, vload(acc, i))
+    x = vfma(p1, v1, x)
+    x = vfma(p2, v2, x)
+    vstore(acc, i, vfma(p3, v3, x))
+
+
+@njit(cache=True, inline="always", **JIT)
 def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads, head_dim,
                        acc, padded_dim, weights, stride):  # fmt: skip  # pragma: no cover
     """acc[h] += sum_t weights[h * stride + t] * v[t, h // group] over tokens [t0, t1);
     `group` >= 2.
 
-    Eight tokens at a time in memory order; within them, per 16-lane slice of a KV head's
-    rows, four query heads' accumulators stay in registers (eight, split by token parity,
-    so that the FMA chains overlap) while each V vector feeds all four. A group's last tile
-    is completed with the sink row `num_heads`, as in `_score_shared`.
+    The tiles of `_score_shared`, in the same memory order: 4 tokens x 4 query heads of one
+    KV head. The tile's 16 weights are splat into registers once, then every 16-lane slice
+    of the four V rows feeds all four heads: 16 FMAs per 4 V loads and 4 accumulator
+    loads/stores (keeping the accumulators in registers instead, and loading each weight
+    per slice, was load-port bound: 5 loads per 4 FMAs, 1.04-1.19x slower). A group's last
+    tile is completed with the sink row `num_heads`.
     """
     row = num_kv_heads * head_dim
-    first = t0
-    while first < t1:
-        stop = min(first + 8, t1)
+    last = t1 - 1
+    for t in range(t0, t1, 4):
         for g in range(num_kv_heads):
             end = (g + 1) * group
+            r0 = base + g * head_dim + t * row
+            r1 = base + g * head_dim + min(t + 1, last) * row
+            r2 = base + g * head_dim + min(t + 2, last) * row
+            r3 = base + g * head_dim + min(t + 3, last) * row
             for h in range(g * group, end, 4):
                 h1, h2, h3 = _tile_heads(h, end, num_heads)
-                w0, w1, w2, w3 = h * stride, h1 * stride, h2 * stride, h3 * stride
+                p00, p01, p02, p03 = _splat4(weights, h * stride, t, t1)
+                p10, p11, p12, p13 = _splat4(weights, h1 * stride, t, t1)
+                p20, p21, p22, p23 = _splat4(weights, h2 * stride, t, t1)
+                p30, p31, p32, p33 = _splat4(weights, h3 * stride, t, t1)
                 a0, a1, a2, a3 = h * padded_dim, h1 * padded_dim, h2 * padded_dim, h3 * padded_dim
                 for c in range(0, head_dim, LANES):
                     n = head_dim - c
-                    even0, even1 = vload(acc, a0 + c), vload(acc, a1 + c)
-                    even2, even3 = vload(acc, a2 + c), vload(acc, a3 + c)
-                    odd0 = odd1 = odd2 = odd3 = vzero()
-                    r = base + g * head_dim + c
-                    t = first
-                    while t + 2 <= stop:
-                        v = vload_n(value_cache, r + t * row, n)
-                        u = vload_n(value_cache, r + (t + 1) * row, n)
-                        even0 = _axpy(weights, w0 + t, v, even0)
-                        even1 = _axpy(weights, w1 + t, v, even1)
-                        even2 = _axpy(weights, w2 + t, v, even2)
-                        even3 = _axpy(weights, w3 + t, v, even3)
-                        odd0 = _axpy(weights, w0 + t + 1, u, odd0)
-                        odd1 = _axpy(weights, w1 + t + 1, u, odd1)
-                        odd2 = _axpy(weights, w2 + t + 1, u, odd2)
-                        odd3 = _axpy(weights, w3 + t + 1, u, odd3)
-                        t += 2
-                    if t < stop:
-                        v = vload_n(value_cache, r + t * row, n)
-                        even0 = _axpy(weights, w0 + t, v, even0)
-                        even1 = _axpy(weights, w1 + t, v, even1)
-                        even2 = _axpy(weights, w2 + t, v, even2)
-                        even3 = _axpy(weights, w3 + t, v, even3)
-                    vstore(acc, a0 + c, vadd(even0, odd0))
-                    vstore(acc, a1 + c, vadd(even1, odd1))
-                    vstore(acc, a2 + c, vadd(even2, odd2))
-                    vstore(acc, a3 + c, vadd(even3, odd3))
-        first = stop
+                    v0, v1 = vload_n(value_cache, r0 + c, n), vload_n(value_cache, r1 + c, n)
+                    v2, v3 = vload_n(value_cache, r2 + c, n), vload_n(value_cache, r3 + c, n)
+                    _add4(acc, a0 + c, p00, p01, p02, p03, v0, v1, v2, v3)
+                    _add4(acc, a1 + c, p10, p11, p12, p13, v0, v1, v2, v3)
+                    _add4(acc, a2 + c, p20, p21, p22, p23, v0, v1, v2, v3)
+                    _add4(acc, a3 + c, p30, p31, p32, p33, v0, v1, v2, v3)
 
 
 @njit(cache=True, inline="always", **JIT)
@@ -391,8 +449,9 @@ def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no co
 
 @njit(cache=True, **JIT)
 def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_tables, scale,
-          out, part_acc, part_m, part_l):  # fmt: skip  # pragma: no cover
-    """One item over flat caches (float32, or bfloat16 bits as uint16)."""
+          out, part_acc, part_m, part_l, prefetch):  # fmt: skip  # pragma: no cover
+    """One item over flat caches (float32, or bfloat16 bits as uint16); `prefetch` as
+    `prefetch_mode` (GQA layouts only)."""
     prefer_512_bit_vectors()
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
@@ -411,13 +470,16 @@ def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_t
     scale32 = np.float32(scale)
     block_elements = block_size * num_kv_heads * head_dim
     lo, hi = item[ITEM_LO], item[ITEM_HI]
-    for bi in range(lo // block_size, (hi - 1) // block_size + 1):
+    last_block = (hi - 1) // block_size
+    for bi in range(lo // block_size, last_block + 1):
         base = table[bi] * block_elements
+        next_base = table[bi + 1] * block_elements if bi < last_block else -1
         t0 = max(lo - bi * block_size, 0)
         t1 = min(hi - bi * block_size, block_size)
         if group > 1:
             _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads, group,
-                          num_kv_heads, head_dim, scores, stride)  # fmt: skip
+                          num_kv_heads, head_dim, scores, stride, value_cache, next_base,
+                          block_size, prefetch)  # fmt: skip
         else:
             _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads,
                           head_dim, scores, stride)  # fmt: skip
@@ -454,8 +516,8 @@ def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
 
 @njit(cache=True, inline="always", **JIT)
 def _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
-               splits, scale, out, part_acc, part_m, part_l,
-               serial):  # fmt: skip  # pragma: no cover
+               splits, scale, out, part_acc, part_m, part_l, serial,
+               prefetch):  # fmt: skip  # pragma: no cover
     """Every item, across threads or (`serial`) on the calling thread, then the merges.
 
     Inlined into each parallel entry point: a compiled function that calls a parallel one
@@ -464,11 +526,11 @@ def _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_ta
     if serial:
         for i in range(items.shape[0]):
             _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads,
-                  block_tables, scale, out, part_acc, part_m, part_l)  # fmt: skip
+                  block_tables, scale, out, part_acc, part_m, part_l, prefetch)  # fmt: skip
     else:
         for i in prange(items.shape[0]):
             _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads,
-                  block_tables, scale, out, part_acc, part_m, part_l)  # fmt: skip
+                  block_tables, scale, out, part_acc, part_m, part_l, prefetch)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
 
 
@@ -476,7 +538,8 @@ def _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_ta
 # starting a parallel region costs more than the work (and far more on a busy machine).
 @njit(cache=True, parallel=True, **JIT)
 def decode(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items, splits,
-           scale, out, part_acc, part_m, part_l, serial):  # fmt: skip  # pragma: no cover
+           scale, out, part_acc, part_m, part_l, serial,
+           prefetch):  # fmt: skip  # pragma: no cover
     """Run a planned batch's items, then merge split rows.
 
     Args:
@@ -485,9 +548,10 @@ def decode(query, key_cache, value_cache, block_size, num_kv_heads, block_tables
         (bfloat16 bits). block_tables: int32 [num_seqs, max]. items, splits: the plan
         (module docstring). out: float32 [num_rows, H, D]. part_acc/part_m/part_l: float32
         [num_parts, H, D] / [num_parts, H] scratch. serial: stay on the calling thread.
+        prefetch: `prefetch_mode` of the batch.
     """
     _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
-               splits, scale, out, part_acc, part_m, part_l, serial)  # fmt: skip
+               splits, scale, out, part_acc, part_m, part_l, serial, prefetch)  # fmt: skip
 
 
 @intrinsic
@@ -557,11 +621,11 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
     part_m = np.empty((num_parts, num_heads), dtype=np.float32)
     part_l = np.empty((num_parts, num_heads), dtype=np.float32)
     # Every row is a decode row here, so output row r is query row r.
-    serial = num_threads == 1 or (
-        total * 2 * num_kv_heads * head_dim * key_cache.itemsize < serial_bytes
-    )
+    kv_bytes = total * 2 * num_kv_heads * head_dim * key_cache.itemsize
+    serial = num_threads == 1 or kv_bytes < serial_bytes
     _run_items(query, key_cache, value_cache, block_size, num_kv_heads, tables, items, splits,
-               scale, out, part_acc, part_m, part_l, serial)  # fmt: skip
+               scale, out, part_acc, part_m, part_l, serial,
+               prefetch_mode(key_cache.itemsize, kv_bytes))  # fmt: skip
     return OK, 0
 
 

@@ -27,6 +27,7 @@ from numba.extending import intrinsic
 LANES = 16
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
+_I8 = ir.IntType(8)
 _VEC = ir.VectorType(_F32, LANES)
 
 
@@ -127,6 +128,26 @@ def vstore_quarter(typingctx, arr, offset, vec, quarter):  # pragma: no cover
         return context.get_dummy_value()
 
     return types.none(arr, offset, vec, quarter), codegen
+
+
+@intrinsic
+def vprefetch(typingctx, arr, offset):  # pragma: no cover
+    """Ask for the cache line holding arr[offset] to be brought into L2 (a hint: it never
+    faults, so the offset may point anywhere in or past the array)."""
+    if not _is_flat(arr) or not isinstance(offset, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_element_pointer(context, builder, sig, args), _I8.as_pointer())
+        hint = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        prefetch = cgutils.get_or_insert_function(builder.module, hint, "llvm.prefetch.p0")
+        # read (0), locality 2 (prefetcht1: L2 and up), data cache (1)
+        builder.call(
+            prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)]
+        )
+        return context.get_dummy_value()
+
+    return types.none(arr, offset), codegen
 
 
 @intrinsic
