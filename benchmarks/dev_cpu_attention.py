@@ -32,10 +32,14 @@ measured: visiting a block KV head by KV head (4 KiB strides) instead of in memo
 10 % at DRAM-bound shapes; tiles whose four heads span KV heads (each head loading its own
 rows) ran 0.6-0.75x of variant 2 at groups 1, 2, 3 and 7, so groups that are not a
 multiple of 4 complete their last tile with a sink row instead; software prefetch of the
-next block helped bfloat16 at 8 x 4096 and 1 x 32768 (1.2x) but cost float32 5-30 %, so it
-is not used. Without GQA (group 1, 32/32 heads) nothing is shared and variant 1 is no
-faster in float32 (0.86x of variant 2 at 32 x 400 tokens, DRAM-bound; 0.96x at 8 x 400),
-1.1-1.25x in bfloat16.
+whole next block at each block start cost float32 5-30 % (a burst of prefetches fills the
+fill buffers), while prefetching one tile ahead, spread over the score loop, is shipped
+(bfloat16 always, float32 past 64 MB per call: docs/benchmarks.md, run I). The V
+accumulation first kept four heads' accumulators in registers over 8 tokens, reloading
+each weight per 16-lane slice (load-port bound); it now walks the score tiles with their
+16 weights in registers (1.04-1.22x, run I). Without GQA (group 1, 32/32 heads) nothing is
+shared and variant 1 is no faster in float32 (0.86x of variant 2 at 32 x 400 tokens,
+DRAM-bound; 0.96x at 8 x 400), 1.1-1.25x in bfloat16.
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ The caches arrive as flat 1-D views (NHD: a token's row holds all its KV heads, 
 one contiguous run of block_size x num_kv_heads x head_dim elements) and the inner loops are
 written with explicit 16-lane vectors (`pagedkv.ops.simd`), walking a block's rows in memory
 order. With GQA (group >= 2) the scores are 4 tokens x 4 query heads of one KV head per tile
-and the V accumulation keeps four heads' accumulators in registers, so each K/V vector
-loaded feeds four heads; a group that is not a multiple of 4 completes its last tile with a
-sink row (index num_heads of the scratch arrays, never read). Without GQA (group 1) nothing
-is shared and a tile is 4 tokens of one head. A head's vectors are padded to whole vectors
-(zeros in the query, partial loads at the end of each K/V row), so any head_dim works. exp
-is plain arithmetic (`exp_neg`) because without SVML `math.exp` is a scalar call per score.
-Variants and figures: benchmarks/dev_cpu_attention.py.
+and the V accumulation walks the same tiles with their 16 weights in registers, so each K/V
+vector loaded feeds four heads; a group that is not a multiple of 4 completes its last tile
+with a sink row (index num_heads of the scratch arrays, never read). Software prefetch asks
+for K rows a tile ahead and, for bfloat16, for the tile's V rows (`prefetch_mode`).
+Without GQA (group 1) nothing is shared and a tile is 4 tokens of one head. A head's
+vectors are padded to whole vectors (zeros in the query, partial loads at the end of each K/V
+row), so any head_dim works. exp is plain arithmetic (`exp_neg`) because without SVML
+`math.exp` is a scalar call per score. Variants and figures: benchmarks/dev_cpu_attention.py.
 
 Item table (int64 [num_items, 6]) columns: query row, sequence, lo, hi, output row, partial
 slot (-1: single item, written to the output row). Split table (int64 [num_split, 3]):
@@ -139,7 +140,7 @@ PREFETCH_NONE, PREFETCH_K, PREFETCH_KV = range(3)
 PREFETCH_BYTES = 64 << 20
 """float32 batches reading at least this much KV prefetch K rows ahead. Measured on the
 development machine (run I in docs/benchmarks.md): 1.08-1.11x at 268 MB, which streams from
-DRAM, 0.94-0.96x at 4-33 MB, which stays in cache between calls."""
+DRAM, 0.91-0.97x at 4-33 MB, which stays in cache between calls."""
 
 
 @njit(cache=True)
