@@ -12,7 +12,8 @@ Each item walks its blocks through the block table::
     blocks     bt[lo//bs]  ...               bt[(hi-1)//bs]   (each read contiguously)
 
 and keeps, per query head, an online softmax state (running max m, sum l, weighted sum acc).
-For a block it scores all its tokens first, raises the max once, rescales, then accumulates.
+For a span of blocks (`SPAN_TOKENS`) it scores all their tokens first, raises the max once,
+rescales, then accumulates.
 The running max starts at a large negative finite value, never -inf: under `fastmath` the
 compiler may assume no infinities, and exp(-inf - -inf) would be undefined.
 
@@ -77,6 +78,8 @@ JIT = dict(fastmath=True, boundscheck=False, error_model="numpy")
 """Options of every kernel: vectorizable reductions, no bounds checks, no Python-style
 division checks (they add branches and a Python exception path to inner loops)."""
 ITEM_QROW, ITEM_SEQ, ITEM_LO, ITEM_HI, ITEM_OUT, ITEM_PART = range(6)
+SPAN_TOKENS = 64
+"""Blocks are scored this many tokens at a time before one softmax pass (at least a block)."""
 NEEDS_PREFILL = -1
 """`plan_and_decode`'s status for a batch with a sequence past the decode rows' length."""
 
@@ -179,10 +182,10 @@ def _prefetch_tile(key_cache, value_cache, base, next_base, t, t1, block_size, r
 
 @njit(cache=True, inline="always", **JIT)
 def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, group,
-                  num_kv_heads, head_dim, scores, stride, value_cache, next_base, block_size,
-                  prefetch):  # fmt: skip  # pragma: no cover
-    """scores[h * stride + t] = scale * q[h] . k[t, h // group] for tokens [t0, t1) of the
-    block starting at element `base` of the flat key cache; `group` >= 2.
+                  num_kv_heads, head_dim, scores, stride, off, value_cache, next_base,
+                  block_size, prefetch):  # fmt: skip  # pragma: no cover
+    """scores[h * stride + off + t] = scale * q[h] . k[t, h // group] for tokens [t0, t1) of
+    the block starting at element `base` of the flat key cache; `group` >= 2.
 
     Four tokens at a time in memory order (their rows are adjacent), and within them each KV
     head's query heads four at a time: a 4 x 4 tile of dot products, 16 FMAs per 8 vector
@@ -190,8 +193,8 @@ def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
     tile is completed with the sink row `num_heads` (a zero query whose scores are never
     read): wasting part of one tile per group (half for group 2, a quarter for group 3)
     measured faster than narrower tiles or tiles spanning KV heads. Past t1 a tile re-reads
-    the last row; its extra scores land in the padding (`stride` >= block_size + 4) or
-    after t1.
+    the last row; its extra scores land after t1: in the next block's columns (written
+    after) or in the padding.
 
     `prefetch` (see `prefetch_mode`) asks for the K rows one tile ahead (in the next block,
     at `next_base`, when past this one; -1: none) and, with PREFETCH_KV, for this tile's V
@@ -232,17 +235,17 @@ def _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
                 tile = vsum16(s00, s01, s02, s03, s10, s11, s12, s13,
                               s20, s21, s22, s23, s30, s31, s32, s33)  # fmt: skip
                 tile = vmul(tile, vscale)  # lanes 4i + j: the tile's head i, token t + j
-                vstore_quarter(scores, h * stride + t, tile, 0)
-                vstore_quarter(scores, h1 * stride + t, tile, 1)
-                vstore_quarter(scores, h2 * stride + t, tile, 2)
-                vstore_quarter(scores, h3 * stride + t, tile, 3)
+                vstore_quarter(scores, h * stride + off + t, tile, 0)
+                vstore_quarter(scores, h1 * stride + off + t, tile, 1)
+                vstore_quarter(scores, h2 * stride + off + t, tile, 2)
+                vstore_quarter(scores, h3 * stride + off + t, tile, 3)
             r0, r1, r2, r3 = r0 + head_dim, r1 + head_dim, r2 + head_dim, r3 + head_dim
         t += 4
 
 
 @njit(cache=True, inline="always", **JIT)
 def _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, head_dim,
-                  scores, stride):  # fmt: skip  # pragma: no cover
+                  scores, stride, off):  # fmt: skip  # pragma: no cover
     """As `_score_shared` when every query head has its own KV head (group 1): no K row is
     shared, so a tile is 4 tokens of one head, still in memory order."""
     row = num_heads * head_dim
@@ -264,17 +267,17 @@ def _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale, num_heads, 
                 s2 = vfma(q, vload_n(key_cache, r2 + c, n), s2)
                 s3 = vfma(q, vload_n(key_cache, r3 + c, n), s3)
             tile = vsum16(s0, s1, s2, s3, z, z, z, z, z, z, z, z, z, z, z, z)
-            vstore_quarter(scores, h * stride + t, vmul(tile, vscale), 0)
+            vstore_quarter(scores, h * stride + off + t, vmul(tile, vscale), 0)
             r0, r1, r2, r3 = r0 + head_dim, r1 + head_dim, r2 + head_dim, r3 + head_dim
 
 
 @njit(cache=True, inline="always", **JIT)
-def _softmax_block(t0, t1, m, lsum, acc, scores, stride):  # pragma: no cover
-    """Fold each head's block of scores (tokens [t0, t1)) into its online softmax state:
-    raise the running max m[h] once for the block, rescale lsum[h] and the accumulator,
-    turn the scores into exp weights, 16 lanes at a time.
+def _softmax_span(t0, t1, m, lsum, acc, scores, stride):  # pragma: no cover
+    """Fold each head's span of scores (columns [t0, t1) of its row) into its online softmax
+    state: raise the running max m[h] once for the span, rescale lsum[h] and the
+    accumulator, turn the scores into exp weights, 16 lanes at a time.
 
-    Whole vectors may run up to 15 elements past the block's scores (still inside the
+    Whole vectors may run up to 15 elements past the span's scores (still inside the
     head's padded row); those lanes count as -1e30 for the max and 0 for the sum. One loop
     body per head, no helper call: per-call reference counting of the array arguments
     cost more than the arithmetic of a 16-token block.
@@ -339,8 +342,8 @@ def _add4(acc, i, p0, p1, p2, p3, v0, v1, v2, v3):  # pragma: no cover
 
 @njit(cache=True, inline="always", **JIT)
 def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads, head_dim,
-                       acc, padded_dim, weights, stride):  # fmt: skip  # pragma: no cover
-    """acc[h] += sum_t weights[h * stride + t] * v[t, h // group] over tokens [t0, t1);
+                       acc, padded_dim, weights, stride, off):  # fmt: skip  # pragma: no cover
+    """acc[h] += sum_t weights[h * stride + off + t] * v[t, h // group] over tokens [t0, t1);
     `group` >= 2.
 
     The tiles of `_score_shared`, in the same memory order: 4 tokens x 4 query heads of one
@@ -361,10 +364,10 @@ def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads
             r3 = base + g * head_dim + min(t + 3, last) * row
             for h in range(g * group, end, 4):
                 h1, h2, h3 = _tile_heads(h, end, num_heads)
-                p00, p01, p02, p03 = _splat4(weights, h * stride, t, t1)
-                p10, p11, p12, p13 = _splat4(weights, h1 * stride, t, t1)
-                p20, p21, p22, p23 = _splat4(weights, h2 * stride, t, t1)
-                p30, p31, p32, p33 = _splat4(weights, h3 * stride, t, t1)
+                p00, p01, p02, p03 = _splat4(weights, h * stride + off, t, t1)
+                p10, p11, p12, p13 = _splat4(weights, h1 * stride + off, t, t1)
+                p20, p21, p22, p23 = _splat4(weights, h2 * stride + off, t, t1)
+                p30, p31, p32, p33 = _splat4(weights, h3 * stride + off, t, t1)
                 a0, a1, a2, a3 = h * padded_dim, h1 * padded_dim, h2 * padded_dim, h3 * padded_dim
                 for c in range(0, head_dim, LANES):
                     n = head_dim - c
@@ -378,7 +381,7 @@ def _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads
 
 @njit(cache=True, inline="always", **JIT)
 def _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padded_dim, weights,
-                       stride):  # fmt: skip  # pragma: no cover
+                       stride, off):  # fmt: skip  # pragma: no cover
     """As `_accumulate_shared` when every query head has its own KV head (group 1): one
     head at a time; over a whole 8-token tile its eight weights are splat once and each
     16-lane slice takes eight V rows in two FMA chains (per-slice weight loads and fewer
@@ -388,7 +391,7 @@ def _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padd
     while first < t1:
         stop = min(first + 8, t1)
         for h in range(num_heads):
-            w, a = h * stride, h * padded_dim
+            w, a = h * stride + off, h * padded_dim
             if stop - first == 8:  # a whole tile: its eight weights stay in registers
                 i = w + first
                 p0, p1 = vsplat(velem(weights, i)), vsplat(velem(weights, i + 1))
@@ -457,7 +460,10 @@ def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_t
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
     padded_dim = -(-head_dim // LANES) * LANES  # whole vectors per head, zeros past head_dim
-    stride = block_size + LANES  # a score row plus room for a tile's overhang
+    # One softmax pass per span of consecutive blocks (its per-head max, rescale and sums
+    # cost about as much per block as scoring a few tokens).
+    span_blocks = max(1, SPAN_TOKENS // block_size)
+    stride = span_blocks * block_size + LANES  # a span's scores plus room for overhangs
     # Per-head rows plus a sink row (index num_heads) for tiles that run past the last head.
     q_pad = np.zeros((num_heads + 1) * padded_dim, dtype=np.float32)
     q = query[item[ITEM_QROW]]
@@ -471,26 +477,37 @@ def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_t
     scale32 = np.float32(scale)
     block_elements = block_size * num_kv_heads * head_dim
     lo, hi = item[ITEM_LO], item[ITEM_HI]
-    last_block = (hi - 1) // block_size
-    for bi in range(lo // block_size, last_block + 1):
-        base = table[bi] * block_elements
-        next_base = table[bi + 1] * block_elements if bi < last_block else -1
-        t0 = max(lo - bi * block_size, 0)
-        t1 = min(hi - bi * block_size, block_size)
-        if group > 1:
-            _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads, group,
-                          num_kv_heads, head_dim, scores, stride, value_cache, next_base,
-                          block_size, prefetch)  # fmt: skip
-        else:
-            _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads,
-                          head_dim, scores, stride)  # fmt: skip
-        _softmax_block(t0, t1, m, lsum, acc, scores, stride)
-        if group > 1:
-            _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads,
-                               head_dim, acc, padded_dim, scores, stride)  # fmt: skip
-        else:
-            _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc, padded_dim,
-                               scores, stride)  # fmt: skip
+    first_block, last_block = lo // block_size, (hi - 1) // block_size
+    for span_first in range(first_block, last_block + 1, span_blocks):
+        span_end = min(span_first + span_blocks, last_block + 1)
+        for bi in range(span_first, span_end):
+            base = table[bi] * block_elements
+            next_base = table[bi + 1] * block_elements if bi < last_block else -1
+            t0 = max(lo - bi * block_size, 0)
+            t1 = min(hi - bi * block_size, block_size)
+            off = (bi - span_first) * block_size
+            if group > 1:
+                _score_shared(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads,
+                              group, num_kv_heads, head_dim, scores, stride, off, value_cache,
+                              next_base, block_size, prefetch)  # fmt: skip
+            else:
+                _score_single(key_cache, base, t0, t1, q_pad, padded_dim, scale32, num_heads,
+                              head_dim, scores, stride, off)  # fmt: skip
+        # The span's positions [lo, hi) as columns of its score rows.
+        span_lo = max(lo - span_first * block_size, 0)
+        span_hi = min(hi - span_first * block_size, (span_end - span_first) * block_size)
+        _softmax_span(span_lo, span_hi, m, lsum, acc, scores, stride)
+        for bi in range(span_first, span_end):
+            base = table[bi] * block_elements
+            t0 = max(lo - bi * block_size, 0)
+            t1 = min(hi - bi * block_size, block_size)
+            off = (bi - span_first) * block_size
+            if group > 1:
+                _accumulate_shared(value_cache, base, t0, t1, num_heads, group, num_kv_heads,
+                                   head_dim, acc, padded_dim, scores, stride, off)  # fmt: skip
+            else:
+                _accumulate_single(value_cache, base, t0, t1, num_heads, head_dim, acc,
+                                   padded_dim, scores, stride, off)  # fmt: skip
     _finish(item, acc, m, lsum, out, part_acc, part_m, part_l)
 
 
