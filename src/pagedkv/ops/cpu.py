@@ -409,7 +409,7 @@ def write_kv(
         value.data_ptr(),
         slots.data_ptr(),
         slots.dtype is torch.int64,
-        key.shape[0],
+        key.size(0),
         views[0],
         views[1],
     )
