@@ -269,7 +269,7 @@ def drive_serial_v2(query, key_cache, value_cache, block_tables, items, splits, 
 
 def _cache_args(variant: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     """The cache arguments each variant's driver takes after the query."""
-    kc, vc = cpu._flat_views(key_cache, value_cache)
+    kc, vc = cpu._flat_views(key_cache, value_cache)[:2]
     if variant == 1:  # flat views plus the geometry
         return kc, vc, key_cache.shape[1], key_cache.shape[2]
     return kc.reshape(key_cache.shape), vc.reshape(value_cache.shape)  # 4-D views

@@ -96,19 +96,20 @@ def check_index(
 def _attention_args_ok(
     query, block_tables, seq_lens, query_start_loc, sliding_window, pair
 ) -> bool:
-    # Each `.shape` builds a torch.Size and a device comparison costs ~180 ns: read each
-    # attribute once and, for a CPU cache, test `is_cpu`.
+    # Run per layer per step, right after other kernels have flushed the caches (where each
+    # tensor attribute costs several times its hot ~60-150 ns): read each one once, index
+    # torch.Size objects rather than slice or compare them, test `is_cpu` for a CPU cache.
     _, (num_kv_heads, head_dim), dtype, device = pair
     int32 = torch.int32
     try:
-        q_shape, num_seqs = query.shape, seq_lens.shape
+        q_shape, num_seqs = query.shape, seq_lens.shape[0]
         return (
             len(q_shape) == 3 and q_shape[2] == head_dim and q_shape[1] % num_kv_heads == 0
-            and query.dtype is dtype and len(num_seqs) == 1
+            and query.dtype is dtype and seq_lens.ndim == 1
             and block_tables.dtype is int32 and seq_lens.dtype is int32
             and query_start_loc.dtype is int32
-            and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs[0]
-            and query_start_loc.shape == (num_seqs[0] + 1,)
+            and block_tables.ndim == 2 and block_tables.shape[0] == num_seqs
+            and query_start_loc.ndim == 1 and query_start_loc.shape[0] == num_seqs + 1
             and (
                 query.is_cpu and block_tables.is_cpu and seq_lens.is_cpu
                 and query_start_loc.is_cpu if device is None
@@ -117,8 +118,8 @@ def _attention_args_ok(
             )
             and (sliding_window is None or (type(sliding_window) is int and sliding_window >= 1))
         )  # fmt: skip
-    except (AttributeError, TypeError, ZeroDivisionError):
-        return False  # not tensors: the detailed checks say which
+    except (AttributeError, TypeError, IndexError, ZeroDivisionError):
+        return False  # not tensors, or 0-dim: the detailed checks say which
 
 
 def check_attention_args(
@@ -138,7 +139,7 @@ def check_attention_args(
     pair = known_pair(key_cache, value_cache)
     if _attention_args_ok(query, block_tables, seq_lens, query_start_loc, sliding_window, pair):
         if scale is None:
-            return 1.0 / math.sqrt(query.shape[2])
+            return 1.0 / math.sqrt(pair[1][1])
         if not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale):
             return float(scale)
     _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)

@@ -99,10 +99,9 @@ def _make_plan(
     )
 
 
-def _flat_views(
-    key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The caches as flat NumPy arrays for the decode kernel, or None if it cannot read them.
+def _flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | None:
+    """(key, value, block_size, num_kv_heads): the caches as flat NumPy arrays for the decode
+    kernel with the geometry it needs, or None if it cannot read them.
 
     float32 arrives as is, bfloat16 as its uint16 bits (NumPy has no bfloat16); other dtypes
     and strided caches (allowed by the contract as long as the last dim is dense; a flat
@@ -122,7 +121,7 @@ def _flat_views(
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
     ):
-        views = _flat(key_cache), _flat(value_cache)
+        views = _flat(key_cache), _flat(value_cache), key_cache.shape[1], key_cache.shape[2]
     key_cache.__dict__["_pagedkv_flat"] = (
         value_cache,
         key_cache.data_ptr(),
@@ -154,7 +153,7 @@ def _decode_rows(
     part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
     cpu_kernels.decode(
         q,
-        *_flat_views(key_cache, value_cache),
+        *_flat_views(key_cache, value_cache)[:2],
         key_cache.shape[1],
         key_cache.shape[2],
         plan.block_tables,
@@ -253,28 +252,27 @@ def _decode_only(
     views = _flat_views(key_cache, value_cache)
     if views is None:
         return None
+    key_flat, value_flat, block_size, num_kv_heads = views
     # The kernel reads these through their addresses: the contiguous copies (the tensors
     # themselves, usually) must stay alive until it returns.
     q = query.contiguous() if query.dtype == torch.float32 else query.float()
-    tables, lens, starts = (
-        block_tables.contiguous(),
-        seq_lens.contiguous(),
-        query_start_loc.contiguous(),
-    )
+    tables = block_tables.contiguous()
+    lens, starts = seq_lens.contiguous(), query_start_loc.contiguous()
     out = torch.empty_like(q)  # float32 and contiguous, as q (and cheaper than torch.empty)
     num_tokens, num_heads, head_dim = q.shape
+    num_seqs, max_blocks = tables.shape
     status, _ = cpu_kernels.plan_and_decode(
         q.data_ptr(),
         num_tokens,
         num_heads,
-        views[0],
-        views[1],
-        key_cache.shape[1],
-        key_cache.shape[2],
+        key_flat,
+        value_flat,
+        block_size,
+        num_kv_heads,
         head_dim,
         tables.data_ptr(),
-        tables.shape[0],
-        tables.shape[1],
+        num_seqs,
+        max_blocks,
         lens.data_ptr(),
         starts.data_ptr(),
         sliding_window or 0,
