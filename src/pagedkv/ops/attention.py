@@ -201,27 +201,18 @@ def paged_attention(
     )
     if query.is_cpu and (backend == "auto" or backend == "cpu"):
         # The common case without the lookups below (a few us per call on a cold cache).
-        module = _loaded.get("cpu") or _load("cpu")
-        return module.paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale=scale,
-            sliding_window=sliding_window,
-        )
-    name = resolve_backend(backend, query.device)
-    if query.device.type == "cpu" and name != "cpu":
         # The cpu backend checks lengths and block ids while planning, in one Numba pass.
-        _validate.check_lengths(
-            query_start_loc.numpy(),
-            seq_lens.numpy(),
-            query.shape[0],
-            block_tables.shape[1] * key_cache.shape[1],
-        )
-    module = _get(backend, query.device)
+        module = _loaded.get("cpu") or _load("cpu")
+    else:
+        resolve_backend(backend, query.device)  # names a bad backend before any length
+        if query.is_cpu:  # reference, or triton under its interpreter
+            _validate.check_lengths(
+                query_start_loc.numpy(),
+                seq_lens.numpy(),
+                query.shape[0],
+                block_tables.shape[1] * key_cache.shape[1],
+            )
+        module = _get(backend, query.device)
     return module.paged_attention(
         query,
         key_cache,

@@ -9,7 +9,9 @@ float16 and float64 caches take the SDPA path for every sequence (Numba has no f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,29 +107,40 @@ def _flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | N
 
     float32 arrives as is, bfloat16 as its uint16 bits (NumPy has no bfloat16); other dtypes
     and strided caches (allowed by the contract as long as the last dim is dense; a flat
-    view of them would be a copy) take the gather path. Memoized on `key_cache` and keyed
-    by both storage addresses: building the views costs microseconds, paid per layer by
-    small decode batches otherwise.
+    view of them would be a copy) take the gather path.
     """
-    memo = key_cache.__dict__.get("_pagedkv_flat")
+    return _memo_views(key_cache, value_cache, "_pagedkv_flat", _build_flat_views)
+
+
+def _build_flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | None:
+    if key_cache.dtype not in _KERNEL_DTYPES:
+        return None
+    return _flat(key_cache), _flat(value_cache), key_cache.shape[1], key_cache.shape[2]
+
+
+def _memo_views(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    name: str,
+    build: Callable[[torch.Tensor, torch.Tensor], Any],
+) -> Any:
+    """`build(key_cache, value_cache)`'s NumPy views of a contiguous cache pair (None if
+    either is strided), memoized on `key_cache` under `name` and keyed by both storage
+    addresses.
+
+    Building views costs microseconds, paid per layer by small decode batches otherwise (a
+    decode step's write has a 10 us budget). Restriding a cache in place (`as_strided_`,
+    `set_`) is not supported.
+    """
+    memo = key_cache.__dict__.get(name)
     if (
         memo is not None and memo[0] is value_cache
         and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
     ):  # fmt: skip
         return memo[3]
-    views = None
-    if (
-        key_cache.dtype in _KERNEL_DTYPES
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-    ):
-        views = _flat(key_cache), _flat(value_cache), key_cache.shape[1], key_cache.shape[2]
-    key_cache.__dict__["_pagedkv_flat"] = (
-        value_cache,
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        views,
-    )
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    views = build(key_cache, value_cache) if contiguous else None
+    key_cache.__dict__[name] = (value_cache, key_cache.data_ptr(), value_cache.data_ptr(), views)
     return views
 
 
@@ -347,28 +360,13 @@ def paged_attention_from_metadata(
 def _row_views(
     key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Raw [num_slots, row_words] views (`_bytes`) of a contiguous cache pair (None if strided).
+    """Raw [num_slots, row_words] views (`_bytes`) of a contiguous cache pair (None if
+    strided), memoized (`_memo_views`)."""
+    return _memo_views(key_cache, value_cache, "_pagedkv_row_views", _build_row_views)
 
-    Memoized on `key_cache` and keyed by both storage addresses: a decode step's write has
-    a 10 us budget and building the views costs ~2 us. Restriding a cache in place
-    (`as_strided_`, `set_`) is not supported.
-    """
-    memo = key_cache.__dict__.get("_pagedkv_row_views")
-    if (
-        memo is not None and memo[0] is value_cache
-        and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
-    ):  # fmt: skip
-        return memo[3]
-    views = None
-    if key_cache.is_contiguous() and value_cache.is_contiguous():
-        views = _bytes(key_cache), _bytes(value_cache)
-    key_cache.__dict__["_pagedkv_row_views"] = (
-        value_cache,
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        views,
-    )
-    return views
+
+def _build_row_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    return _bytes(key_cache), _bytes(value_cache)
 
 
 def _bytes(cache: torch.Tensor) -> np.ndarray:
