@@ -173,7 +173,11 @@ def test_plain_decode_batch_matches_planned_call(
     wide = torch.full((case.block_tables.shape[0], 2 * case.block_tables.shape[1]), 7,
                       dtype=torch.int32)  # fmt: skip
     wide[:, ::2] = case.block_tables
-    strided = (case.query, case.key_cache, case.value_cache, wide[:, ::2])
+    # A dense query that is not contiguous: a cast may keep its strides.
+    tokens, heads, dim = case.query.shape
+    query = torch.empty(heads, tokens, dim, dtype=dtype).transpose(0, 1).copy_(case.query)
+    assert not query.is_contiguous()
+    strided = (query, case.key_cache, case.value_cache, wide[:, ::2])
     lens_t = torch.stack([case.seq_lens, case.seq_lens], dim=1)[:, 0]
     assert not strided[3].is_contiguous() and not lens_t.is_contiguous()
 

@@ -268,7 +268,7 @@ def _decode_only(
     key_flat, value_flat, block_size, num_kv_heads = views
     # The kernel reads these through their addresses: the contiguous copies (the tensors
     # themselves, usually) must stay alive until it returns.
-    q = query.contiguous() if query.dtype == torch.float32 else query.float()
+    q = query.contiguous().float()  # a cast alone may keep a strided layout
     tables = block_tables.contiguous()
     lens, starts = seq_lens.contiguous(), query_start_loc.contiguous()
     out = torch.empty_like(q)  # float32 and contiguous, as q (and cheaper than torch.empty)
