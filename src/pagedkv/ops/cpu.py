@@ -25,8 +25,6 @@ MAX_DECODE_QUERY = 4
 """Sequences with at most this many new tokens go to the kernel. Measured crossover (8 sequences
 of 2048 tokens, float32, 2 threads): 4 new tokens each, kernel 89 ms vs gather + SDPA 180 ms;
 8 new tokens each, 98 ms vs 77 ms."""
-SERIAL_BYTES = 1 << 19
-"""Below this much KV to read, the kernel runs on the calling thread (no parallel start)."""
 
 # Cache dtypes the decode kernel reads (bfloat16 as its uint16 bits).
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -91,7 +89,7 @@ def _make_plan(
         splits=splits,
         rows=rows,
         num_parts=int(splits[-1, 2]) if splits.shape[0] else 0,
-        is_serial=total * row_bytes < SERIAL_BYTES or num_threads == 1,
+        is_serial=cpu_kernels.runs_serially(total * row_bytes, num_threads),
         prefetch=cpu_kernels.prefetch_mode(key_cache.element_size(), total * row_bytes),
         prefill_seqs=prefill,
         starts=starts,
@@ -166,9 +164,7 @@ def _decode_rows(
     part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
     cpu_kernels.decode(
         q,
-        *_flat_views(key_cache, value_cache)[:2],
-        key_cache.shape[1],
-        key_cache.shape[2],
+        *_flat_views(key_cache, value_cache),  # flat views, block_size, num_kv_heads
         plan.block_tables,
         plan.items,
         plan.splits,
@@ -265,6 +261,9 @@ def _decode_only(
     views = _flat_views(key_cache, value_cache)
     if views is None:
         return None
+    num_seqs, max_blocks = block_tables.shape
+    if query.shape[0] > MAX_DECODE_QUERY * num_seqs:
+        return None  # some sequence is a prefill: no query cast or output for nothing
     key_flat, value_flat, block_size, num_kv_heads = views
     # The kernel reads these through their addresses: the contiguous copies (the tensors
     # themselves, usually) must stay alive until it returns.
@@ -273,7 +272,6 @@ def _decode_only(
     lens, starts = seq_lens.contiguous(), query_start_loc.contiguous()
     out = torch.empty_like(q)  # float32 and contiguous, as q (and cheaper than torch.empty)
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs, max_blocks = tables.shape
     status, _ = cpu_kernels.plan_and_decode(
         q.data_ptr(),
         num_tokens,
@@ -290,7 +288,6 @@ def _decode_only(
         starts.data_ptr(),
         sliding_window or 0,
         MAX_DECODE_QUERY,
-        SERIAL_BYTES,
         cpu_kernels.num_threads(),
         scale,
         out.data_ptr(),

@@ -139,6 +139,17 @@ def exp_neg(x):  # pragma: no cover
     return p * _f32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
+SERIAL_BYTES = 1 << 19
+"""Below this much KV to read, a batch runs on the calling thread (no parallel start)."""
+
+
+@njit(cache=True)
+def runs_serially(kv_bytes, num_threads):  # pragma: no cover
+    """Whether a batch reading `kv_bytes` of KV should stay on the calling thread: starting a
+    parallel region costs more than small work (and far more on a busy machine)."""
+    return num_threads == 1 or kv_bytes < SERIAL_BYTES
+
+
 PREFETCH_NONE, PREFETCH_K, PREFETCH_KV = range(3)
 PREFETCH_BYTES = 64 << 20
 """float32 batches reading at least this much KV prefetch K rows ahead. Measured on the
@@ -552,8 +563,8 @@ def _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_ta
     _combine(splits, out, part_acc, part_m, part_l)
 
 
-# Each entry point is compiled for float32 and for bfloat16 bits. Small batches run serially:
-# starting a parallel region costs more than the work (and far more on a busy machine).
+# Each entry point is compiled for float32 and for bfloat16 bits; small batches run serially
+# (`runs_serially`).
 @njit(cache=True, parallel=True, **JIT)
 def decode(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items, splits,
            scale, out, part_acc, part_m, part_l, serial,
@@ -595,7 +606,7 @@ def _pointer(typingctx, address, like):  # pragma: no cover
 @njit(cache=True, parallel=True, **JIT)
 def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache, block_size,
                     num_kv_heads, head_dim, tables_address, num_seqs, max_blocks, lens_address,
-                    starts_address, window, max_decode_query, serial_bytes, num_threads, scale,
+                    starts_address, window, max_decode_query, num_threads, scale,
                     out_address):  # fmt: skip  # pragma: no cover
     """Plan a batch and run it, in one call, when every sequence is a decode row.
 
@@ -611,9 +622,8 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
             block_tables [num_seqs, max_blocks], seq_lens [num_seqs] and query_start_loc
             [num_seqs + 1].
         window: sliding window, 0 for none. max_decode_query: longest decode row
-            (`cpu.MAX_DECODE_QUERY`). serial_bytes: KV bytes below which to stay on the calling
-            thread. num_threads: `num_threads()` (read in Python: code that reads it is
-            not cached on disk).
+            (`cpu.MAX_DECODE_QUERY`). num_threads: `num_threads()` (read in Python: code
+            that reads it is not cached on disk).
 
     Returns:
         (status, seq): status `cpu_plan.OK` when the output is written, a `cpu_plan` error
@@ -640,9 +650,8 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
     part_l = np.empty((num_parts, num_heads), dtype=np.float32)
     # Every row is a decode row here, so output row r is query row r.
     kv_bytes = total * 2 * num_kv_heads * head_dim * key_cache.itemsize
-    serial = num_threads == 1 or kv_bytes < serial_bytes
     _run_items(query, key_cache, value_cache, block_size, num_kv_heads, tables, items, splits,
-               scale, out, part_acc, part_m, part_l, serial,
+               scale, out, part_acc, part_m, part_l, runs_serially(kv_bytes, num_threads),
                prefetch_mode(key_cache.itemsize, kv_bytes))  # fmt: skip
     return OK, 0
 
