@@ -269,10 +269,9 @@ def drive_serial_v2(query, key_cache, value_cache, block_tables, items, splits, 
 
 def _cache_args(variant: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     """The cache arguments each variant's driver takes after the query."""
-    kc, vc = cpu._flat_views(key_cache, value_cache)[:2]
-    if variant == 1:  # flat views plus the geometry
-        return kc, vc, key_cache.shape[1], key_cache.shape[2]
-    return kc.reshape(key_cache.shape), vc.reshape(value_cache.shape)  # 4-D views
+    caches = cpu._flat_views(key_cache, value_cache)
+    # 4-D views
+    return caches.key.reshape(key_cache.shape), caches.value.reshape(value_cache.shape)
 
 
 DRIVERS = {2: (drive_serial_v2, drive_parallel_v2)}  # variant 1 calls cpu_kernels.decode
@@ -290,24 +289,32 @@ def build(batch, context, block_size, dtype, gen):
 
 def run_variant(variant, is_serial, query, key_cache, value_cache, plan, scale):
     """A no-argument callable running one variant on preallocated buffers; returns out."""
-    q = query.float().numpy()
-    out = np.empty((plan.rows.shape[0], NUM_HEADS, HEAD_DIM), dtype=np.float32)
-    part_acc = np.empty((plan.num_parts, NUM_HEADS, HEAD_DIM), dtype=np.float32)
-    part_m = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
-    part_l = np.empty((plan.num_parts, NUM_HEADS), dtype=np.float32)
+    q = query.float()
+    num_parts = int(plan.splits[-1, 2]) if plan.splits.shape[0] else 0
+    out = torch.empty(plan.rows.shape[0], NUM_HEADS, HEAD_DIM)
+    num_workers = 1 if is_serial else plan.num_workers
+    if variant == 1:  # the shipped kernel, with the plan's prefetch mode
+        caches = cpu._flat_views(key_cache, value_cache)
+
+        def call():
+            cpu_kernels.decode(q.data_ptr(), q.shape[0], NUM_HEADS, HEAD_DIM, caches.key,
+                               caches.value, caches.block_size, caches.num_kv_heads,
+                               plan.block_tables, plan.items, plan.splits, scale,
+                               out.data_ptr(), out.shape[0], num_workers,
+                               plan.prefetch)  # fmt: skip
+            return out.numpy()
+
+        return call
+    part_acc = np.empty((num_parts, NUM_HEADS, HEAD_DIM), dtype=np.float32)
+    part_m = np.empty((num_parts, NUM_HEADS), dtype=np.float32)
+    part_l = np.empty((num_parts, NUM_HEADS), dtype=np.float32)
     caches = _cache_args(variant, key_cache, value_cache)
-    if variant == 1:  # the shipped driver, with the plan's prefetch mode
-
-        def drive(*args):
-            cpu_kernels.decode(*args, is_serial, plan.prefetch)
-
-    else:
-        drive = DRIVERS[variant][0 if is_serial else 1]
+    drive = DRIVERS[variant][0 if is_serial else 1]
 
     def call():
-        drive(q, *caches, plan.block_tables, plan.items, plan.splits, scale, out, part_acc,
-              part_m, part_l)  # fmt: skip
-        return out
+        drive(q.numpy(), *caches, plan.block_tables, plan.items, plan.splits, scale, out.numpy(),
+              part_acc, part_m, part_l)  # fmt: skip
+        return out.numpy()
 
     return call
 

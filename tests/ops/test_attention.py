@@ -192,6 +192,93 @@ def test_plain_decode_batch_matches_planned_call(
     torch.testing.assert_close(plain.double(), expected(case, window), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_layers_of_a_decode_step_take_the_planned_fast_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first layer of a decode step plans it (general path); later layers, each over
+    its own cache pair, run that plan in one compiled call (`cpu.try_planned`) and agree
+    bit for bit with the general path. A step with a prefill sequence never does."""
+    lens, queries = [1, 37, 700, 3000], [1, 1, 1, 1]
+    layers = [
+        make_case(
+            lens,
+            queries,
+            block_size=16,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype=dtype,
+            seed=seed,
+        )  # fmt: skip
+        for seed in (1, 2)
+    ]
+    tables = [[b for b in row if b >= 0] for row in layers[0].block_tables.tolist()]
+    general = [
+        paged_attention_from_metadata(
+            layers[0].query,
+            c.key_cache,
+            c.value_cache,
+            AttentionMetadata.build(tables, lens, queries, [0, 1, 2, 3]),
+        )  # fmt: skip
+        for c in layers
+    ]
+    md = AttentionMetadata.build(tables, lens, queries, [0, 1, 2, 3])
+    first = paged_attention_from_metadata(
+        layers[0].query, layers[0].key_cache, layers[0].value_cache, md
+    )
+    torch.testing.assert_close(first, general[0], rtol=0, atol=0)
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("a later layer of a decode step took the general path")
+
+    monkeypatch.setattr(cpu, "_run", general_path)
+    for case, want in zip(layers, general, strict=True):
+        out = paged_attention_from_metadata(layers[0].query, case.key_cache, case.value_cache, md)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # A bad query still gets the general path's message.
+    with pytest.raises(ValueError, match=r"^query: expected head_dim 64"):
+        paged_attention_from_metadata(
+            layers[0].query[..., :32], layers[1].key_cache, layers[1].value_cache, md
+        )
+    mixed = make_case([40, 9], [1, 9], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64,
+                      dtype=dtype)  # fmt: skip
+    md = AttentionMetadata.build(
+        [[b for b in row if b >= 0] for row in mixed.block_tables.tolist()], [40, 9], [1, 9],
+        list(range(10)),
+    )  # fmt: skip
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(cpu, "_run", lambda *a, **k: calls.append(1) or cpu_run(*a, **k))
+    for _layer in range(2):
+        paged_attention_from_metadata(mixed.query, mixed.key_cache, mixed.value_cache, md)
+    assert len(calls) == 2
+
+
+cpu_run = cpu._run
+
+
+def test_decode_kernel_reads_the_live_thread_count() -> None:
+    """`plan_and_decode` reads Numba's thread count through a C function pointer (in
+    compiled code that stays cacheable on disk): it follows `numba.set_num_threads`."""
+    import numba
+    from numba import njit
+
+    @njit
+    def read(address):
+        return cpu_kernels._call_int_function(address)
+
+    address = cpu_kernels.thread_count_address()
+    before = numba.get_num_threads()
+    try:
+        for n in {1, before}:
+            numba.set_num_threads(n)
+            assert read(address) == n == cpu_kernels.num_threads()
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_plain_decode_batch_rejects_bad_block_ids() -> None:
     """The one-kernel path leaves errors to the general path, which names them."""
     case = make_case([5, 20], [1, 1], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)

@@ -189,6 +189,17 @@ def paged_attention(
         ValueError: a shape, dtype, device or length does not match ("expected X, got Y"),
             or the backend is unknown or unavailable.
     """
+    if backend == "auto" or backend == "cpu":
+        # The common case, a CPU decode batch over a known cache pair, checks its own
+        # arguments and runs in one compiled call (`cpu.try_decode`); None: anything else.
+        cpu = _loaded.get("cpu")
+        if cpu is not None:
+            out = cpu.try_decode(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                sliding_window,
+            )  # fmt: skip
+            if out is not None:
+                return out
     scale = _validate.check_attention_args(
         query,
         key_cache,
@@ -200,8 +211,8 @@ def paged_attention(
         sliding_window,
     )
     if query.is_cpu and (backend == "auto" or backend == "cpu"):
-        # The common case without the lookups below (a few us per call on a cold cache).
-        # The cpu backend checks lengths and block ids while planning, in one Numba pass.
+        # Without the lookups below (a few us per call on a cold cache). The cpu backend
+        # checks lengths and block ids while planning, in one Numba pass.
         module = _loaded.get("cpu") or _load("cpu")
     else:
         resolve_backend(backend, query.device)  # names a bad backend before any length
@@ -255,6 +266,14 @@ def paged_attention_from_metadata(
         ValueError: as `paged_attention`.
     """
     md = attn_metadata
+    if md.backend == "auto" or md.backend == "cpu":
+        # A later layer of a CPU decode step runs its plan in one compiled call, checking
+        # only the query (`cpu.try_planned`); None: anything else.
+        cpu = _loaded.get("cpu")
+        if cpu is not None:
+            out = cpu.try_planned(query, key_cache, value_cache, md, scale, sliding_window)
+            if out is not None:
+                return out
     scale = _validate.check_attention_args(
         query,
         key_cache,

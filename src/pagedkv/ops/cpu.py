@@ -9,9 +9,10 @@ float16 and float64 caches take the SDPA path for every sequence (Numba has no f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,8 +38,7 @@ class _Plan:
     items: np.ndarray  # int64 [num_items, 6], see cpu_kernels
     splits: np.ndarray  # int64 [num_split_rows, 3]
     rows: np.ndarray  # int64 [num_rows], query row of each kernel output row
-    num_parts: int  # partial states the split rows need
-    is_serial: bool
+    num_workers: int  # cpu_kernels.count_workers
     prefetch: int  # cpu_kernels.prefetch_mode
     prefill_seqs: np.ndarray  # int64 [num_prefill]
     starts: np.ndarray  # int32 [num_seqs + 1], query_start_loc
@@ -88,8 +88,7 @@ def _make_plan(
         items=items,
         splits=splits,
         rows=rows,
-        num_parts=int(splits[-1, 2]) if splits.shape[0] else 0,
-        is_serial=cpu_kernels.runs_serially(total * row_bytes, num_threads),
+        num_workers=cpu_kernels.count_workers(total * row_bytes, items.shape[0], num_threads),
         prefetch=cpu_kernels.prefetch_mode(key_cache.element_size(), total * row_bytes),
         prefill_seqs=prefill,
         starts=starts,
@@ -99,21 +98,45 @@ def _make_plan(
     )
 
 
-def _flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | None:
-    """(key, value, block_size, num_kv_heads): the caches as flat NumPy arrays for the decode
-    kernel with the geometry it needs, or None if it cannot read them.
+class _FlatCaches(NamedTuple):
+    """A cache pair as the decode kernel reads it, with the geometry it needs."""
+
+    key: np.ndarray  # flat views (float32, or bfloat16 bits as uint16)
+    value: np.ndarray
+    shape: tuple[int, int, int, int]  # of each cache, and its last three sizes:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    threads_address: int  # cpu_kernels.thread_count_address()
+
+
+def _flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _FlatCaches | None:
+    """The caches as flat NumPy arrays for the decode kernel, or None if it cannot read them.
 
     float32 arrives as is, bfloat16 as its uint16 bits (NumPy has no bfloat16); other dtypes
     and strided caches (allowed by the contract as long as the last dim is dense; a flat
-    view of them would be a copy) take the gather path.
+    view of them would be a copy) take the gather path. Call only for a checked pair
+    (`_validate.known_pair`): `try_decode` trusts the memo.
     """
-    return _memo_views(key_cache, value_cache, "_pagedkv_flat", _build_flat_views)
+    return _memo_views(key_cache, value_cache, _FLAT_MEMO, _build_flat_views)
 
 
-def _build_flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | None:
+_FLAT_MEMO = "_pagedkv_flat"
+
+
+def _build_flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _FlatCaches | None:
     if key_cache.dtype not in _KERNEL_DTYPES:
         return None
-    return _flat(key_cache), _flat(value_cache), key_cache.shape[1], key_cache.shape[2]
+    shape = tuple(key_cache.shape)
+    return _FlatCaches(
+        _flat(key_cache),
+        _flat(value_cache),
+        shape,
+        *shape[1:],
+        key_cache.dtype,
+        cpu_kernels.thread_count_address(),
+    )
 
 
 def _memo_views(
@@ -156,27 +179,32 @@ def _decode_rows(
     scale: float,
 ) -> torch.Tensor:
     """Kernel rows' output, float32 [num_rows, num_heads, head_dim]."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    q = query.contiguous().numpy() if query.dtype == torch.float32 else query.float().numpy()
-    out = np.empty((plan.rows.shape[0], num_heads, head_dim), dtype=np.float32)
-    part_acc = np.empty((plan.num_parts, num_heads, head_dim), dtype=np.float32)
-    part_m = np.empty((plan.num_parts, num_heads), dtype=np.float32)
-    part_l = np.empty((plan.num_parts, num_heads), dtype=np.float32)
+    num_tokens, num_heads, head_dim = query.shape
+    # The kernel reads these through their addresses; a cast alone may keep strides.
+    q = query.contiguous()
+    if q.dtype is not torch.float32:
+        q = q.float()
+    out = torch.empty(plan.rows.shape[0], num_heads, head_dim, dtype=torch.float32)
+    caches = _flat_views(key_cache, value_cache)
     cpu_kernels.decode(
-        q,
-        *_flat_views(key_cache, value_cache),  # flat views, block_size, num_kv_heads
+        q.data_ptr(),
+        num_tokens,
+        num_heads,
+        head_dim,
+        caches.key,
+        caches.value,
+        caches.block_size,
+        caches.num_kv_heads,
         plan.block_tables,
         plan.items,
         plan.splits,
         scale,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        plan.is_serial,
+        out.data_ptr(),
+        out.shape[0],
+        plan.num_workers,
         plan.prefetch,
     )
-    return torch.from_numpy(out)
+    return out
 
 
 def _prefill_seq(
@@ -243,58 +271,89 @@ def _run(
     return out
 
 
-def _decode_only(
+def try_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    scale: float,
+    scale: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor | None:
-    """A batch of decode rows only, planned and run in one kernel call; None otherwise.
+    """The plain `paged_attention` call of a decode-only batch over a known cache pair, checked
+    and run here in one compiled call (plan and kernel); None otherwise.
 
-    None (the batch has a prefill sequence, a bad length or block id, or caches the kernel
-    cannot read) sends the caller to the general path, which plans again and names any error.
+    None (arguments this path does not take as they are, a prefill sequence, a bad length or
+    block id, a cache pair not yet checked or that the kernel cannot read) sends the caller
+    to the general path, which validates everything, names any error and runs prefills.
+    The checks here are the contract's (`_validate.check_attention_args`) for the common
+    case only, each tensor attribute read once: a plain call follows other kernels that have
+    flushed the caches, where each Python step costs 3-5x its hot time (the checks and the
+    call's set-up: 12 -> 7 us after an SDPA call, measured).
     """
-    views = _flat_views(key_cache, value_cache)
-    if views is None:
+    memo = key_cache.__dict__.get(_FLAT_MEMO)  # set only for a pair that passed the checks
+    if memo is None or memo[0] is not value_cache or memo[3] is None:
         return None
-    num_seqs, max_blocks = block_tables.shape
-    if query.shape[0] > MAX_DECODE_QUERY * num_seqs:
+    caches = memo[3]
+    int32 = torch.int32
+    try:
+        q_shape, table_shape = query.shape, block_tables.shape
+        lens_shape, starts_shape = seq_lens.shape, query_start_loc.shape
+        if len(table_shape) != 2:
+            return None
+        num_seqs = table_shape[0]
+        if not (
+            len(q_shape) == 3 and q_shape[2] == caches.head_dim
+            and q_shape[1] % caches.num_kv_heads == 0 and query.dtype is caches.dtype
+            and block_tables.dtype is int32 and seq_lens.dtype is int32
+            and query_start_loc.dtype is int32
+            and len(lens_shape) == 1 and lens_shape[0] == num_seqs
+            and len(starts_shape) == 1 and starts_shape[0] == num_seqs + 1
+            and query.is_cpu and block_tables.is_cpu and seq_lens.is_cpu
+            and query_start_loc.is_cpu
+            and (sliding_window is None or (type(sliding_window) is int and sliding_window >= 1))
+            and (scale is None or (type(scale) is float and math.isfinite(scale)))
+            # Last: the cache pair still has the storage its views were made from.
+            and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
+        ):  # fmt: skip
+            return None
+    except (AttributeError, TypeError):
+        return None  # not tensors: the general path names the problem
+    num_tokens, num_heads, head_dim = q_shape
+    if num_tokens > MAX_DECODE_QUERY * num_seqs:
         return None  # some sequence is a prefill: no query cast or output for nothing
-    key_flat, value_flat, block_size, num_kv_heads = views
     # The kernel reads these through their addresses: the contiguous copies (the tensors
     # themselves, usually) must stay alive until it returns.
-    q = query.contiguous().float()  # a cast alone may keep a strided layout
-    tables = block_tables.contiguous()
-    lens, starts = seq_lens.contiguous(), query_start_loc.contiguous()
+    q = query.contiguous()
+    if q.dtype is not torch.float32:
+        q = q.float()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    starts = query_start_loc.contiguous()
     out = torch.empty_like(q)  # float32 and contiguous, as q (and cheaper than torch.empty)
-    num_tokens, num_heads, head_dim = q.shape
     status, _ = cpu_kernels.plan_and_decode(
         q.data_ptr(),
         num_tokens,
         num_heads,
-        key_flat,
-        value_flat,
-        block_size,
-        num_kv_heads,
+        caches.key,
+        caches.value,
+        caches.block_size,
+        caches.num_kv_heads,
         head_dim,
         tables.data_ptr(),
         num_seqs,
-        max_blocks,
+        table_shape[1],
         lens.data_ptr(),
         starts.data_ptr(),
         sliding_window or 0,
         MAX_DECODE_QUERY,
-        cpu_kernels.num_threads(),
-        scale,
+        caches.threads_address,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,  # as check_attention_args
         out.data_ptr(),
     )
     if status != cpu_plan.OK:
         return None
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
 def paged_attention(
@@ -308,13 +367,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Backend entry point; the contract is `pagedkv.ops.paged_attention` (inputs validated)."""
-    out = _decode_only(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        sliding_window,
-    )  # fmt: skip
-    if out is not None:
-        return out
+    """Backend entry point; the contract is `pagedkv.ops.paged_attention` (inputs validated).
+
+    `pagedkv.ops.paged_attention` tries `try_decode` first; this is the general path."""
     plan = _make_plan(
         query.shape[0],
         block_tables,
@@ -327,6 +382,12 @@ def paged_attention(
     return _run(query, key_cache, value_cache, plan, scale, sliding_window)
 
 
+def _plan_key(num_tokens: int, cache_shape: tuple, dtype: torch.dtype, window: int | None) -> tuple:
+    """Where a step's plan sits in `AttentionMetadata.plans`: every layer of a step shares
+    the geometry, so the first layer plans and the others reuse it."""
+    return ("cpu", num_tokens, cache_shape, dtype, window)
+
+
 def paged_attention_from_metadata(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -336,10 +397,12 @@ def paged_attention_from_metadata(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """As `paged_attention`, reusing the step's plan (built by the first layer that asks)."""
+    """As `paged_attention`, reusing the step's plan (built by the first layer that asks).
+
+    `pagedkv.ops.paged_attention_from_metadata` tries `try_planned` first; this is the
+    general path."""
     md = attn_metadata
-    # Every layer of a step shares the geometry, so layer 0 plans and the others reuse it.
-    key = ("cpu", query.shape[0], tuple(key_cache.shape), key_cache.dtype, sliding_window)
+    key = _plan_key(query.shape[0], tuple(key_cache.shape), key_cache.dtype, sliding_window)
     plan = md.plans.get(key)
     if plan is None:
         plan = md.plans[key] = _make_plan(
@@ -352,6 +415,71 @@ def paged_attention_from_metadata(
             sliding_window,
         )
     return _run(query, key_cache, value_cache, plan, scale, sliding_window)
+
+
+def try_planned(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
+    """`paged_attention_from_metadata` for a layer of a decode-only step whose plan an
+    earlier layer built, checked and run here; None otherwise (the general path then runs).
+
+    As `try_decode`, for the engine's per-layer calls: the step's index tensors were checked
+    when its plan was built (the metadata does not change within a step), so this checks
+    only the query, the scale and the window, reading each attribute once (general path
+    after an SDPA call: ~26 us of Python per layer, measured).
+    """
+    memo = key_cache.__dict__.get(_FLAT_MEMO)  # set only for a pair that passed the checks
+    if memo is None or memo[0] is not value_cache or memo[3] is None:
+        return None
+    caches = memo[3]
+    try:
+        q_shape = query.shape
+        if len(q_shape) != 3 or not (
+            sliding_window is None or (type(sliding_window) is int and sliding_window >= 1)
+        ):
+            return None
+        plan = attn_metadata.plans.get(
+            _plan_key(q_shape[0], caches.shape, caches.dtype, sliding_window)
+        )
+        if not (
+            plan is not None and plan.covers_all and q_shape[2] == caches.head_dim
+            and q_shape[1] % caches.num_kv_heads == 0 and query.dtype is caches.dtype
+            and query.is_cpu
+            and (scale is None or (type(scale) is float and math.isfinite(scale)))
+            and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
+        ):  # fmt: skip
+            return None
+    except (AttributeError, TypeError):
+        return None  # not a tensor: the general path names the problem
+    num_tokens, num_heads, head_dim = q_shape
+    q = query.contiguous()  # read by address: a cast alone may keep strides
+    if q.dtype is not torch.float32:
+        q = q.float()
+    out = torch.empty_like(q)
+    cpu_kernels.decode(
+        q.data_ptr(),
+        num_tokens,
+        num_heads,
+        head_dim,
+        caches.key,
+        caches.value,
+        caches.block_size,
+        caches.num_kv_heads,
+        plan.block_tables,
+        plan.items,
+        plan.splits,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,  # as check_attention_args
+        out.data_ptr(),
+        num_tokens,
+        plan.num_workers,
+        plan.prefetch,
+    )
+    return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
 def _row_views(
@@ -429,6 +557,7 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     batch = torch.zeros(1, 1, **index), torch.ones(1, **index), torch.tensor([0, 1], **index)
     plan = _make_plan(1, *batch, key_cache, value_cache, None)
     _run(query, key_cache, value_cache, plan, 1.0, None)  # plan_items, then decode
-    paged_attention(query, key_cache, value_cache, *batch, scale=1.0, sliding_window=None)
+    out = try_decode(query, key_cache, value_cache, *batch, 1.0, None)  # plan_and_decode
+    assert out is not None, "warm-up took the general path: plan_and_decode not compiled"
     row = torch.zeros(1, key_cache.shape[2], head_dim, dtype=key_cache.dtype)
     write_kv(row, row, key_cache, value_cache, torch.full((1,), -1, dtype=torch.int64))

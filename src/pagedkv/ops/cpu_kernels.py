@@ -37,6 +37,7 @@ output row, first partial slot, end partial slot.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Callable
@@ -144,10 +145,13 @@ SERIAL_BYTES = 1 << 19
 
 
 @njit(cache=True)
-def runs_serially(kv_bytes, num_threads):  # pragma: no cover
-    """Whether a batch reading `kv_bytes` of KV should stay on the calling thread: starting a
-    parallel region costs more than small work (and far more on a busy machine)."""
-    return num_threads == 1 or kv_bytes < SERIAL_BYTES
+def count_workers(kv_bytes, num_items, num_threads):  # pragma: no cover
+    """Threads to split a batch of `num_items` items reading `kv_bytes` of KV between; 1
+    keeps it on the calling thread: starting a parallel region costs more than small work
+    (and far more on a busy machine)."""
+    if num_threads == 1 or kv_bytes < SERIAL_BYTES:
+        return 1
+    return min(num_threads, num_items)
 
 
 PREFETCH_NONE, PREFETCH_K, PREFETCH_KV = range(3)
@@ -444,47 +448,68 @@ def _tile_heads(h, end, num_heads):  # pragma: no cover
     )
 
 
-@njit(cache=True, **JIT)
+@njit(cache=True, inline="always", **JIT)
+def _scaled_copy(src, s, dst, d, n, factor):  # pragma: no cover
+    """dst[d : d + n] = src[s : s + n] * factor, 16 lanes at a time (then element by element:
+    a whole vector past n would write into the next row)."""
+    vfactor = vsplat(factor)
+    c = 0
+    while c + LANES <= n:
+        vstore(dst, d + c, vmul(vload(src, s + c), vfactor))
+        c += LANES
+    for i in range(c, n):
+        dst[d + i] = src[s + i] * factor
+
+
+@njit(cache=True, inline="always", **JIT)
 def _finish(item, acc, m, lsum, out, part_acc, part_m, part_l):  # pragma: no cover
     """Write a single item's normalized output row, or a split item's partial state."""
     num_heads, head_dim = out.shape[1], out.shape[2]
     padded_dim = acc.shape[0] // (num_heads + 1)
     part = item[ITEM_PART]
-    for h in range(num_heads):
-        a = acc[h * padded_dim : h * padded_dim + head_dim]
-        if part < 0:
-            row, inv = out[item[ITEM_OUT], h], np.float32(1.0) / lsum[h]
-            for d in range(head_dim):
-                row[d] = a[d] * inv
-        else:
-            part_acc[part, h] = a
+    if part < 0:
+        out_flat = out.reshape(out.size)
+        base = item[ITEM_OUT] * num_heads * head_dim
+        for h in range(num_heads):
+            _scaled_copy(acc, h * padded_dim, out_flat, base + h * head_dim, head_dim,
+                         np.float32(1.0) / lsum[h])  # fmt: skip
+    else:
+        part_flat = part_acc.reshape(part_acc.size)
+        base = part * num_heads * head_dim
+        for h in range(num_heads):
+            _scaled_copy(acc, h * padded_dim, part_flat, base + h * head_dim, head_dim,
+                         np.float32(1.0))  # fmt: skip
             part_m[part, h] = m[h]
             part_l[part, h] = lsum[h]
 
 
 @njit(cache=True, **JIT)
 def _item(item, query, key_cache, value_cache, block_size, num_kv_heads, block_tables, scale,
-          out, part_acc, part_m, part_l, prefetch):  # fmt: skip  # pragma: no cover
+          out, part_acc, part_m, part_l, prefetch, q_pad, m, lsum, acc,
+          scores):  # fmt: skip  # pragma: no cover
     """One item over flat caches (float32, or bfloat16 bits as uint16); `prefetch` as
-    `prefetch_mode` (GQA layouts only)."""
+    `prefetch_mode` (GQA layouts only); q_pad ... scores: the worker's scratch
+    (`_run_worker`)."""
     prefer_512_bit_vectors()
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
-    padded_dim = -(-head_dim // LANES) * LANES  # whole vectors per head, zeros past head_dim
-    # One softmax pass per span of consecutive blocks (its per-head max, rescale and sums
-    # cost about as much per block as scoring a few tokens).
+    padded_dim = acc.shape[0] // (num_heads + 1)
     span_blocks = max(1, SPAN_TOKENS // block_size)
-    stride = span_blocks * block_size + LANES  # a span's scores plus room for overhangs
-    # Per-head rows plus a sink row (index num_heads) for tiles that run past the last head.
-    q_pad = np.zeros((num_heads + 1) * padded_dim, dtype=np.float32)
-    q = query[item[ITEM_QROW]]
+    stride = scores.shape[0] // (num_heads + 1)
+    # Fresh softmax state; the padding of q_pad and its sink row stay zero from allocation,
+    # the sink row of acc is written by sink tiles and never read.
+    # Whole vectors: element loops here cost ~3 us per item, as much as scoring ten tokens.
+    query_flat = query.reshape(query.size)
+    q_base = item[ITEM_QROW] * num_heads * head_dim
+    z = vzero()
     for h in range(num_heads):
-        q_pad[h * padded_dim : h * padded_dim + head_dim] = q[h]
+        m[h] = np.float32(_NEG)
+        lsum[h] = np.float32(0.0)
+        a = h * padded_dim
+        _scaled_copy(query_flat, q_base + h * head_dim, q_pad, a, head_dim, np.float32(1.0))
+        for c in range(a, a + padded_dim, LANES):
+            vstore(acc, c, z)
     table = block_tables[item[ITEM_SEQ]]
-    m = np.full(num_heads, np.float32(_NEG), dtype=np.float32)
-    lsum = np.zeros(num_heads, dtype=np.float32)
-    acc = np.zeros((num_heads + 1) * padded_dim, dtype=np.float32)
-    scores = np.zeros((num_heads + 1) * stride, dtype=np.float32)
     scale32 = np.float32(scale)
     block_elements = block_size * num_kv_heads * head_dim
     lo, hi = item[ITEM_LO], item[ITEM_HI]
@@ -543,44 +568,53 @@ def _combine(splits, out, part_acc, part_m, part_l):  # pragma: no cover
                 row[h, d] /= total
 
 
+@njit(cache=True, **JIT)
+def _run_worker(worker, num_workers, query, key_cache, value_cache, block_size, num_kv_heads,
+                block_tables, items, scale, out, part_acc, part_m, part_l,
+                prefetch):  # fmt: skip  # pragma: no cover
+    """Worker `worker`'s share of the items: a contiguous run, as a static schedule would
+    give it, with one set of scratch arrays for all of them (allocating and zeroing per item
+    cost ~3 us each, as much as scoring ten tokens)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    padded_dim = -(-head_dim // LANES) * LANES  # whole vectors per head, zeros past head_dim
+    # One softmax pass per span of consecutive blocks (its per-head max, rescale and sums
+    # cost about as much per block as scoring a few tokens); a span's scores plus room for
+    # the overhang of whole vectors.
+    stride = max(1, SPAN_TOKENS // block_size) * block_size + LANES
+    # Per-head rows plus a sink row (index num_heads) for tiles that run past the last head;
+    # one allocation (each costs ~0.2 us, several on a cold cache).
+    rows = (num_heads + 1) * padded_dim
+    scratch = np.zeros(2 * rows + (num_heads + 1) * stride + 2 * num_heads, dtype=np.float32)
+    q_pad, acc = scratch[:rows], scratch[rows : 2 * rows]
+    scores = scratch[2 * rows : 2 * rows + (num_heads + 1) * stride]
+    m = scratch[scratch.shape[0] - 2 * num_heads : scratch.shape[0] - num_heads]
+    lsum = scratch[scratch.shape[0] - num_heads :]
+    num_items = items.shape[0]
+    for i in range(worker * num_items // num_workers, (worker + 1) * num_items // num_workers):
+        _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads, block_tables,
+              scale, out, part_acc, part_m, part_l, prefetch, q_pad, m, lsum, acc,
+              scores)  # fmt: skip
+
+
 @njit(cache=True, inline="always", **JIT)
 def _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
-               splits, scale, out, part_acc, part_m, part_l, serial,
+               splits, scale, out, part_acc, part_m, part_l, num_workers,
                prefetch):  # fmt: skip  # pragma: no cover
-    """Every item, across threads or (`serial`) on the calling thread, then the merges.
+    """Every item, split between `num_workers` threads (1: the calling thread), then the
+    merges.
 
     Inlined into each parallel entry point: a compiled function that calls a parallel one
     cannot be cached on disk, so each entry point holds its own parallel loop.
     """
-    if serial:
-        for i in range(items.shape[0]):
-            _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads,
-                  block_tables, scale, out, part_acc, part_m, part_l, prefetch)  # fmt: skip
+    if num_workers <= 1:
+        _run_worker(0, 1, query, key_cache, value_cache, block_size, num_kv_heads, block_tables,
+                    items, scale, out, part_acc, part_m, part_l, prefetch)  # fmt: skip
     else:
-        for i in prange(items.shape[0]):
-            _item(items[i], query, key_cache, value_cache, block_size, num_kv_heads,
-                  block_tables, scale, out, part_acc, part_m, part_l, prefetch)  # fmt: skip
+        for w in prange(num_workers):
+            _run_worker(w, num_workers, query, key_cache, value_cache, block_size,
+                        num_kv_heads, block_tables, items, scale, out, part_acc, part_m,
+                        part_l, prefetch)  # fmt: skip
     _combine(splits, out, part_acc, part_m, part_l)
-
-
-# Each entry point is compiled for float32 and for bfloat16 bits; small batches run serially
-# (`runs_serially`).
-@njit(cache=True, parallel=True, **JIT)
-def decode(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items, splits,
-           scale, out, part_acc, part_m, part_l, serial,
-           prefetch):  # fmt: skip  # pragma: no cover
-    """Run a planned batch's items, then merge split rows.
-
-    Args:
-        query: float32 [num_tokens, H, D]. key_cache, value_cache: flat (1-D) C-contiguous
-        views of caches [num_blocks, block_size, num_kv_heads, D], float32 or uint16
-        (bfloat16 bits). block_tables: int32 [num_seqs, max]. items, splits: the plan
-        (module docstring). out: float32 [num_rows, H, D]. part_acc/part_m/part_l: float32
-        [num_parts, H, D] / [num_parts, H] scratch. serial: stay on the calling thread.
-        prefetch: `prefetch_mode` of the batch.
-    """
-    _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
-               splits, scale, out, part_acc, part_m, part_l, serial, prefetch)  # fmt: skip
 
 
 @intrinsic
@@ -603,10 +637,53 @@ def _pointer(typingctx, address, like):  # pragma: no cover
     return ptr_type(address, like), codegen
 
 
+# Each entry point is compiled for float32 and for bfloat16 bits; small batches run serially
+# (`count_workers`).
+@njit(cache=True, parallel=True, **JIT)
+def decode(query_address, num_tokens, num_heads, head_dim, key_cache, value_cache, block_size,
+           num_kv_heads, block_tables, items, splits, scale, out_address, num_rows,
+           num_workers, prefetch):  # fmt: skip  # pragma: no cover
+    """Run a planned batch's items, then merge split rows.
+
+    Args:
+        query_address: `data_ptr()` of a contiguous float32 [num_tokens, num_heads,
+            head_dim] tensor.
+        key_cache, value_cache: flat (1-D) C-contiguous views of caches [num_blocks,
+            block_size, num_kv_heads, head_dim], float32 or uint16 (bfloat16 bits).
+        block_tables: int32 [num_seqs, max_blocks].
+        items, splits: the plan (module docstring).
+        out_address: `data_ptr()` of a contiguous float32 [num_rows, num_heads, head_dim]
+            tensor, the kernel rows' output.
+        num_workers: `count_workers`. prefetch: `prefetch_mode` of the batch.
+    """
+    query = numba.carray(_pointer(query_address, np.float32), (num_tokens, num_heads, head_dim))
+    out = numba.carray(_pointer(out_address, np.float32), (num_rows, num_heads, head_dim))
+    num_parts = splits[-1, 2] if splits.shape[0] else 0
+    part_acc = np.empty((num_parts, num_heads, head_dim), dtype=np.float32)
+    part_m = np.empty((num_parts, num_heads), dtype=np.float32)
+    part_l = np.empty((num_parts, num_heads), dtype=np.float32)
+    _run_items(query, key_cache, value_cache, block_size, num_kv_heads, block_tables, items,
+               splits, scale, out, part_acc, part_m, part_l, num_workers, prefetch)  # fmt: skip
+
+
+@intrinsic
+def _call_int_function(typingctx, address):  # pragma: no cover
+    """Call the C function `int f(void)` at an integer address; its value as an int64."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        function_type = ir.FunctionType(ir.IntType(32), [])
+        function = builder.inttoptr(args[0], function_type.as_pointer())
+        return builder.sext(builder.call(function, []), ir.IntType(64))
+
+    return types.int64(address), codegen
+
+
 @njit(cache=True, parallel=True, **JIT)
 def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache, block_size,
                     num_kv_heads, head_dim, tables_address, num_seqs, max_blocks, lens_address,
-                    starts_address, window, max_decode_query, num_threads, scale,
+                    starts_address, window, max_decode_query, threads_address, scale,
                     out_address):  # fmt: skip  # pragma: no cover
     """Plan a batch and run it, in one call, when every sequence is a decode row.
 
@@ -622,8 +699,9 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
             block_tables [num_seqs, max_blocks], seq_lens [num_seqs] and query_start_loc
             [num_seqs + 1].
         window: sliding window, 0 for none. max_decode_query: longest decode row
-            (`cpu.MAX_DECODE_QUERY`). num_threads: `num_threads()` (read in Python: code
-            that reads it is not cached on disk).
+            (`cpu.MAX_DECODE_QUERY`). threads_address: `thread_count_address()` (Numba's
+            own `numba.get_num_threads()` in compiled code is not cached on disk, and
+            reading the count in Python costs ~3 us on a cold cache).
 
     Returns:
         (status, seq): status `cpu_plan.OK` when the output is written, a `cpu_plan` error
@@ -636,6 +714,7 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
     lens = numba.carray(_pointer(lens_address, np.int32), (num_seqs,))
     starts = numba.carray(_pointer(starts_address, np.int32), (num_seqs + 1,))
     num_blocks = key_cache.shape[0] // (block_size * num_kv_heads * head_dim)
+    num_threads = _call_int_function(threads_address)
     items, splits, rows, prefill, total, error, seq = plan_items(
         starts, lens, tables, num_tokens, num_blocks, block_size, window, max_decode_query,
         num_threads,
@@ -651,7 +730,8 @@ def plan_and_decode(query_address, num_tokens, num_heads, key_cache, value_cache
     # Every row is a decode row here, so output row r is query row r.
     kv_bytes = total * 2 * num_kv_heads * head_dim * key_cache.itemsize
     _run_items(query, key_cache, value_cache, block_size, num_kv_heads, tables, items, splits,
-               scale, out, part_acc, part_m, part_l, runs_serially(kv_bytes, num_threads),
+               scale, out, part_acc, part_m, part_l,
+               count_workers(kv_bytes, items.shape[0], num_threads),
                prefetch_mode(key_cache.itemsize, kv_bytes))  # fmt: skip
     return OK, 0
 
@@ -694,6 +774,20 @@ def write_rows(key_address, value_address, slot_address, is_slot_int64, num_toke
         for i in range(row_words):
             v_dst[i] = v_src[i]
     return -1
+
+
+@functools.cache
+def thread_count_address() -> int:
+    """Address of a C function `int f(void)` returning `num_threads()`, for `plan_and_decode`:
+    Numba's threading layer's own, or a ctypes callback into `numba.get_num_threads` if
+    Numba's internals move."""
+    reader = _thread_count_reader()
+    if not isinstance(reader, ctypes._CFuncPtr):
+        reader = _THREAD_COUNT_CALLBACK
+    return ctypes.cast(reader, ctypes.c_void_p).value
+
+
+_THREAD_COUNT_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: numba.get_num_threads())
 
 
 def num_threads() -> int:
