@@ -295,7 +295,8 @@ def try_decode(
     memo = key_cache.__dict__.get(_FLAT_MEMO)  # set only for a pair that passed the checks
     if memo is None or memo[0] is not value_cache or memo[3] is None:
         return None
-    caches = memo[3]
+    # One unpacking: each named-field read would be a Python-level call.
+    key_flat, value_flat, _, block_size, num_kv_heads, cache_dim, dtype, threads = memo[3]
     int32 = torch.int32
     try:
         q_shape, table_shape = query.shape, block_tables.shape
@@ -304,8 +305,8 @@ def try_decode(
             return None
         num_seqs = table_shape[0]
         if not (
-            len(q_shape) == 3 and q_shape[2] == caches.head_dim
-            and q_shape[1] % caches.num_kv_heads == 0 and query.dtype is caches.dtype
+            len(q_shape) == 3 and q_shape[2] == cache_dim
+            and q_shape[1] % num_kv_heads == 0 and query.dtype is dtype
             and block_tables.dtype is int32 and seq_lens.dtype is int32
             and query_start_loc.dtype is int32
             and len(lens_shape) == 1 and lens_shape[0] == num_seqs
@@ -335,10 +336,10 @@ def try_decode(
         q.data_ptr(),
         num_tokens,
         num_heads,
-        caches.key,
-        caches.value,
-        caches.block_size,
-        caches.num_kv_heads,
+        key_flat,
+        value_flat,
+        block_size,
+        num_kv_heads,
         head_dim,
         tables.data_ptr(),
         num_seqs,
@@ -347,7 +348,7 @@ def try_decode(
         starts.data_ptr(),
         sliding_window or 0,
         MAX_DECODE_QUERY,
-        caches.threads_address,
+        threads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,  # as check_attention_args
         out.data_ptr(),
     )
@@ -436,19 +437,17 @@ def try_planned(
     memo = key_cache.__dict__.get(_FLAT_MEMO)  # set only for a pair that passed the checks
     if memo is None or memo[0] is not value_cache or memo[3] is None:
         return None
-    caches = memo[3]
+    key_flat, value_flat, shape, block_size, num_kv_heads, cache_dim, dtype, _ = memo[3]
     try:
         q_shape = query.shape
         if len(q_shape) != 3 or not (
             sliding_window is None or (type(sliding_window) is int and sliding_window >= 1)
         ):
             return None
-        plan = attn_metadata.plans.get(
-            _plan_key(q_shape[0], caches.shape, caches.dtype, sliding_window)
-        )
+        plan = attn_metadata.plans.get(_plan_key(q_shape[0], shape, dtype, sliding_window))
         if not (
-            plan is not None and plan.covers_all and q_shape[2] == caches.head_dim
-            and q_shape[1] % caches.num_kv_heads == 0 and query.dtype is caches.dtype
+            plan is not None and plan.covers_all and q_shape[2] == cache_dim
+            and q_shape[1] % num_kv_heads == 0 and query.dtype is dtype
             and query.is_cpu
             and (scale is None or (type(scale) is float and math.isfinite(scale)))
             and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
@@ -466,10 +465,10 @@ def try_planned(
         num_tokens,
         num_heads,
         head_dim,
-        caches.key,
-        caches.value,
-        caches.block_size,
-        caches.num_kv_heads,
+        key_flat,
+        value_flat,
+        block_size,
+        num_kv_heads,
         plan.block_tables,
         plan.items,
         plan.splits,
