@@ -138,6 +138,11 @@ def write_kv(
     Raises:
         ValueError: a shape, dtype or device does not match ("expected X, got Y").
     """
+    # The common case, CPU tensors and a known cache pair, checks its own arguments and
+    # writes in one compiled call (`cpu.try_write`); False: anything else.
+    cpu = _loaded.get("cpu")
+    if cpu is not None and cpu.try_write(key, value, key_cache, value_cache, slot_mapping):
+        return
     if not _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping):
         return  # no tokens
     # The common case first: a decode step's write has a 10 us budget, ~1 us of it Python.

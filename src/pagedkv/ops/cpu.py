@@ -481,16 +481,19 @@ def try_planned(
     return out if query.dtype is torch.float32 else out.to(query.dtype)
 
 
-def _row_views(
-    key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Raw [num_slots, row_words] views (`_bytes`) of a contiguous cache pair (None if
-    strided), memoized (`_memo_views`)."""
-    return _memo_views(key_cache, value_cache, "_pagedkv_row_views", _build_row_views)
+def _row_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple | None:
+    """Raw [num_slots, row_words] views (`_bytes`) of a contiguous cache pair, then
+    num_kv_heads, head_dim and dtype (None if strided), memoized (`_memo_views`). Call only
+    for a checked pair (`_validate.known_pair`): `try_write` trusts the memo."""
+    return _memo_views(key_cache, value_cache, _ROWS_MEMO, _build_row_views)
+
+
+_ROWS_MEMO = "_pagedkv_row_views"
 
 
 def _build_row_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
-    return _bytes(key_cache), _bytes(value_cache)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    return _bytes(key_cache), _bytes(value_cache), num_kv_heads, head_dim, key_cache.dtype
 
 
 def _bytes(cache: torch.Tensor) -> np.ndarray:
@@ -534,10 +537,68 @@ def write_kv(
         views[1],
     )
     if bad >= 0:
-        raise ValueError(
-            f"slot_mapping: expected slots < num_blocks * block_size = {views[0].shape[0]}, "
-            f"got slot_mapping[{bad}] = {int(slot_mapping[bad])}"
-        )
+        raise _bad_slot(views[0].shape[0], slot_mapping, bad)
+
+
+def _bad_slot(num_slots: int, slot_mapping: torch.Tensor, token: int) -> ValueError:
+    return ValueError(
+        f"slot_mapping: expected slots < num_blocks * block_size = {num_slots}, "
+        f"got slot_mapping[{token}] = {int(slot_mapping[token])}"
+    )
+
+
+def try_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """`write_kv` of CPU tensors into a known cache pair, checked and run here; False
+    (nothing written) sends the caller to the general path, which validates everything and
+    names any error.
+
+    As `try_decode`: the contract's checks (`_validate.check_write_args`) for the common
+    case, each attribute read once, without the general path's layers of calls (a decode
+    step's write has a 10 us budget, ~7 of them the copy).
+
+    Raises:
+        ValueError: a slot is past the end of the cache (nothing written for that token).
+    """
+    memo = key_cache.__dict__.get(_ROWS_MEMO)  # set only for a pair that passed the checks
+    if memo is None or memo[0] is not value_cache or memo[3] is None:
+        return False
+    key_rows, value_rows, num_kv_heads, head_dim, dtype = memo[3]
+    try:
+        key_shape, value_shape, slots_shape = key.shape, value.shape, slot_mapping.shape
+        slots_dtype = slot_mapping.dtype
+        if not (
+            len(key_shape) == 3 and key_shape[1] == num_kv_heads and key_shape[2] == head_dim
+            and len(value_shape) == 3 and value_shape[0] == key_shape[0]
+            and value_shape[1] == num_kv_heads and value_shape[2] == head_dim
+            and len(slots_shape) == 1 and slots_shape[0] == key_shape[0]
+            and (slots_dtype is torch.int64 or slots_dtype is torch.int32)
+            and key.dtype is dtype and value.dtype is dtype
+            and key.is_cpu and value.is_cpu and slot_mapping.is_cpu
+            and memo[1] == key_cache.data_ptr() and memo[2] == value_cache.data_ptr()
+        ):  # fmt: skip
+            return False
+    except (AttributeError, TypeError):
+        return False  # not tensors: the general path names the problem
+    # The kernel reads these through their addresses: keep contiguous ones alive here.
+    key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.contiguous()
+    bad = cpu_kernels.write_rows(
+        key.data_ptr(),
+        value.data_ptr(),
+        slots.data_ptr(),
+        slots_dtype is torch.int64,
+        key_shape[0],
+        key_rows,
+        value_rows,
+    )
+    if bad >= 0:
+        raise _bad_slot(key_rows.shape[0], slot_mapping, bad)
+    return True
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
