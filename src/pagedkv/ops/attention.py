@@ -145,8 +145,7 @@ def write_kv(
         return
     if not _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping):
         return  # no tokens
-    # The common case first: a decode step's write has a 10 us budget, ~1 us of it Python.
-    module = _loaded.get("cpu") if key.is_cpu else None
+    module = _loaded.get("cpu") if key.is_cpu else None  # a first write into this pair
     if module is None:
         try:
             module = _load(resolve_backend("auto", key_cache.device))
