@@ -604,8 +604,8 @@ def _run_worker(worker, num_workers, query, key_cache, value_cache, block_size, 
                 block_tables, items, scale, out, part_acc, part_m, part_l,
                 prefetch):  # fmt: skip  # pragma: no cover
     """Worker `worker`'s share of the items: a contiguous run, as a static schedule would
-    give it, with one set of scratch arrays for all of them (allocating and zeroing per item
-    cost ~3 us each, as much as scoring ten tokens)."""
+    give it, with one scratch buffer for all of them (five arrays allocated and zeroed per
+    item cost ~1 us hot, several times that on a cold cache)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     padded_dim = -(-head_dim // LANES) * LANES  # whole vectors per head, zeros past head_dim
     # One softmax pass per span of consecutive blocks (its per-head max, rescale and sums
