@@ -249,14 +249,11 @@ def test_later_layers_of_a_decode_step_take_the_planned_fast_path(
         list(range(10)),
     )  # fmt: skip
     monkeypatch.undo()
-    calls = []
-    monkeypatch.setattr(cpu, "_run", lambda *a, **k: calls.append(1) or cpu_run(*a, **k))
+    calls, general_run = [], cpu._run
+    monkeypatch.setattr(cpu, "_run", lambda *a, **k: calls.append(1) or general_run(*a, **k))
     for _layer in range(2):
         paged_attention_from_metadata(mixed.query, mixed.key_cache, mixed.value_cache, md)
     assert len(calls) == 2
-
-
-cpu_run = cpu._run
 
 
 def test_decode_kernel_reads_the_live_thread_count() -> None:
