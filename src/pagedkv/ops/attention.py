@@ -145,7 +145,8 @@ def write_kv(
         return
     if not _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping):
         return  # no tokens
-    module = _loaded.get("cpu") if key.is_cpu else None  # a first write into this pair
+    # A pair's first write, or one `try_write` does not take (strided, other devices).
+    module = _loaded.get("cpu") if key.is_cpu else None
     if module is None:
         try:
             module = _load(resolve_backend("auto", key_cache.device))
