@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from _common import write_results  # benchmarks/_common.py (script dir)
 
-from pagedkv.ops import AttentionMetadata, paged_attention, paged_attention_from_metadata, write_kv
+from pagedkv.ops import (
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_from_metadata,
+    warmup,
+    write_kv,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,6 +124,7 @@ def bench_decode(batch, context, block_size, dtype, device, backend, min_time, g
     k, v, key_cache, value_cache, tables = make_paged(
         batch, context, block_size, dtype, device, gen
     )
+    warmup(key_cache, value_cache, NUM_HEADS, backend=backend)  # as an engine does at start-up
     group = NUM_HEADS // NUM_KV_HEADS
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
     md = AttentionMetadata.build(
@@ -204,6 +211,7 @@ def bench_mixed(batch, context, chunk, block_size, dtype, device, backend, min_t
     k, v, key_cache, value_cache, tables = make_paged(
         batch + 1, context, block_size, dtype, device, gen
     )
+    warmup(key_cache, value_cache, NUM_HEADS, backend=backend)
     group = NUM_HEADS // NUM_KV_HEADS
     query = torch.randn(batch + chunk, NUM_HEADS, HEAD_DIM, generator=gen, device=device)
     query = query.to(dtype)
@@ -319,8 +327,13 @@ def main(argv: list[str] | None = None) -> None:
     backend = "triton" if args.device == "cuda" else "cpu"
     gen = torch.Generator(device=args.device).manual_seed(0)
     bandwidth = read_bandwidth(args.device, gib=4.0 if args.device == "cuda" else 1.0)
+    launcher = ""
+    if args.device == "cpu":
+        from pagedkv.ops import cpu_launch
+
+        launcher = f", C++ launcher {'on' if cpu_launch.load() else 'off'}"
     print(
-        f"threads={args.threads} (torch and numba), backend={backend}, "
+        f"threads={args.threads} (torch and numba), backend={backend}{launcher}, "
         f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     print(

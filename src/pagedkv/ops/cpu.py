@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedkv.ops import _validate, cpu_kernels, cpu_plan
+from pagedkv.ops import _validate, cpu_kernels, cpu_launch, cpu_plan
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
 
@@ -45,6 +45,7 @@ class _Plan:
     seq_lens: np.ndarray  # int32 [num_seqs]
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
     covers_all: bool  # rows == arange(num_tokens): the kernel output is the whole output
+    launch_block: torch.Tensor | None = None  # cpu_launch.plan_block, when the launcher runs it
 
 
 def _make_plan(
@@ -84,17 +85,26 @@ def _make_plan(
         _validate.check_lengths(starts, lens, num_tokens, tables.shape[1] * block_size)
         raise AssertionError(f"plan_items reported error {error} that check_lengths missed")
     row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
+    num_workers = cpu_kernels.count_workers(total * row_bytes, items.shape[0], num_threads)
+    prefetch = cpu_kernels.prefetch_mode(key_cache.element_size(), total * row_bytes)
+    covers_all = rows.shape[0] == num_tokens
+    launch_block = None
+    if use_kernel and covers_all and tables.flags.c_contiguous and cpu_launch.loaded():
+        launch_block = cpu_launch.plan_block(
+            num_tokens, tables, items, splits, num_workers, prefetch
+        )
     return _Plan(
         items=items,
         splits=splits,
         rows=rows,
-        num_workers=cpu_kernels.count_workers(total * row_bytes, items.shape[0], num_threads),
-        prefetch=cpu_kernels.prefetch_mode(key_cache.element_size(), total * row_bytes),
+        num_workers=num_workers,
+        prefetch=prefetch,
         prefill_seqs=prefill,
         starts=starts,
         seq_lens=lens,
         block_tables=tables,
-        covers_all=rows.shape[0] == num_tokens,
+        covers_all=covers_all,
+        launch_block=launch_block,
     )
 
 
@@ -109,6 +119,7 @@ class _FlatCaches(NamedTuple):
     head_dim: int
     dtype: torch.dtype
     threads_address: int  # cpu_kernels.thread_count_address()
+    launch: cpu_launch.LaunchCaches | None  # when the C++ launcher is loaded
 
 
 def _flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _FlatCaches | None:
@@ -129,13 +140,17 @@ def _build_flat_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> _Fl
     if key_cache.dtype not in _KERNEL_DTYPES:
         return None
     shape = tuple(key_cache.shape)
+    key_flat, value_flat = _flat(key_cache), _flat(value_cache)
+    threads_address = cpu_kernels.thread_count_address()
+    launcher = cpu_launch.loaded()
+    launch = None
+    if launcher is not None:
+        launch = cpu_launch.caches_block(
+            launcher, key_flat, value_flat, key_cache, value_cache, MAX_DECODE_QUERY,
+            threads_address,
+        )  # fmt: skip
     return _FlatCaches(
-        _flat(key_cache),
-        _flat(value_cache),
-        shape,
-        *shape[1:],
-        key_cache.dtype,
-        cpu_kernels.thread_count_address(),
+        key_flat, value_flat, shape, *shape[1:], key_cache.dtype, threads_address, launch
     )
 
 
@@ -296,7 +311,15 @@ def try_decode(
     if memo is None or memo[0] is not value_cache or memo[3] is None:
         return None
     # One unpacking: each named-field read would be a Python-level call.
-    key_flat, value_flat, _, block_size, num_kv_heads, cache_dim, dtype, threads = memo[3]
+    key_flat, value_flat, _, block_size, num_kv_heads, cache_dim, dtype, threads, launch = memo[3]
+    if launch is not None:  # the same checks and kernel, from C++ (`cpu_launch`)
+        try:
+            return launch.module.plan_and_decode(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                launch.block, scale, sliding_window, launch.plan_and_decode,
+            )  # fmt: skip
+        except TypeError:
+            return None  # not tensors: the general path names the problem
     int32 = torch.int32
     try:
         q_shape, table_shape = query.shape, block_tables.shape
@@ -437,7 +460,19 @@ def try_planned(
     memo = key_cache.__dict__.get(_FLAT_MEMO)  # set only for a pair that passed the checks
     if memo is None or memo[0] is not value_cache or memo[3] is None:
         return None
-    key_flat, value_flat, shape, block_size, num_kv_heads, cache_dim, dtype, _ = memo[3]
+    key_flat, value_flat, shape, block_size, num_kv_heads, cache_dim, dtype, _, launch = memo[3]
+    if launch is not None:  # the same checks and kernel, from C++ (`cpu_launch`)
+        try:
+            key = _plan_key(query.shape[0], shape, dtype, sliding_window)
+            plan = attn_metadata.plans.get(key)
+            if plan is None or plan.launch_block is None:
+                return None
+            return launch.module.decode(
+                query, key_cache, value_cache, launch.block, plan.launch_block, scale,
+                launch.decode,
+            )  # fmt: skip
+        except (AttributeError, TypeError, IndexError):
+            return None  # not a tensor or a bad window: the general path names the problem
     try:
         q_shape = query.shape
         if len(q_shape) != 3 or not (
@@ -604,13 +639,15 @@ def try_write(
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Compile, or load from Numba's on-disk cache, every kernel a step over this cache pair
     can call: the planner, the decode kernel of planned batches and of plain calls, and the
-    KV write.
+    KV write; and build or load the C++ launcher of the decode kernels (`cpu_launch`).
 
     A first compile takes seconds per kernel; without this it lands in whichever step first
     takes each path. Numba specializes on types, not sizes, so one-token inputs compile what
     the real ones use. Reads block 0 of the caches, writes nothing (the write's only slot is
     padding).
     """
+    if cpu_launch.load() is not None:
+        key_cache.__dict__.pop(_FLAT_MEMO, None)  # views made before: rebuilt with the launcher
     head_dim = key_cache.shape[3]
     query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
     index = dict(dtype=torch.int32)

@@ -1,0 +1,158 @@
+"""The C++ launcher of the CPU decode kernels (`csrc/cpu_launch.cpp`): build, load, and the
+argument blocks it passes to the Numba entry points (`cpu_entry`).
+
+A decode call that reaches its kernel through Python pays ~13 us of tensor checks and
+dispatch on a 0.1 ms call (1 x 512 context, after another kernel has swept the caches); the
+launcher does the same checks in C++ and calls the kernel by address: 1.16x -> 1.27x of
+SDPA at that size (docs/benchmarks.md, run M). It is optional. `load()` compiles it with
+torch's extension builder (a C++ compiler and ninja; ~30 s once, then torch's build cache)
+and is called by `pagedkv.ops.warmup`, i.e. at engine start-up; until then, where it cannot
+be built, or with `PAGEDKV_CPU_LAUNCHER=0`, the Python fast paths (`cpu.try_decode`,
+`cpu.try_planned`) run instead, with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_launch.cpp"
+DISABLE_ENV = "PAGEDKV_CPU_LAUNCHER"
+"""Set to 0 to never build or use the launcher."""
+
+
+class Launcher(NamedTuple):
+    """The loaded extension and what its entry points need from this process."""
+
+    module: Any  # .decode, .plan_and_decode (csrc/cpu_launch.cpp)
+    gomp_parallel: int  # addresses of the OpenMP runtime's GOMP_parallel
+    thread_num: int  # and omp_get_thread_num
+
+
+class LaunchCaches(NamedTuple):
+    """A cache pair's CACHES block and the entry points of its element type."""
+
+    block: torch.Tensor  # int64 [cpu_entry.CACHES_SLOTS]
+    decode: int  # cpu_entry.decode_* address
+    plan_and_decode: int  # cpu_entry.plan_and_decode_* address
+    module: Any
+
+
+_state: dict[str, Launcher | None] = {}
+"""The launcher once `load` has run in this process ("launcher": None if it failed)."""
+
+
+def loaded() -> Launcher | None:
+    """The launcher if `load` built or loaded it in this process; never builds."""
+    return _state.get("launcher")
+
+
+def load() -> Launcher | None:
+    """Build (once; torch caches the build) and load the launcher; None, with one warning,
+    where it cannot be (no compiler or ninja, no OpenMP runtime in the process), or when
+    disabled by PAGEDKV_CPU_LAUNCHER=0."""
+    if "launcher" in _state:
+        return _state["launcher"]
+    launcher = None
+    if os.environ.get(DISABLE_ENV, "1") != "0":
+        try:
+            launcher = _build()
+        except Exception as error:  # a missing toolchain shows up as many exception types
+            warnings.warn(
+                f"pagedkv: the C++ launcher of the CPU kernels is unavailable ({error}); "
+                "decode calls take the Python path (~10 us more per call)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    _state["launcher"] = launcher
+    return launcher
+
+
+def _build() -> Launcher | None:
+    process = ctypes.CDLL(None)
+    try:  # torch's and Numba's OpenMP runtime, already loaded by torch
+        gomp_parallel, thread_num = process.GOMP_parallel, process.omp_get_thread_num
+    except AttributeError:
+        return None  # another runtime: the Python path, which Numba threads itself
+    from torch.utils import cpp_extension
+
+    from pagedkv.ops import cpu_entry  # noqa: F401  (compiles the entry points, or loads them)
+
+    module = cpp_extension.load(
+        name="pagedkv_cpu_launch",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        verbose=False,
+    )
+    return Launcher(
+        module,
+        ctypes.cast(gomp_parallel, ctypes.c_void_p).value,
+        ctypes.cast(thread_num, ctypes.c_void_p).value,
+    )
+
+
+def caches_block(
+    launcher: Launcher,
+    key_flat: np.ndarray,
+    value_flat: np.ndarray,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    max_decode_query: int,
+    threads_address: int,
+) -> LaunchCaches:
+    """The CACHES block of a checked, contiguous cache pair and its flat views."""
+    from pagedkv.ops import cpu_entry as e
+
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    is_float32 = key_cache.dtype == torch.float32
+    block = np.zeros(e.CACHES_SLOTS, dtype=np.int64)
+    block[e.CACHES_KEY] = key_cache.data_ptr()
+    block[e.CACHES_VALUE] = value_cache.data_ptr()
+    block[e.CACHES_HEAD_DIM] = head_dim
+    block[e.CACHES_NUM_KV_HEADS] = num_kv_heads
+    block[e.CACHES_MAX_DECODE_QUERY] = max_decode_query
+    block[e.CACHES_ELEMENTS] = key_flat.shape[0]
+    block[e.CACHES_BLOCK_SIZE] = block_size
+    block[e.CACHES_THREADS] = threads_address
+    block[e.CACHES_GOMP_PARALLEL] = launcher.gomp_parallel
+    block[e.CACHES_THREAD_NUM] = launcher.thread_num
+    worker = e.worker_float32 if is_float32 else e.worker_bfloat16
+    block[e.CACHES_WORKER] = worker.address
+    block[e.CACHES_ELEMENT_SIZE] = key_flat.itemsize
+    # The kernels read the caches from these addresses: the views must start there.
+    assert key_flat.ctypes.data == block[e.CACHES_KEY]
+    assert value_flat.ctypes.data == block[e.CACHES_VALUE]
+    return LaunchCaches(
+        torch.from_numpy(block),
+        (e.decode_float32 if is_float32 else e.decode_bfloat16).address,
+        (e.plan_and_decode_float32 if is_float32 else e.plan_and_decode_bfloat16).address,
+        launcher.module,
+    )
+
+
+def plan_block(
+    num_tokens: int,
+    block_tables: np.ndarray,
+    items: np.ndarray,
+    splits: np.ndarray,
+    num_workers: int,
+    prefetch: int,
+) -> torch.Tensor:
+    """The PLAN block of a decode-only plan whose arrays are C-contiguous; they must live as
+    long as the block is used."""
+    from pagedkv.ops import cpu_entry as e
+
+    block = np.zeros(e.PLAN_SLOTS, dtype=np.int64)
+    block[e.PLAN_NUM_TOKENS] = num_tokens
+    block[e.PLAN_TABLES] = block_tables.ctypes.data
+    block[e.PLAN_NUM_SEQS], block[e.PLAN_MAX_BLOCKS] = block_tables.shape
+    block[e.PLAN_ITEMS], block[e.PLAN_NUM_ITEMS] = items.ctypes.data, items.shape[0]
+    block[e.PLAN_SPLITS], block[e.PLAN_NUM_SPLITS] = splits.ctypes.data, splits.shape[0]
+    block[e.PLAN_NUM_WORKERS], block[e.PLAN_PREFETCH] = num_workers, prefetch
+    return torch.from_numpy(block)
