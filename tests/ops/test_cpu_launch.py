@@ -193,3 +193,16 @@ def test_plan_block_is_made_only_for_decode_only_plans(launcher) -> None:
             block = plan.launch_block.numpy()
             assert block[0] == sum(queries) and block[1] == plan.block_tables.ctypes.data
             assert np.array_equal(plan.block_tables.shape, block[2:4])
+
+
+def test_launcher_keeps_the_plain_calls_plan_alive(launcher) -> None:
+    """A plain call's items are allocated by the planner inside the entry point and read by
+    the workers through their address; freed at their last use before the parallel region
+    (Numba's reference counting), they were overwritten by the partial states and the
+    workers read garbage ranges (wrong rows or a crash; the item table is
+    larger than a worker's scratch here, so the main thread's scratch reuses it)."""
+    case = _case(torch.float32, lens=[60] * 256, queries=[1] * 256, num_heads=12, num_kv_heads=4)
+    want = expected(case, None)
+    for _call in range(10):
+        out = paged_attention(*case.args())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

@@ -66,10 +66,11 @@ from pagedkv.ops.cpu_plan import OK, plan_items
     CACHES_THREADS,  # cpu_kernels.thread_count_address()
     CACHES_GOMP_PARALLEL,  # address of GOMP_parallel
     CACHES_THREAD_NUM,  # address of omp_get_thread_num
+    CACHES_TEAM_SIZE,  # address of omp_get_num_threads
     CACHES_WORKER,  # the worker cfunc of the caches' element type
     CACHES_ELEMENT_SIZE,  # 4 (float32) or 2 (bfloat16)
     CACHES_SLOTS,
-) = range(13)
+) = range(14)
 
 # PLAN: a planned batch (`cpu._Plan`), written once per plan (C++ reads PLAN_NUM_TOKENS).
 (
@@ -109,8 +110,9 @@ from pagedkv.ops.cpu_plan import OK, plan_items
     WORK_NUM_WORKERS,
     WORK_PREFETCH,
     WORK_THREAD_NUM,
+    WORK_TEAM_SIZE,
     WORK_SLOTS,
-) = range(22)
+) = range(23)
 CALL_BLOCK = CALL_SLOTS + WORK_SLOTS
 """Length of the CALL block C++ provides: its slots, then room for the WORK block (the
 workers read it, so it lives in the caller's frame until they are done)."""
@@ -195,18 +197,27 @@ def _work(work, worker, num_workers, like):  # pragma: no cover
                 part_acc, part_m, part_l, work[WORK_PREFETCH])  # fmt: skip
 
 
+@njit(cache=True, inline="always", **JIT)
+def _share(work, like):  # pragma: no cover
+    """This thread's workers: its own, and those of threads the team did not get (OpenMP
+    may start fewer than asked for, e.g. inside another parallel region)."""
+    num_workers = work[WORK_NUM_WORKERS]
+    thread = _call_int_function(work[WORK_THREAD_NUM])
+    team_size = _call_int_function(work[WORK_TEAM_SIZE])
+    for worker in range(thread, num_workers, max(team_size, 1)):
+        _work(work, worker, num_workers, like)
+
+
 @cfunc(types.void(types.voidptr), cache=True, **JIT)
 def worker_float32(data):  # pragma: no cover
     work = numba.carray(_pointer(_address(data), np.int64), (WORK_SLOTS,))
-    worker = _call_int_function(work[WORK_THREAD_NUM])
-    _work(work, worker, work[WORK_NUM_WORKERS], np.float32)
+    _share(work, np.float32)
 
 
 @cfunc(types.void(types.voidptr), cache=True, **JIT)
 def worker_bfloat16(data):  # pragma: no cover
     work = numba.carray(_pointer(_address(data), np.int64), (WORK_SLOTS,))
-    worker = _call_int_function(work[WORK_THREAD_NUM])
-    _work(work, worker, work[WORK_NUM_WORKERS], np.uint16)
+    _share(work, np.uint16)
 
 
 @njit(cache=True, inline="always", **JIT)
@@ -236,13 +247,18 @@ def _run(call, caches, tables_address, num_seqs, max_blocks, items, splits, num_
     work[WORK_SCALE] = call[CALL_SCALE]
     work[WORK_NUM_WORKERS], work[WORK_PREFETCH] = num_workers, prefetch
     work[WORK_THREAD_NUM] = caches[CACHES_THREAD_NUM]
+    work[WORK_TEAM_SIZE] = caches[CACHES_TEAM_SIZE]
     if num_workers <= 1:
         _work(work, 0, 1, like)
     else:
         _gomp_parallel(caches[CACHES_GOMP_PARALLEL], caches[CACHES_WORKER], work.ctypes.data,
                        num_workers)  # fmt: skip
     out = numba.carray(_pointer(call[CALL_OUT], np.float32), (num_tokens, num_heads, head_dim))
-    _combine(splits, out, part_acc, part_m, part_l)  # also keeps the partial states alive
+    _combine(splits, out, part_acc, part_m, part_l)
+    # The workers read `items` and the partial states through their addresses: a use after
+    # the parallel region keeps Numba from freeing them at their last use before it (the
+    # plain call's items are allocated by the planner here).
+    return items.shape[0] + part_acc.shape[0]
 
 
 @njit(cache=True, inline="always", **JIT)

@@ -32,7 +32,8 @@ class Launcher(NamedTuple):
 
     module: Any  # .decode, .plan_and_decode (csrc/cpu_launch.cpp)
     gomp_parallel: int  # addresses of the OpenMP runtime's GOMP_parallel
-    thread_num: int  # and omp_get_thread_num
+    thread_num: int  # omp_get_thread_num
+    team_size: int  # and omp_get_num_threads
 
 
 class LaunchCaches(NamedTuple):
@@ -78,11 +79,12 @@ def _build() -> Launcher | None:
     process = ctypes.CDLL(None)
     try:  # torch's and Numba's OpenMP runtime, already loaded by torch
         gomp_parallel, thread_num = process.GOMP_parallel, process.omp_get_thread_num
+        team_size = process.omp_get_num_threads
     except AttributeError:
         return None  # another runtime: the Python path, which Numba threads itself
     from torch.utils import cpp_extension
 
-    from pagedkv.ops import cpu_entry  # noqa: F401  (compiles the entry points, or loads them)
+    from pagedkv.ops import cpu_entry  # compiles the entry points, or loads them from cache
 
     module = cpp_extension.load(
         name="pagedkv_cpu_launch",
@@ -90,11 +92,20 @@ def _build() -> Launcher | None:
         extra_cflags=["-O2"],
         verbose=False,
     )
+    _check_layout(module, cpu_entry)
     return Launcher(
         module,
         ctypes.cast(gomp_parallel, ctypes.c_void_p).value,
         ctypes.cast(thread_num, ctypes.c_void_p).value,
+        ctypes.cast(team_size, ctypes.c_void_p).value,
     )
+
+
+def _check_layout(module: Any, entry: Any) -> None:
+    """The C++ side names the blocks' slots as `cpu_entry` does (they are written twice)."""
+    wrong = {name: slot for name, slot in module.SLOTS.items() if getattr(entry, name) != slot}
+    if wrong or module.CALL_BLOCK < entry.CALL_BLOCK:
+        raise RuntimeError(f"csrc/cpu_launch.cpp and cpu_entry disagree on slots {wrong}")
 
 
 def caches_block(
@@ -122,6 +133,7 @@ def caches_block(
     block[e.CACHES_THREADS] = threads_address
     block[e.CACHES_GOMP_PARALLEL] = launcher.gomp_parallel
     block[e.CACHES_THREAD_NUM] = launcher.thread_num
+    block[e.CACHES_TEAM_SIZE] = launcher.team_size
     worker = e.worker_float32 if is_float32 else e.worker_bfloat16
     block[e.CACHES_WORKER] = worker.address
     block[e.CACHES_ELEMENT_SIZE] = key_flat.itemsize

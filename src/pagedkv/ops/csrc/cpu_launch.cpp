@@ -20,7 +20,7 @@ namespace {
 constexpr int kCallQuery = 0, kCallOut = 1, kCallNumTokens = 2, kCallNumHeads = 3,
               kCallScale = 4, kCallStatus = 5, kCallTables = 6, kCallNumSeqs = 7,
               kCallMaxBlocks = 8, kCallLens = 9, kCallStarts = 10, kCallWindow = 11;
-constexpr int kCallBlock = 33;  // CALL_BLOCK: the CALL slots, then room for the WORK block
+constexpr int kCallBlock = 64;  // >= CALL_BLOCK: the CALL slots, then room for the WORK block
 constexpr int kCachesKey = 0, kCachesValue = 1, kCachesHeadDim = 2, kCachesNumKvHeads = 3,
               kCachesMaxDecodeQuery = 4;
 constexpr int kPlanNumTokens = 0;
@@ -135,4 +135,27 @@ py::object plan_and_decode(const at::Tensor& query, const at::Tensor& key_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode);
   m.def("plan_and_decode", &plan_and_decode);
+  // For the loader to check against cpu_entry's constants.
+  m.attr("CALL_BLOCK") = kCallBlock;
+  py::dict slots;
+  slots["CALL_QUERY"] = kCallQuery;
+  slots["CALL_OUT"] = kCallOut;
+  slots["CALL_NUM_TOKENS"] = kCallNumTokens;
+  slots["CALL_NUM_HEADS"] = kCallNumHeads;
+  slots["CALL_SCALE"] = kCallScale;
+  slots["CALL_STATUS"] = kCallStatus;
+  slots["CALL_TABLES"] = kCallTables;
+  slots["CALL_NUM_SEQS"] = kCallNumSeqs;
+  slots["CALL_MAX_BLOCKS"] = kCallMaxBlocks;
+  slots["CALL_LENS"] = kCallLens;
+  slots["CALL_STARTS"] = kCallStarts;
+  slots["CALL_WINDOW"] = kCallWindow;
+  slots["CACHES_KEY"] = kCachesKey;
+  slots["CACHES_VALUE"] = kCachesValue;
+  slots["CACHES_HEAD_DIM"] = kCachesHeadDim;
+  slots["CACHES_NUM_KV_HEADS"] = kCachesNumKvHeads;
+  slots["CACHES_MAX_DECODE_QUERY"] = kCachesMaxDecodeQuery;
+  slots["PLAN_NUM_TOKENS"] = kPlanNumTokens;
+  slots["OK"] = kOk;
+  m.attr("SLOTS") = slots;
 }
