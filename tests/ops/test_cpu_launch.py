@@ -206,3 +206,18 @@ def test_launcher_keeps_the_plain_calls_plan_alive(launcher) -> None:
     for _call in range(10):
         out = paged_attention(*case.args())
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's builder waits forever on a lock left by a build that died; an old one goes."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = cpu_launch._build_directory()
+    assert directory.parent == tmp_path and torch.__version__ in directory.name
+    lock = directory / "lock"
+    lock.touch()
+    cpu_launch._build_directory()
+    assert lock.exists()  # a build may be running
+    old = lock.stat().st_mtime - cpu_launch.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    cpu_launch._build_directory()
+    assert not lock.exists()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -86,10 +88,12 @@ def _build() -> Launcher | None:
 
     from pagedkv.ops import cpu_entry  # compiles the entry points, or loads them from cache
 
+    build_directory = _build_directory()
     module = cpp_extension.load(
         name="pagedkv_cpu_launch",
         sources=[str(_SOURCE)],
         extra_cflags=["-O2"],
+        build_directory=str(build_directory),
         verbose=False,
     )
     _check_layout(module, cpu_entry)
@@ -99,6 +103,30 @@ def _build() -> Launcher | None:
         ctypes.cast(thread_num, ctypes.c_void_p).value,
         ctypes.cast(team_size, ctypes.c_void_p).value,
     )
+
+
+STALE_LOCK_SECONDS = 600
+"""A build lock older than this was left by a build that died (one takes ~30 s): torch's
+builder would wait for it forever."""
+
+
+def _build_directory() -> Path:
+    """Where the extension is built: per torch and Python version (the binary depends on
+    both), under torch's extension root (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions);
+    a stale lock is removed."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
+    )
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    directory = Path(root) / f"pagedkv_cpu_launch-{python}-torch{torch.__version__}"
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return directory
 
 
 def _check_layout(module: Any, entry: Any) -> None:
