@@ -300,33 +300,38 @@ def _plan_and_decode(call, caches, like):  # pragma: no cover
 _ENTRY = types.void(types.voidptr, types.voidptr, types.voidptr)
 
 
+@njit(cache=True, inline="always")
+def _blocks(call, caches, plan):  # pragma: no cover
+    """An entry point's three pointers as the CALL, CACHES and PLAN blocks (PLAN is NULL for
+    `plan_and_decode_*`, and never read there)."""
+    return (
+        numba.carray(_pointer(_address(call), np.int64), (CALL_BLOCK,)),
+        numba.carray(_pointer(_address(caches), np.int64), (CACHES_SLOTS,)),
+        numba.carray(_pointer(_address(plan), np.int64), (PLAN_SLOTS,)),
+    )
+
+
 @cfunc(_ENTRY, cache=True, **JIT)
 def decode_float32(call, caches, plan):  # pragma: no cover
     """Run a planned batch (PLAN) over float32 caches (CACHES) for one call (CALL)."""
-    c = numba.carray(_pointer(_address(call), np.int64), (CALL_BLOCK,))
-    k = numba.carray(_pointer(_address(caches), np.int64), (CACHES_SLOTS,))
-    p = numba.carray(_pointer(_address(plan), np.int64), (PLAN_SLOTS,))
-    _decode(c, k, p, np.float32)
+    blocks = _blocks(call, caches, plan)
+    _decode(blocks[0], blocks[1], blocks[2], np.float32)
 
 
 @cfunc(_ENTRY, cache=True, **JIT)
 def decode_bfloat16(call, caches, plan):  # pragma: no cover
-    c = numba.carray(_pointer(_address(call), np.int64), (CALL_BLOCK,))
-    k = numba.carray(_pointer(_address(caches), np.int64), (CACHES_SLOTS,))
-    p = numba.carray(_pointer(_address(plan), np.int64), (PLAN_SLOTS,))
-    _decode(c, k, p, np.uint16)
+    blocks = _blocks(call, caches, plan)
+    _decode(blocks[0], blocks[1], blocks[2], np.uint16)
 
 
 @cfunc(_ENTRY, cache=True, **JIT)
 def plan_and_decode_float32(call, caches, plan):  # pragma: no cover
-    """Plan a plain call's batch and run it (PLAN unused)."""
-    c = numba.carray(_pointer(_address(call), np.int64), (CALL_BLOCK,))
-    k = numba.carray(_pointer(_address(caches), np.int64), (CACHES_SLOTS,))
-    _plan_and_decode(c, k, np.float32)
+    """Plan a plain call's batch and run it."""
+    blocks = _blocks(call, caches, plan)
+    _plan_and_decode(blocks[0], blocks[1], np.float32)
 
 
 @cfunc(_ENTRY, cache=True, **JIT)
 def plan_and_decode_bfloat16(call, caches, plan):  # pragma: no cover
-    c = numba.carray(_pointer(_address(call), np.int64), (CALL_BLOCK,))
-    k = numba.carray(_pointer(_address(caches), np.int64), (CACHES_SLOTS,))
-    _plan_and_decode(c, k, np.uint16)
+    blocks = _blocks(call, caches, plan)
+    _plan_and_decode(blocks[0], blocks[1], np.uint16)
