@@ -114,9 +114,11 @@ def make_paged(
     value_cache = torch.empty_like(key_cache)
     pad = blocks_per_seq * block_size - context
     for src, dst in ((k, key_cache), (v, value_cache)):
-        # (B, Hkv, L, D) -> (B, L_padded, Hkv, D) -> (B * blocks, bs, Hkv, D), then scatter
-        rows = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad))
-        dst[tables.flatten()] = rows.reshape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        # A sequence at a time (a whole-batch temporary would not fit beside two 8 GiB copies
+        # at 32 x 32768 float32): (Hkv, L, D) -> (L_padded, Hkv, D) -> (blocks, bs, Hkv, D).
+        for b in range(batch):
+            rows = F.pad(src[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
+            dst[tables[b]] = rows.reshape(blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM)
     return k, v, key_cache, value_cache, tables.to(torch.int32)
 
 
