@@ -11,8 +11,9 @@ OpenMP runtime that torch and Numba's threading layer share in this process; eac
 is a `cfunc` that finds its share by `omp_get_thread_num`. Everything here is cached on
 disk like the kernels (no parallel loop, addresses arrive as arguments).
 
-Blocks (int64 arrays; C++ writes CALL, Python writes CACHES and PLAN once per cache pair
-and per plan; the C++ side, `csrc/cpu_launch.cpp`, names the same slots):
+Blocks, below: int64 arrays. C++ writes CALL per call; Python writes CACHES once per cache
+pair and PLAN once per plan (`cpu_launch`). `csrc/cpu_launch.cpp` names the slots it uses
+again, and the loader checks that the two agree.
 """
 
 from __future__ import annotations

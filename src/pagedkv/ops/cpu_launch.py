@@ -5,10 +5,11 @@ A decode call that reaches its kernel through Python pays ~13 us of tensor check
 dispatch on a 0.1 ms call (1 x 512 context, after another kernel has swept the caches); the
 launcher does the same checks in C++ and calls the kernel by address: 1.16x -> 1.27x of
 SDPA at that size (docs/benchmarks.md, run M). It is optional. `load()` compiles it with
-torch's extension builder (a C++ compiler and ninja; ~30 s once, then torch's build cache)
-and is called by `pagedkv.ops.warmup`, i.e. at engine start-up; until then, where it cannot
-be built, or with `PAGEDKV_CPU_LAUNCHER=0`, the Python fast paths (`cpu.try_decode`,
-`cpu.try_planned`) run instead, with the same results.
+torch's extension builder (a C++ compiler and ninja; ~25 s once per torch and Python
+version, kept under torch's extension directory) and is called by `pagedkv.ops.warmup`,
+i.e. at engine start-up. Until then, where it cannot be built, or with
+`PAGEDKV_CPU_LAUNCHER=0`, the Python fast paths (`cpu.try_decode`, `cpu.try_planned`) run
+instead, with the same results.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class LaunchCaches(NamedTuple):
     block: torch.Tensor  # int64 [cpu_entry.CACHES_SLOTS]
     decode: int  # cpu_entry.decode_* address
     plan_and_decode: int  # cpu_entry.plan_and_decode_* address
-    module: Any
+    module: Any  # Launcher.module
 
 
 _state: dict[str, Launcher | None] = {}
@@ -77,13 +78,13 @@ def load() -> Launcher | None:
     return launcher
 
 
-def _build() -> Launcher | None:
+def _build() -> Launcher:
     process = ctypes.CDLL(None)
     try:  # torch's and Numba's OpenMP runtime, already loaded by torch
         gomp_parallel, thread_num = process.GOMP_parallel, process.omp_get_thread_num
         team_size = process.omp_get_num_threads
-    except AttributeError:
-        return None  # another runtime: the Python path, which Numba threads itself
+    except AttributeError:  # another runtime: the Python path, which Numba threads itself
+        raise RuntimeError("no GNU OpenMP runtime (GOMP_parallel) in this process") from None
     from torch.utils import cpp_extension
 
     from pagedkv.ops import cpu_entry  # compiles the entry points, or loads them from cache
