@@ -221,3 +221,50 @@ def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch
     os.utime(lock, (old, old))
     cpu_launch._build_directory()
     assert not lock.exists()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_kv_heads", "head_dim"),
+    [(torch.float32, 2, 16), (torch.bfloat16, 2, 16), (torch.float16, 1, 3), (torch.float32, 1, 3)],
+)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_launcher_writes_as_the_python_path(
+    launcher, dtype, num_kv_heads, head_dim, slot_dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`write_kv` through the launcher: the Python path's bytes (whole words, or bytes for
+    rows of 6 and 12 bytes), padding slots skipped, strided inputs copied first, never the
+    Python kernel call; a slot past the end still gets the general path's message."""
+    from pagedkv.ops import write_kv
+
+    def caches():
+        return (torch.zeros(4, 5, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (head_dim, 7, num_kv_heads)  # strided: a transposed view
+    key = torch.randn(shape, generator=gen).to(dtype).permute(1, 2, 0)
+    value = torch.randn(shape, generator=gen).to(dtype).permute(1, 2, 0)
+    slots = torch.tensor([3, -1, 19, 0, 7, -5, 12], dtype=slot_dtype)
+    python_caches = tuple(caches())
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_launch, "loaded", lambda: None)
+        write_kv(key[:1], value[:1], *python_caches, slots[:1])  # the pair's memo, no launcher
+        write_kv(key, value, *python_caches, slots)
+    launcher_caches = tuple(caches())
+    write_kv(key[:1], value[:1], *launcher_caches, slots[:1])  # the pair's first: general path
+    assert launcher_caches[0].__dict__[cpu._ROWS_MEMO][3][5] is not None
+
+    def python_path(*args, **kwargs):
+        raise AssertionError("took the Python write with the launcher loaded")
+
+    monkeypatch.setattr(cpu_kernels, "write_rows", python_path)
+    write_kv(key, value, *launcher_caches, slots)
+    for got, want in zip(launcher_caches, python_caches, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    bad = slots.clone()
+    bad[4] = 20
+    with pytest.raises(
+        ValueError, match=r"^slot_mapping: expected slots < .* = 20, got slot_mapping\[4\] = 20"
+    ):
+        write_kv(key, value, *launcher_caches, bad)
+    with pytest.raises(ValueError, match=r"^slot_mapping"):
+        write_kv(key, value, *launcher_caches, slots.float())

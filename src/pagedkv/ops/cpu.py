@@ -528,7 +528,12 @@ _ROWS_MEMO = "_pagedkv_row_views"
 
 def _build_row_views(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     _, _, num_kv_heads, head_dim = key_cache.shape
-    return _bytes(key_cache), _bytes(value_cache), num_kv_heads, head_dim, key_cache.dtype
+    key_rows, value_rows = _bytes(key_cache), _bytes(value_cache)
+    launcher = cpu_launch.loaded()
+    launch = None
+    if launcher is not None:
+        launch = cpu_launch.rows_block(launcher, key_rows, value_rows, key_cache, value_cache)
+    return key_rows, value_rows, num_kv_heads, head_dim, key_cache.dtype, launch
 
 
 def _bytes(cache: torch.Tensor) -> np.ndarray:
@@ -603,7 +608,19 @@ def try_write(
     memo = key_cache.__dict__.get(_ROWS_MEMO)  # set only for a pair that passed the checks
     if memo is None or memo[0] is not value_cache or memo[3] is None:
         return False
-    key_rows, value_rows, num_kv_heads, head_dim, dtype = memo[3]
+    key_rows, value_rows, num_kv_heads, head_dim, dtype, launch = memo[3]
+    if launch is not None:  # the same checks and copy, from C++ (`cpu_launch`)
+        try:
+            bad = launch.module.write(
+                key, value, key_cache, value_cache, slot_mapping, launch.block, launch.write
+            )
+        except TypeError:
+            return False  # not tensors: the general path names the problem
+        if bad is None:
+            return False
+        if bad >= 0:
+            raise _bad_slot(key_rows.shape[0], slot_mapping, bad)
+        return True
     try:
         key_shape, value_shape, slots_shape = key.shape, value.shape, slot_mapping.shape
         slots_dtype = slot_mapping.dtype
@@ -646,8 +663,9 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     the real ones use. Reads block 0 of the caches, writes nothing (the write's only slot is
     padding).
     """
-    if cpu_launch.load() is not None:
-        key_cache.__dict__.pop(_FLAT_MEMO, None)  # views made before: rebuilt with the launcher
+    if cpu_launch.load() is not None:  # views made before: rebuilt with the launcher's blocks
+        key_cache.__dict__.pop(_FLAT_MEMO, None)
+        key_cache.__dict__.pop(_ROWS_MEMO, None)
     head_dim = key_cache.shape[3]
     query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
     index = dict(dtype=torch.int32)

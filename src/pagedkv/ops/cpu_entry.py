@@ -34,6 +34,7 @@ from pagedkv.ops.cpu_kernels import (
     _run_worker,
     count_workers,
     prefetch_mode,
+    write_rows,
 )
 from pagedkv.ops.cpu_plan import OK, plan_items
 
@@ -87,6 +88,28 @@ from pagedkv.ops.cpu_plan import OK, plan_items
     PLAN_PREFETCH,
     PLAN_SLOTS,
 ) = range(11)
+
+# WRITE: one `write_kv` call, written by C++ per call.
+(
+    WRITE_KEY,  # data_ptr of the contiguous new keys [num_tokens, num_kv_heads, head_dim]
+    WRITE_VALUE,
+    WRITE_SLOTS,  # data_ptr of the contiguous slot_mapping
+    WRITE_IS_INT64,  # 1: int64 slots, 0: int32
+    WRITE_NUM_TOKENS,
+    WRITE_RESULT,  # written by the entry: -1, or the first token whose slot is past the end
+    WRITE_SLOTS_COUNT,
+) = range(7)
+
+# ROWS: a cache pair as raw rows (`cpu._bytes`), written once by `cpu.py` (C++ reads them all).
+(
+    ROWS_KEY,  # key_cache.data_ptr()
+    ROWS_VALUE,
+    ROWS_NUM_KV_HEADS,
+    ROWS_HEAD_DIM,
+    ROWS_NUM_SLOTS,  # num_blocks * block_size
+    ROWS_WORDS,  # words per row (uint64 when a row is a multiple of 8 bytes, else bytes)
+    ROWS_SLOTS,
+) = range(7)
 
 # WORK: what every worker reads, built by an entry per call.
 (
@@ -336,3 +359,38 @@ def plan_and_decode_float32(call, caches, plan):  # pragma: no cover
 def plan_and_decode_bfloat16(call, caches, plan):  # pragma: no cover
     blocks = _blocks(call, caches, plan)
     _plan_and_decode(blocks[0], blocks[1], np.uint16)
+
+
+@njit(cache=True, inline="always")
+def _write(call, rows, like):  # pragma: no cover
+    """`cpu_kernels.write_rows` on the caches' raw rows (`like`: their word type)."""
+    shape = (rows[ROWS_NUM_SLOTS], rows[ROWS_WORDS])
+    key_cache = numba.carray(_pointer(rows[ROWS_KEY], like), shape)
+    value_cache = numba.carray(_pointer(rows[ROWS_VALUE], like), shape)
+    call[WRITE_RESULT] = write_rows(
+        call[WRITE_KEY], call[WRITE_VALUE], call[WRITE_SLOTS], call[WRITE_IS_INT64] != 0,
+        call[WRITE_NUM_TOKENS], key_cache, value_cache,
+    )  # fmt: skip
+
+
+_WRITE_ENTRY = types.void(types.voidptr, types.voidptr)
+
+
+@cfunc(_WRITE_ENTRY, cache=True, **JIT)
+def write_words(call, rows):  # pragma: no cover
+    """`write_kv` into caches whose rows are whole uint64 words (WRITE, ROWS blocks)."""
+    _write(
+        numba.carray(_pointer(_address(call), np.int64), (WRITE_SLOTS_COUNT,)),
+        numba.carray(_pointer(_address(rows), np.int64), (ROWS_SLOTS,)),
+        np.uint64,
+    )
+
+
+@cfunc(_WRITE_ENTRY, cache=True, **JIT)
+def write_bytes(call, rows):  # pragma: no cover
+    """As `write_words`, for rows that are not a multiple of 8 bytes."""
+    _write(
+        numba.carray(_pointer(_address(call), np.int64), (WRITE_SLOTS_COUNT,)),
+        numba.carray(_pointer(_address(rows), np.int64), (ROWS_SLOTS,)),
+        np.uint8,
+    )

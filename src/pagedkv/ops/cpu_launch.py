@@ -177,6 +177,35 @@ def caches_block(
     )
 
 
+class LaunchRows(NamedTuple):
+    """A cache pair's ROWS block for `write_kv` and the entry point of its word type."""
+
+    block: torch.Tensor  # int64 [cpu_entry.ROWS_SLOTS]
+    write: int  # cpu_entry.write_words or write_bytes address
+    module: Any  # Launcher.module
+
+
+def rows_block(
+    launcher: Launcher,
+    key_rows: np.ndarray,
+    value_rows: np.ndarray,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> LaunchRows:
+    """The ROWS block of a checked, contiguous cache pair and its raw row views (`cpu._bytes`)."""
+    from pagedkv.ops import cpu_entry as e
+
+    block = np.zeros(e.ROWS_SLOTS, dtype=np.int64)
+    block[e.ROWS_KEY], block[e.ROWS_VALUE] = key_cache.data_ptr(), value_cache.data_ptr()
+    block[e.ROWS_NUM_KV_HEADS], block[e.ROWS_HEAD_DIM] = key_cache.shape[2:]
+    block[e.ROWS_NUM_SLOTS], block[e.ROWS_WORDS] = key_rows.shape
+    # The entry point reads the caches from these addresses: the views must start there.
+    assert key_rows.ctypes.data == block[e.ROWS_KEY]
+    assert value_rows.ctypes.data == block[e.ROWS_VALUE]
+    entry = e.write_words if key_rows.dtype == np.uint64 else e.write_bytes
+    return LaunchRows(torch.from_numpy(block), entry.address, launcher.module)
+
+
 def plan_block(
     num_tokens: int,
     block_tables: np.ndarray,

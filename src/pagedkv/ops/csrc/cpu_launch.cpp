@@ -24,9 +24,13 @@ constexpr int kCallBlock = 64;  // >= CALL_BLOCK: the CALL slots, then room for 
 constexpr int kCachesKey = 0, kCachesValue = 1, kCachesHeadDim = 2, kCachesNumKvHeads = 3,
               kCachesMaxDecodeQuery = 4;
 constexpr int kPlanNumTokens = 0;
+constexpr int kWriteKey = 0, kWriteValue = 1, kWriteSlots = 2, kWriteIsInt64 = 3,
+              kWriteNumTokens = 4, kWriteResult = 5, kWriteBlock = 6;
+constexpr int kRowsKey = 0, kRowsValue = 1, kRowsNumKvHeads = 2, kRowsHeadDim = 3;
 constexpr int64_t kOk = 0;
 
 using Entry = void (*)(int64_t*, const int64_t*, const int64_t*);
+using WriteEntry = void (*)(int64_t*, const int64_t*);
 
 // The query's checks shared by both calls, against the cache pair's CACHES block; false:
 // not this path.
@@ -132,9 +136,38 @@ py::object plan_and_decode(const at::Tensor& query, const at::Tensor& key_cache,
   return run(reinterpret_cast<Entry>(entry), query, scale_value, call, caches, nullptr);
 }
 
+// `write_kv` into a known cache pair (the ROWS block): None when not taken, else -1, or the
+// first token whose slot is past the end (nothing written for it; the caller raises).
+py::object write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                 const at::Tensor& rows_block, int64_t entry) {
+  const int64_t* rows = rows_block.data_ptr<int64_t>();
+  const auto slots_type = slot_mapping.scalar_type();
+  if (key.dim() != 3 || value.sizes() != key.sizes() || key.size(1) != rows[kRowsNumKvHeads] ||
+      key.size(2) != rows[kRowsHeadDim] || slot_mapping.dim() != 1 ||
+      slot_mapping.size(0) != key.size(0) || (slots_type != at::kLong && slots_type != at::kInt) ||
+      key.scalar_type() != key_cache.scalar_type() ||
+      value.scalar_type() != key_cache.scalar_type() || !key.device().is_cpu() ||
+      !value.device().is_cpu() || !slot_mapping.device().is_cpu() ||
+      reinterpret_cast<int64_t>(key_cache.data_ptr()) != rows[kRowsKey] ||
+      reinterpret_cast<int64_t>(value_cache.data_ptr()) != rows[kRowsValue]) {
+    return py::none();
+  }
+  const at::Tensor k = key.contiguous(), v = value.contiguous(), s = slot_mapping.contiguous();
+  int64_t call[kWriteBlock] = {};
+  call[kWriteKey] = reinterpret_cast<int64_t>(k.data_ptr());
+  call[kWriteValue] = reinterpret_cast<int64_t>(v.data_ptr());
+  call[kWriteSlots] = reinterpret_cast<int64_t>(s.data_ptr());
+  call[kWriteIsInt64] = slots_type == at::kLong;
+  call[kWriteNumTokens] = k.size(0);
+  reinterpret_cast<WriteEntry>(entry)(call, rows);
+  return py::int_(call[kWriteResult]);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode);
   m.def("plan_and_decode", &plan_and_decode);
+  m.def("write", &write_kv);
   // For the loader to check against cpu_entry's constants.
   m.attr("CALL_BLOCK") = kCallBlock;
   py::dict slots;
@@ -156,6 +189,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   slots["CACHES_NUM_KV_HEADS"] = kCachesNumKvHeads;
   slots["CACHES_MAX_DECODE_QUERY"] = kCachesMaxDecodeQuery;
   slots["PLAN_NUM_TOKENS"] = kPlanNumTokens;
+  slots["WRITE_KEY"] = kWriteKey;
+  slots["WRITE_VALUE"] = kWriteValue;
+  slots["WRITE_SLOTS"] = kWriteSlots;
+  slots["WRITE_IS_INT64"] = kWriteIsInt64;
+  slots["WRITE_NUM_TOKENS"] = kWriteNumTokens;
+  slots["WRITE_RESULT"] = kWriteResult;
+  slots["WRITE_SLOTS_COUNT"] = kWriteBlock;
+  slots["ROWS_KEY"] = kRowsKey;
+  slots["ROWS_VALUE"] = kRowsValue;
+  slots["ROWS_NUM_KV_HEADS"] = kRowsNumKvHeads;
+  slots["ROWS_HEAD_DIM"] = kRowsHeadDim;
   slots["OK"] = kOk;
   m.attr("SLOTS") = slots;
 }
