@@ -376,21 +376,24 @@ def _write(call, rows, like):  # pragma: no cover
 _WRITE_ENTRY = types.void(types.voidptr, types.voidptr)
 
 
+@njit(cache=True, inline="always")
+def _write_blocks(call, rows):  # pragma: no cover
+    """A write entry point's two pointers as the WRITE and ROWS blocks."""
+    return (
+        numba.carray(_pointer(_address(call), np.int64), (WRITE_SLOTS_COUNT,)),
+        numba.carray(_pointer(_address(rows), np.int64), (ROWS_SLOTS,)),
+    )
+
+
 @cfunc(_WRITE_ENTRY, cache=True, **JIT)
 def write_words(call, rows):  # pragma: no cover
     """`write_kv` into caches whose rows are whole uint64 words (WRITE, ROWS blocks)."""
-    _write(
-        numba.carray(_pointer(_address(call), np.int64), (WRITE_SLOTS_COUNT,)),
-        numba.carray(_pointer(_address(rows), np.int64), (ROWS_SLOTS,)),
-        np.uint64,
-    )
+    blocks = _write_blocks(call, rows)
+    _write(blocks[0], blocks[1], np.uint64)
 
 
 @cfunc(_WRITE_ENTRY, cache=True, **JIT)
 def write_bytes(call, rows):  # pragma: no cover
     """As `write_words`, for rows that are not a multiple of 8 bytes."""
-    _write(
-        numba.carray(_pointer(_address(call), np.int64), (WRITE_SLOTS_COUNT,)),
-        numba.carray(_pointer(_address(rows), np.int64), (ROWS_SLOTS,)),
-        np.uint8,
-    )
+    blocks = _write_blocks(call, rows)
+    _write(blocks[0], blocks[1], np.uint8)
