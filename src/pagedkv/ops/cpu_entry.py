@@ -33,6 +33,7 @@ from pagedkv.ops.cpu_kernels import (
     _pointer,
     _run_worker,
     count_workers,
+    partial_state_views,
     prefetch_mode,
     write_rows,
 )
@@ -128,7 +129,7 @@ from pagedkv.ops.cpu_plan import OK, plan_items
     WORK_MAX_BLOCKS,
     WORK_ITEMS,
     WORK_NUM_ITEMS,
-    WORK_PARTS,  # one allocation: acc [P, H, D], then m [P, H], then l [P, H]
+    WORK_PARTS,  # the partial states' buffer (`cpu_kernels.partial_state_views`)
     WORK_NUM_PARTS,
     WORK_SCALE,
     WORK_NUM_WORKERS,
@@ -203,7 +204,6 @@ def _work(work, worker, num_workers, like):  # pragma: no cover
         work[WORK_HEAD_DIM],
     )
     num_parts = work[WORK_NUM_PARTS]
-    size = num_parts * num_heads
     query = numba.carray(_pointer(work[WORK_QUERY], np.float32), (num_tokens, num_heads, head_dim))
     out = numba.carray(_pointer(work[WORK_OUT], np.float32), (num_tokens, num_heads, head_dim))
     key = numba.carray(_pointer(work[WORK_KEY], like), (work[WORK_ELEMENTS],))
@@ -212,10 +212,10 @@ def _work(work, worker, num_workers, like):  # pragma: no cover
         _pointer(work[WORK_TABLES], np.int32), (work[WORK_NUM_SEQS], work[WORK_MAX_BLOCKS])
     )
     items = numba.carray(_pointer(work[WORK_ITEMS], np.int64), (work[WORK_NUM_ITEMS], 6))
-    parts = numba.carray(_pointer(work[WORK_PARTS], np.float32), (size * (head_dim + 2),))
-    part_acc = parts[: size * head_dim].reshape((num_parts, num_heads, head_dim))
-    part_m = parts[size * head_dim : size * (head_dim + 1)].reshape((num_parts, num_heads))
-    part_l = parts[size * (head_dim + 1) :].reshape((num_parts, num_heads))
+    parts = numba.carray(
+        _pointer(work[WORK_PARTS], np.float32), (num_parts * num_heads * (head_dim + 2),)
+    )
+    part_acc, part_m, part_l = partial_state_views(parts, num_parts, num_heads, head_dim)
     _run_worker(worker, num_workers, query, key, value, work[WORK_BLOCK_SIZE],
                 work[WORK_NUM_KV_HEADS], tables, items, _f64_from_bits(work[WORK_SCALE]), out,
                 part_acc, part_m, part_l, work[WORK_PREFETCH])  # fmt: skip
