@@ -3,15 +3,15 @@
 For each pool size it measures, in one run, side by side:
 
 * churn: the pool kept ~90 % full; each step frees a random sequence and allocates new ones
-  (1-64 blocks each) until 90 % is used again. Reported in microseconds per block
-  (one allocation plus one free). Through `BlockPool` (the layer vLLM's BlockPool figures
-  compare with), through `KVCacheManager` without prefix caching (prompts of 16-token blocks,
-  sequence dicts, validation), and through the seed's first-free-scan allocator (a Python
-  port of FindFreePage + AllocatePages), timed on fewer steps at large sizes. The floor: the
-  same churn through a stand-in that only makes a block table and reads it back on free (the
-  workload's own cost: its tables go cold in cache at large sizes). "calls only" is the
-  `BlockPool` churn with each allocate and free call timed on its own: the allocator without
-  the workload's steps around it.
+  (1-64 blocks each) until 90 % is used again. Reported in microseconds per block (one
+  allocation plus one free). Through `BlockPool` (the layer vLLM's BlockPool figures compare
+  with), through `KVCacheManager` without prefix caching (prompts of 16-token blocks,
+  sequence dicts, validation), and through a first-free-scan allocator (a Python port of a
+  page-at-a-time FindFreePage + AllocatePages design), timed on fewer steps at large sizes.
+  The floor: the same churn through a stand-in that only makes a block table and reads it
+  back on free (the workload's own cost: its tables go cold in cache at large sizes). "calls
+  only" is the `BlockPool` churn with each allocate and free call timed on its own: the
+  allocator without the workload's steps around it.
 * prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
   (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
   hit block, then `free` separately. Repeated hits on a chain go through its spans; the walk
@@ -47,7 +47,7 @@ DEFAULT_SIZES = (10_000, 100_000, 1_000_000, 2_097_152)
 
 
 class ScanAllocator:
-    """The seed's allocator, ported faithfully: a first-free linear scan per page.
+    """A page-at-a-time allocator ported as written: a first-free linear scan per page.
 
     `allocate_pages` keeps its bug (pages taken before running out stay attached to the
     table); the churn below never runs out, so the bug does not affect the timing.

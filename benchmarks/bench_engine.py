@@ -15,14 +15,14 @@ Efficiency is the matmul floor over the measured time: (prompt + output tokens) 
 layers' matmul parameters, plus output tokens x 2 x the LM head's, over the `torch.mm` rate
 measured in this run at the model's MLP shapes. Beside it, for pagedkv: its matmuls alone,
 timed in isolation at the token counts of the steps it actually ran (`isolated_mm_seconds`),
-which bounds the efficiency any schedule of those steps could reach. Issue 5's runs: memory
+which bounds the efficiency any schedule of those steps could reach. First dtype only: memory
 pressure (pool at ~30 % of the workload's blocks), recompute vs swap; parallel sampling
 (n = 4, seeded) vs the same samples as separate requests without prefix caching (peak
 blocks, throughput).
 
 Threads: this machine has 2 cores, shared. Every run uses 2 torch threads (`--threads`),
 1 inter-op thread, as many Numba threads, and OMP_WAIT_POLICY=PASSIVE, set before torch
-loads: spinning OpenMP waits made 2-thread transformers up to 45x slower next to a busy core.
+loads: spinning OpenMP waits stall every 2-thread system whenever another process holds a core.
 
     python benchmarks/bench_engine.py --quick          # tiny model: a smoke run
     python benchmarks/bench_engine.py                  # full: long (tens of minutes)
@@ -515,8 +515,8 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, Any] = {"throughput": []}
         for dtype in dtypes:
             results["throughput"] += bench_throughput(args, model_dir, config, dtype, workloads)
-        # Issue 5's runs in the first dtype: pressure on the serving case, sharing on half
-        # the prompts (n = 4 quadruples the decode work).
+        # Memory pressure and sharing, first dtype only: pressure on the serving case, sharing
+        # on half the prompts (n = 4 quadruples the decode work).
         pressure_load = workloads.get("variable") or workloads["fixed"]
         if not args.skip_pressure:
             pressure = run_pressure(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's one command (issue 3), from the repository root on the device machine:
+# The whole GPU check in one command, from the repository root on the GPU machine:
 #   bash benchmarks/device_check.sh
 # No network and no installs there: the device brings torch, triton and numba; the package is
 # used from src/ through PYTHONPATH. Each step runs under its own `timeout` (515 s in all,

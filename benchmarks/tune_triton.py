@@ -1,4 +1,4 @@
-"""Tune the Triton decode kernel on a GPU in one run; locate the per-call fixed cost (issue 3).
+"""Tune the Triton decode kernel on a GPU in one run; locate the per-call fixed cost.
 
 Sweeps `decode_attention`'s launch configuration (keys per tile, warps, pipeline stages,
 partitions) on bf16, GQA 32/8, head_dim 128, block 16, coarse first and then around the
@@ -203,7 +203,7 @@ class Timer:
 
     def __init__(self, device: str, max_reps: int = 1000):
         self.is_cuda, self.max_reps = device == "cuda", max_reps
-        # 512 MiB zeroed before each timed call (~0.15 ms): evicts L2 (50 MiB on H200) and
+        # 512 MiB zeroed before each timed call: evicts L2 (50 MiB on H200) and
         # gives the host a head start, so launch overhead below that is not what is timed.
         self.flush = torch.empty(2**27, dtype=torch.int32, device=device) if self.is_cuda else None
 

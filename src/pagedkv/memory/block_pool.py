@@ -11,8 +11,8 @@ Every block is in exactly one of three states::
 No Python object per block: flat containers only, work batched per call, and block ids
 handed out as ``array('i')`` slices (4 bytes per block in a block table, no int objects, so
 a pool of millions stays cache friendly). The reference counts are a list of small ints:
-one pointer per block to CPython's shared small-int objects, and twice as fast as an array
-on the per-block steps of a hit or a free (specialized list loads and stores). While no
+one pointer per block to CPython's shared small-int objects, and faster than an array on
+the per-block steps of a hit or a free (specialized list loads and stores). While no
 block has two holders (no fork, no shared prefix held), `free` releases a block table
 without reading a count: one reversed slice onto the free stack. The cached queue is lazy:
 a hit does not unlink the block (the costliest per-block step of an intrusive linked list),
@@ -71,9 +71,9 @@ class BlockPool:
         # ref_count - 1 for a held block, 0 on the free stack, -1 when cached. Counting the
         # *extra* references lets allocation skip a per-block write, and a prefix hit is one
         # increment whether the block was held (k -> k + 1) or cached (-1 -> 0). A list, not
-        # an array: CPython's specialized list[int] load/store make the per-block steps of a
-        # hit and a free twice as fast, and the small ints it holds are shared singletons
-        # (8 bytes per block, one pointer).
+        # an array: CPython's specialized list[int] load/store speed up the per-block steps
+        # of a hit and a free, and the small ints it holds are shared singletons (8 bytes
+        # per block, one pointer).
         self._extra = [0] * num_blocks
         # Cached queue (oldest at _head) and, per block, the position of its newest entry.
         self._queue = array("i")

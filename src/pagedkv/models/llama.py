@@ -71,8 +71,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
         num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
-        # F.linear on the weights directly: nn.Module.__call__ costs a few us per call, and a
-        # decode step makes ~100 of them (the matmuls of 1-8 tokens take ~1 ms per layer).
+        # F.linear on the weights directly: nn.Module.__call__'s hook dispatch is paid on each
+        # of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
         qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in
         if self.q_norm is None or self.k_norm is None:

@@ -7,16 +7,10 @@ every K/V row is read from HBM once per step. With more than one partition, each
 program writes a partial (running max, sum, unnormalized output) and
 ``_reduce_kernel`` merges them.
 
-Measured on an H200 (git c06ab2d kernels, torch 2.11, triton 3.6; bf16, GQA 32/8,
-head_dim 128, block 16; `benchmarks/bench_attention.py --device cuda`, per call incl. host
-overhead): batch 64 x 4096 1.059 ms against 0.284 ms for SDPA on contiguous KV, 1014 GB/s
-= 24 % of the 4189 GB/s read bandwidth measured in the same run (the target is 80 %); 64 x
-32768 7.3 ms (1.18 TB/s, 28 %), 8 x 32768 1.30 ms, so large shapes are kernel-bound at
-1.1-1.2 TB/s; 1 x 4096 0.174 ms against 0.078 ms (about 0.1 ms of fixed cost per call);
-1 x 32768 0.255 ms, 1.62x SDPA (the split pays). The design estimate was 224 us for 64 x
-4096 (1.07 GB at 4.8 TB/s, 1024 programs streaming 64-key tiles, 5 per SM at 94 registers
-and 39 KiB shared per compile_check.py); the measurement is 4x off it.
-`benchmarks/tune_triton.py` sweeps the launch configuration and locates the fixed cost.
+The kernel's time against SDPA on contiguous KV and its share of the HBM bandwidth are in
+docs/benchmarks.md (Triton section): it reaches neither SDPA nor the bandwidth yet except on
+long single sequences, where the split across partitions pays. `benchmarks/tune_triton.py`
+sweeps the launch configuration and locates the per-call fixed cost.
 """
 
 from __future__ import annotations

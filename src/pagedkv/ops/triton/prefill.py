@@ -12,11 +12,9 @@ a mixed batch costs one tile of GROUP heads and a K/V tile feeds every head of t
 group. Key tiles walk the block table from the first block inside the window to
 the diagonal; blocks wholly outside the causal/window band are never visited.
 
-Expected speed on an H200 (bf16, head_dim 128, long prompts; not measured in this
-session): long prompts get 128-row tiles (8 warps, 3 stages, wgmma, 174 registers,
-96 KiB shared, no spills per compile_check.py), the FlashAttention-2 shape that Triton
-brings to roughly 40-55 % of dense tensor-core peak before warp specialization; short
-chunks and decode rows get 64-row tiles. Masks cost a few integer ops per score.
+Tiles: long prompts get 128-row tiles (8 warps, 3 stages, wgmma, 174 registers, 96 KiB
+shared, no spills per compile_check.py on sm_90), the FlashAttention-2 shape; short chunks
+and decode rows get 64-row tiles. Masks cost a few integer ops per score.
 """
 
 from __future__ import annotations
