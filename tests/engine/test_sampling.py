@@ -27,6 +27,15 @@ from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
         ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": float("inf")}, "temperature: expected a finite number"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 2**64}, "seed: expected <= 18446744073709551615"),
+        ({"seed": -(2**63) - 1}, "seed: expected >= -9223372036854775808"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"logit_bias": {5: 100.5}}, r"logit_bias\[5\]: expected in \[-100, 100\]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias token id"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs, match) -> None:
@@ -129,3 +138,22 @@ def test_logprobs_are_raw_log_softmax_with_the_sampled_token() -> None:
 def test_sampler_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError, match="one per row"):
         Sampler()(logits_batch(rows=2), [SamplingParams()], [None])
+
+
+def test_logit_bias_steers_sampling_but_not_logprobs() -> None:
+    logits = logits_batch(rows=3)
+    reference = torch.log_softmax(logits, -1)
+    argmax = logits.argmax(-1).tolist()
+    forced = (argmax[0] + 1) % logits.shape[1]
+    params = [
+        SamplingParams(temperature=0, logprobs=1, logit_bias={forced: 100}),
+        SamplingParams(temperature=0, logit_bias={argmax[1]: -100}),
+        SamplingParams(temperature=1.0, logit_bias={forced: 100.0}),
+    ]
+    results = Sampler()(logits, params, [None, None, create_generator(0, 0)])
+    assert results[0].token_id == forced and results[2].token_id == forced
+    assert results[0].logprob == pytest.approx(reference[0, forced].item())
+    assert forced in results[0].top_logprobs  # the raw top-1 and the sampled token
+    assert results[1].token_id == logits[1].topk(2).indices[1].item()
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler()(logits[:1], [SamplingParams(logit_bias={10**6: 1.0})], [None])

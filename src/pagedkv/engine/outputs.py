@@ -54,7 +54,14 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The cumulative state of one request after a step (or at the end)."""
+    """The cumulative state of one request after a step (or at the end).
+
+    Attributes:
+        prompt_logprobs: None unless `SamplingParams.prompt_logprobs` is set; then one entry
+            per prompt token: None for the first (nothing predicts it), then token id ->
+            logprob for the top `prompt_logprobs` tokens and the prompt token itself, from
+            the logits of the position before it (vLLM's shape, logprobs as floats).
+    """
 
     request_id: str
     prompt: str | None
@@ -62,6 +69,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Turn logits into tokens: logit bias, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Each sampled row draws its randomness only from its own `torch.Generator`, so a seeded
 sequence gets the same tokens whatever else is in the batch. Sampling uses the
@@ -70,6 +70,7 @@ class Sampler:
             return []
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _apply_logit_bias(logits, params)
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -113,6 +114,32 @@ class Sampler:
                 raise ValueError(f"expected a generator for sampled row {row}, got None")
             noise[row].exponential_(generator=generator)
         return _argmax(probs / noise)
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Add each row's `logit_bias` (a copy when any row has one). logits: [rows, vocab].
+
+    Raises:
+        ValueError: a biased token id is outside the vocabulary.
+    """
+    biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return logits
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for row, bias in biased:
+        for token, value in bias.items():
+            rows.append(row)
+            ids.append(token)
+            values.append(value)
+    vocab = logits.shape[-1]
+    if max(ids) >= vocab:
+        raise ValueError(f"logit_bias: expected token ids in [0, {vocab}), got {max(ids)}")
+    out = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+    out.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    return out
 
 
 def _argmax(values: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this a temperature is treated as greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
+# Seeds are 64-bit integers, signed or not (torch.Generator.manual_seed's range).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# OpenAI's range for `logit_bias` values.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -26,6 +31,11 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: per generated token, return the logprobs of this many top tokens plus
             the sampled one; None returns none.
+        prompt_logprobs: per prompt token after the first, return the logprobs of this many
+            top tokens plus the prompt token; None returns none. Such a request takes no
+            prefix-cache hits: a cached block has no logits, so its prompt is computed in full.
+        logit_bias: token id -> value in [-100, 100] added to that token's logit before
+            sampling (greedy included); logprobs stay those of the raw logits.
     """
 
     n: int = 1
@@ -39,6 +49,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -55,15 +67,20 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name}: expected a number, got {value!r}")
-            if value != value or value < low or (high is not None and value > high):
-                bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            if not math.isfinite(value) or value < low or (high is not None and value > high):
+                bound = f"a finite number >= {low}" if high is None else f"in [{low}, {high}]"
                 raise ValueError(f"{name}: expected {bound}, got {value!r}")
         if self.top_p <= 0.0:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
+            _check_int("seed", self.seed, minimum=_SEED_MIN)
+            if self.seed > _SEED_MAX:
+                raise ValueError(f"seed: expected <= {_SEED_MAX} (64 bits), got {self.seed}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.stop is None:
             stop: tuple[str, ...] = ()
         elif isinstance(self.stop, str):
@@ -101,6 +118,23 @@ class BeamSearchParams:
         value = self.length_penalty
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"length_penalty: expected a number, got {value!r}")
+
+
+def _check_logit_bias(logit_bias: object) -> dict[int, float]:
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias: expected a dict of token id -> bias, got {logit_bias!r:.60}")
+    checked: dict[int, float] = {}
+    for token, bias in logit_bias.items():
+        _check_int("logit_bias token id", token, minimum=0)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias[{token}]: expected a number, got {bias!r:.40}")
+        if abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias[{token}]: expected in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {bias}"
+            )
+        checked[token] = float(bias)
+    return checked
 
 
 def _check_int(name: str, value: object, *, minimum: int | None) -> None:
