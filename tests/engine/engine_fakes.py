@@ -54,10 +54,14 @@ class ChainRunner:
             for pos in range(seq.start_pos):
                 _ = self.device[table[pos // bs]][pos % bs]
             value = self._read(table, seq.start_pos - 1) if seq.start_pos else 0
-            for offset, token in enumerate(seq.token_ids):
+            # New KV goes where the step's slot mapping says; reads go through the table.
+            for offset, (token, slot) in enumerate(
+                zip(seq.token_ids, seq.slot_mapping, strict=True)
+            ):
                 pos = seq.start_pos + offset
+                assert slot == table[pos // bs] * bs + pos % bs, "slot disagrees with table"
                 value = chain(value, token)
-                self.device.setdefault(table[pos // bs], {})[pos % bs] = value
+                self.device.setdefault(slot // bs, {})[slot % bs] = value
             for seq_id in seq.sample_seq_ids:
                 sampled[seq_id] = next_token(value, seq_id[1])
         return sampled

@@ -251,11 +251,11 @@ def test_failed_step_frees_every_block(llama_dir, monkeypatch):
     expected = beam_search(engine, prompts, params)
     execute, calls = engine.runner.execute, []
 
-    def failing_execute(step, requests):
+    def failing_execute(step):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return execute(step, requests)
+        return execute(step)
 
     monkeypatch.setattr(engine.runner, "execute", failing_execute)
     with pytest.raises(RuntimeError, match="device lost"):

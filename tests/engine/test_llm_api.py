@@ -150,7 +150,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_recovers(llm: LLM, mon
     engine = llm.engine
     other = list(range(100, 150))
 
-    def broken(step, requests):
+    def broken(step):
         raise RuntimeError("device lost")
 
     engine.add_request("doomed", other, params)

@@ -72,6 +72,7 @@ def test_scheduler_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import pagedkv.engine.scheduler, pagedkv.engine.request, pagedkv.engine.preemption\n"
+        "import pagedkv.engine.stop, pagedkv.engine.scheduler_output\n"
         "import pagedkv.engine.sampling_params, pagedkv.engine.outputs\n"
         "import pagedkv.memory\n"
         "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n"

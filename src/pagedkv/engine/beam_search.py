@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pagedkv.engine.beam_selector import Beam, BeamSelector, EarlyStopping
-from pagedkv.engine.request import Request, SeqId
+from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -71,11 +71,13 @@ class BeamSearchOutput:
 
 @dataclass
 class _PromptSearch:
-    """One prompt's search: its request (for the runner), selector, live beams, prefill state."""
+    """One prompt's search: its id and sampling parameters (for the runner), selector, live
+    beams, prefill state."""
 
     prompt: str | None
     prompt_token_ids: list[int]
-    request: Request
+    request_id: str
+    params: SamplingParams
     selector: BeamSelector
     num_reserved_blocks: int
     beams: list[Beam] = field(default_factory=list)
@@ -155,17 +157,12 @@ class BeamSearchRun:
             )
         selector = BeamSelector(k, num_new, eos, self.params.length_penalty, self.early_stopping)
         num_logprobs = min(selector.num_candidates, self.engine.model_config.vocab_size)
-        request = Request(
-            f"beam-search-{id(self)}-{index}",
-            token_ids,
-            SamplingParams(
-                temperature=0.0, max_tokens=num_new, logprobs=num_logprobs, ignore_eos=True
-            ),
-            arrival_time=0.0,
-            arrival_index=index,
-            prompt=text,
+        # Greedy with the top logprobs: the runner hands back each beam's candidates.
+        params = SamplingParams(
+            temperature=0.0, max_tokens=num_new, logprobs=num_logprobs, ignore_eos=True
         )
-        return _PromptSearch(text, token_ids, request, selector, reserved)
+        request_id = f"beam-search-{id(self)}-{index}"
+        return _PromptSearch(text, token_ids, request_id, params, selector, reserved)
 
     def run(self) -> list[BeamSearchOutput]:
         """Search every prompt to the end; every block is free again afterwards.
@@ -183,9 +180,7 @@ class BeamSearchRun:
             while waiting or active:
                 self._admit(waiting, active)
                 step = self._schedule(active)
-                results = self.runner.execute(
-                    step, {s.request.request_id: s.request for s in active}
-                )
+                results = self.runner.execute(step)
                 self.num_steps += 1
                 for search in [s for s in active if s.beams and s.beams[0].seq_id in results]:
                     self._advance(search, results)
@@ -218,7 +213,7 @@ class BeamSearchRun:
             waiting.popleft()
             active.append(search)
             reserved += search.num_reserved_blocks
-            search.beams = [Beam((search.request.request_id, next(self._serial)))]
+            search.beams = [Beam((search.request_id, next(self._serial)))]
 
     def _schedule(self, active: list[_PromptSearch]) -> SchedulerOutput:
         """Decode tokens of every live beam first, then prompt chunks under the budget."""
@@ -235,7 +230,9 @@ class BeamSearchRun:
                         beam.token_ids[-1:],
                         position,
                         self.manager.block_table(beam.seq_id),
+                        self.manager.slot_mapping(beam.seq_id, position, position + 1),
                         [beam.seq_id],
+                        search.params,
                     )
                 )
                 budget -= 1
@@ -262,7 +259,13 @@ class BeamSearchRun:
         sample = [root] if end == len(prompt) else []
         seqs.append(
             ScheduledSequence(
-                root, prompt[start:end], start, self.manager.block_table(root), sample
+                root,
+                prompt[start:end],
+                start,
+                self.manager.block_table(root),
+                self.manager.slot_mapping(root, start, end),
+                sample,
+                search.params,
             )
         )
         return end - start
@@ -279,7 +282,7 @@ class BeamSearchRun:
         new_beams = []
         for candidate in running:
             parent = search.beams[candidate.parent]
-            child = (search.request.request_id, next(self._serial))
+            child = (search.request_id, next(self._serial))
             self.manager.fork(parent.seq_id, child)
             new_beams.append(
                 Beam(

@@ -21,7 +21,7 @@ EarlyStopping = bool | Literal["never"]
 class Beam:
     """A live beam: a sequence in the KV cache manager and the tokens it generated."""
 
-    seq_id: SeqId  # (request id, serial): the runner finds the request by its first part
+    seq_id: SeqId  # (the search's request id, serial)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cum_logprob: float = 0.0

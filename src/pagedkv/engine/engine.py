@@ -1,7 +1,8 @@
 """`LLMEngine`: requests in, one step at a time, `RequestOutput`s out.
 
-A step is three calls: `scheduler.schedule()` -> `runner.execute()` -> postprocess
-(record tokens, detokenize, stop strings, outputs). The server drives `step()` in a loop;
+A step is three calls: `scheduler.schedule()` -> `runner.execute(step)` -> postprocess
+(`scheduler.update` appends the tokens and their text and decides every stop; the engine
+adds logprobs and builds the outputs). The server drives `step()` in a loop;
 `LLM.generate` drives it until every request is done.
 """
 
@@ -62,6 +63,7 @@ class LLMEngine:
             block_size=config.cache.block_size,
             max_model_len=max_model_len,
             eos_token_ids=eos,
+            detokenize=self._detokenize if tokenizer is not None else None,
         )
         self._rng = random.Random(config.seed)
         self._arrivals = 0
@@ -166,7 +168,7 @@ class LLMEngine:
         """End a request now; its blocks go back to the pool. Unknown ids are ignored."""
         request = self.scheduler.abort_request(request_id)
         if request is not None:
-            self.runner.release(request)
+            self.runner.release(request_id)
             request.metrics.finished_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
@@ -192,7 +194,7 @@ class LLMEngine:
         live = dict(self.scheduler.requests)
         step = self.scheduler.schedule()
         try:
-            results = self.runner.execute(step, live)
+            results = self.runner.execute(step)
         except Exception:
             self._drop_failed_step(step)
             raise
@@ -224,7 +226,7 @@ class LLMEngine:
         touched = self.scheduler.update(step, {k: r.token_id for k, r in results.items()})
         for seq_id, result in results.items():
             request = live[seq_id[0]]
-            self._record(request, request.seq(seq_id[1]), result)
+            self._record_logprobs(request, request.seq(seq_id[1]), result)
         ended = [live[r] for r in step.finished_request_ids]
         outputs = []
         for request in dict.fromkeys([*touched, *ended]):
@@ -232,40 +234,22 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             if request.is_finished:
                 request.metrics.finished_time = now
-                self.runner.release(request)
+                self.runner.release(request.request_id)
             outputs.append(self.make_output(request))
         return outputs
 
-    def _record(self, request: Request, seq: Sequence, result: SampleResult) -> None:
-        """Logprobs, text and stop strings of the token `update` just appended."""
-        params = request.params
+    def _record_logprobs(self, request: Request, seq: Sequence, result: SampleResult) -> None:
+        """The logprobs of the token `update` just appended."""
         seq.cumulative_logprob += result.logprob
-        if params.logprobs is not None and result.top_logprobs is not None:
+        if request.params.logprobs is not None and result.top_logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
-        if self.tokenizer is None:
-            return
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """The text of `seq`'s newest token (the scheduler's `detokenize`)."""
+        assert self.tokenizer is not None, "detokenize is only passed with a tokenizer"
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:-1])
-        start = len(seq.text)
-        seq.text += seq.detokenizer.add(result.token_id)
-        if params.stop_strings and seq.finish_reason in (None, "length"):
-            self._check_stop_strings(seq, params.stop_strings, start)
-
-    def _check_stop_strings(self, seq: Sequence, stops: tuple[str, ...], start: int) -> None:
-        # A stop string may straddle the previous text; search from just before it.
-        hits = []
-        for stop in stops:
-            index = seq.text.find(stop, max(0, start - len(stop) + 1))
-            if index >= 0:
-                hits.append((index, stop))
-        if not hits:
-            return
-        index, stop = min(hits)
-        seq.text = seq.text[:index]
-        if seq.finish_reason is None:
-            self.scheduler.finish_sequence(seq, "stop", stop)
-        else:  # it ended by length on the same token: the stop string wins, as in vLLM
-            seq.finish_reason, seq.stop_reason = "stop", stop
+        return seq.detokenizer.add(seq.token_ids[-1])
 
     def make_output(self, request: Request) -> RequestOutput:
         """The request's cumulative output now."""

@@ -44,7 +44,8 @@ class Sequence:
     num_swapped_blocks: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    # Filled by the engine (the scheduler never reads them).
+    # `text` grows in `Scheduler.update` through the engine's detokenizer (stop strings are
+    # matched on it); the logprobs are filled by the engine.
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.engine.request import Request, SeqId
+from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
 
@@ -33,7 +31,9 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.device = kv_cache.device
         self.sampler = Sampler()
-        self._generators: dict[SeqId, torch.Generator] = {}
+        # Per request id, per sample index: its generator, created on first use and kept
+        # across steps (and preemptions) until `release`.
+        self._generators: dict[str, dict[int, torch.Generator]] = {}
         # torch's intra-op thread count when the engine started: the first Numba parallel
         # region (the attention kernels: the warm-up below, or else the first step) can reset
         # it, so it is restored once after that.
@@ -48,17 +48,15 @@ class ModelRunner:
         self._restore_threads()
 
     @torch.inference_mode()
-    def execute(
-        self, step: SchedulerOutput, requests: Mapping[str, Request]
-    ) -> dict[SeqId, SampleResult]:
+    def execute(self, step: SchedulerOutput) -> dict[SeqId, SampleResult]:
         """Apply the step's block moves, run its tokens, and sample where asked.
 
         Order matters: swap-outs read blocks the step may hand to others, swap-ins fill
         blocks before copies read them, and copies land before the forward writes new KV.
 
         Args:
-            step: the scheduler's decision.
-            requests: live requests by id (their params and seeds drive sampling).
+            step: the scheduler's decision; it carries everything the step needs (tokens,
+                positions, slots, block tables, sampling parameters and seeds).
 
         Returns:
             For each id in any `sample_seq_ids`, its sampled token and logprobs.
@@ -74,7 +72,7 @@ class ModelRunner:
         for seq in step.seqs:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.seq_len))
-            slots.extend(self._slots(seq.block_table, seq.start_pos, seq.seq_len))
+            slots.extend(seq.slot_mapping)
         metadata = AttentionMetadata.build(
             [s.block_table for s in step.seqs],
             [s.seq_len for s in step.seqs],
@@ -91,7 +89,7 @@ class ModelRunner:
         )
         if self._num_threads is not None:
             self._restore_threads()
-        return self._sample(step, hidden, requests)
+        return self._sample(step, hidden)
 
     def _restore_threads(self) -> None:
         """Once, after the first forward: undo a reset of torch's thread count."""
@@ -99,52 +97,39 @@ class ModelRunner:
         if wanted is not None and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Slots of positions start..end-1 (block_id * block_size + offset): one range per
-        block, not one Python step per token."""
-        block_size = self.kv_cache.block_size
-        slots: list[int] = []
-        for i in range(start // block_size, -(-end // block_size)):
-            base = block_table[i] * block_size
-            first, last = max(start - i * block_size, 0), min(end - i * block_size, block_size)
-            slots.extend(range(base + first, base + last))
-        return slots
-
-    def _sample(
-        self, step: SchedulerOutput, hidden: torch.Tensor, requests: Mapping[str, Request]
-    ) -> dict[SeqId, SampleResult]:
+    def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:
         """hidden: [num_tokens, hidden_size]; logits only for the rows that sample."""
         rows: list[int] = []
         seq_ids: list[SeqId] = []
+        params: list[SamplingParams] = []
+        seeds: list[int] = []
         end = 0
         for seq in step.seqs:
             end += len(seq.token_ids)
             for seq_id in seq.sample_seq_ids:
+                assert seq.sampling_params is not None, "checked by ScheduledSequence"
                 rows.append(end - 1)  # an n > 1 fork samples the same row n times
                 seq_ids.append(seq_id)
+                params.append(seq.sampling_params)
+                seeds.append(seq.seed)
         if not rows:
             return {}
         row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, row_index))
-        params: list[SamplingParams] = []
-        generators: list[torch.Generator | None] = []
-        for seq_id in seq_ids:
-            request = requests[seq_id[0]]
-            params.append(request.params)
-            generators.append(
-                None
-                if request.params.is_greedy
-                else self._generator(seq_id, request.seed, logits.device)
-            )
+        generators = [
+            None if p.is_greedy else self._generator(seq_id, seed, logits.device)
+            for seq_id, p, seed in zip(seq_ids, params, seeds, strict=True)
+        ]
         return dict(zip(seq_ids, self.sampler(logits, params, generators), strict=True))
 
     def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(seq_id)
+        request_id, index = seq_id
+        generators = self._generators.setdefault(request_id, {})
+        generator = generators.get(index)
         if generator is None:
-            generator = self._generators[seq_id] = create_generator(seed, seq_id[1], device)
+            generator = generators[index] = create_generator(seed, index, device)
         return generator
 
-    def release(self, request: Request) -> None:
-        """Forget a finished request's generators."""
-        for index in range(request.n):
-            self._generators.pop((request.request_id, index), None)
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generators (unknown ids are ignored)."""
+        self._generators.pop(request_id, None)

@@ -2,29 +2,42 @@
 
 One `schedule()` call decides one step:
 
-1. running requests, oldest admitted first: each unfinished sequence gets its decode
-   token or its next prefill chunk. Decode tokens are reserved out of the token budget
-   before any prefill chunk, so decodes go first. When the blocks a request needs are not
-   free, the most recently admitted running request is preempted (recompute or swap),
-   repeatedly, until they are; if that request is the one asking, it is preempted itself.
-2. if nothing was preempted: swapped-out requests are swapped back in (oldest first),
-3. then, once none is left swapped out, waiting requests are admitted (first come, first
-   served) while budget and blocks last. Admission takes only the blocks of the first
-   chunk, after the prefix cache.
+1. running requests, in `running` order (admission order, except that a request past the
+   thrash bound sits ahead of the others): each unfinished sequence gets its decode token
+   or its next prefill chunk. The decode tokens of requests not yet visited are reserved
+   out of the token budget, so a prefill chunk only takes what they leave. When the blocks
+   a request needs are not free, the last request in `running` (the newest) is preempted
+   (recompute or swap), repeatedly, until they are; if that is the request asking, it is
+   preempted itself, unless it is alone: then what fits runs, and if nothing does its
+   newest blocked sample ends with "length".
+2. if nothing was preempted: swapped-out requests come back in the order they left
+   (protected ones first) while their blocks and `max_num_seqs` allow; one that could not
+   fit even an empty pool is recomputed instead,
+3. then, once none is left swapped out, waiting requests are admitted from the head of the
+   queue (recompute-preempted ones were put back at its head) while the token budget,
+   `max_num_seqs` and the free blocks (less a 1 % watermark next to running requests)
+   allow; the first that does not fit stops admission. Admission takes only the blocks of
+   the first chunk, after the prefix cache.
+4. the copy-on-write copies queued by the appends close the step.
+
+`update()` is the step's postprocess: it forks n > 1 prompts, appends the sampled tokens
+and their text, and ends samples through `pagedkv.engine.stop.check_stop`, the one place
+that decides stop conditions.
 
 Invariant: preemptions are decided before appending to a sequence in a step. Running
-requests are visited oldest first and victims come from the newest end, so a victim was
-never appended to in this call. `append` makes full blocks prefix-cacheable at once; a
-freed block whose KV was never written must not stay in the prefix cache.
+requests are visited in order and victims come from the end, so a victim was never
+appended to in this call. `append` makes full blocks prefix-cacheable at once; a freed
+block whose KV was never written must not stay in the prefix cache.
 
-The output is a plain `SchedulerOutput` of ids, token ids and block ids (never tensors),
-so the simulator can drive this scheduler without a model.
+The output is a plain `SchedulerOutput` (token ids, positions, slots and block tables from
+the `KVCacheManager`, sampling parameters and seeds; never tensors), so the runner needs
+nothing else and the simulator can drive this scheduler without a model.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pagedkv.config import SchedulerConfig
@@ -34,6 +47,7 @@ from pagedkv.engine.preemption import PreemptionMixin
 from pagedkv.engine.preemption import StepBudget as _Budget
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedkv.engine.stop import check_stop
 from pagedkv.errors import OutOfBlocks
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
@@ -51,6 +65,7 @@ class Scheduler(PreemptionMixin):
         block_size: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        detokenize: Callable[[Sequence], str] | None = None,
     ) -> None:
         """Start with empty queues over `kv_manager`.
 
@@ -60,6 +75,9 @@ class Scheduler(PreemptionMixin):
             num_blocks, block_size: the device pool, to reject requests that never fit.
             max_model_len: longest sequence (prompt + output) the model accepts.
             eos_token_ids: tokens that end a completion unless `ignore_eos`.
+            detokenize: the text of a sequence's newest token; `update` appends it to
+                `Sequence.text` before the stop checks. None (no tokenizer): no text, and
+                stop strings never match.
         """
         self.config = config
         self.kv = kv_manager
@@ -67,6 +85,7 @@ class Scheduler(PreemptionMixin):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -172,11 +191,12 @@ class Scheduler(PreemptionMixin):
         return out
 
     def update(self, output: SchedulerOutput, sampled: Mapping[SeqId, int]) -> list[Request]:
-        """Record the tokens sampled by the step `output` described.
+        """Record the tokens sampled by the step `output` described: the step's postprocess.
 
         Forks sequence 0 to its siblings when an n > 1 prompt produced its first tokens,
-        appends each sampled token, and finishes sequences on EOS, a stop token id,
-        `max_tokens` or `max_model_len` (freeing their blocks at once).
+        appends each sampled token and its text (`detokenize`), and finishes the sequences
+        `check_stop` ends (EOS, a stop token id, a stop string, `max_tokens`,
+        `max_model_len`), freeing their blocks at once.
 
         Returns:
             The requests that got new tokens, in step order.
@@ -189,11 +209,24 @@ class Scheduler(PreemptionMixin):
             parent = request.seq(scheduled.seq_id[1])
             if not request.is_forked:
                 self._fork(request, parent)
+            text_starts = []
             for seq_id in scheduled.sample_seq_ids:
                 seq = request.seq(seq_id[1])
                 seq.token_ids.append(int(sampled[seq_id]))
-            for seq_id in scheduled.sample_seq_ids:
-                self._check_stop(request, request.seq(seq_id[1]))
+                text_starts.append(len(seq.text))
+                if self.detokenize is not None:
+                    seq.text += self.detokenize(seq)
+            for seq_id, text_start in zip(scheduled.sample_seq_ids, text_starts, strict=True):
+                seq = request.seq(seq_id[1])
+                stop = check_stop(
+                    seq,
+                    request.params,
+                    eos_token_ids=self.eos_token_ids,
+                    max_model_len=self.max_model_len,
+                    text_start=text_start,
+                )
+                if stop is not None:
+                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
             touched.append(request)
         return touched
 
@@ -310,7 +343,10 @@ class Scheduler(PreemptionMixin):
                     seq.token_ids[start:end],
                     start,
                     self.kv.block_table(seq.seq_id),
+                    self.kv.slot_mapping(seq.seq_id, start, end),
                     sample_ids,
+                    request.params,
+                    request.seed,
                 )
             )
 
@@ -357,15 +393,6 @@ class Scheduler(PreemptionMixin):
         self.kv.fork(parent.seq_id, child.seq_id)
         request.seqs.append(child)
         return child
-
-    def _check_stop(self, request: Request, seq: Sequence) -> None:
-        token, params = seq.token_ids[-1], request.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self.finish_sequence(seq, "stop")
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            self.finish_sequence(seq, "stop", token)
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self.finish_sequence(seq, "length")
 
     def _num_running_seqs(self) -> int:
         return sum(r.num_unfinished_target for r in self.running)

@@ -1,6 +1,8 @@
-"""What one `Scheduler.schedule()` hands the runner: plain ids, token ids and block ids.
+"""What one `Scheduler.schedule()` hands the runner: everything the step needs, as plain data.
 
-Standard library only, never tensors: the simulator consumes the same objects.
+Token ids, positions, slots, block tables and, for the rows that sample, their
+`SamplingParams` and seed: the runner needs nothing else (no live `Request`). Standard
+library only, never tensors: the simulator consumes the same objects.
 """
 
 from __future__ import annotations
@@ -8,22 +10,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.engine.request import SeqId
+from pagedkv.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class ScheduledSequence:
     """Tokens of one sequence computed in this step.
 
-    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; their KV
-    goes to the slots of `block_table`. When `sample_seq_ids` is not empty, the last row's
-    logits are sampled once for each id in it (more than one only for the fork of n > 1).
+    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; their KV is
+    written to `slot_mapping` (one slot per token, `block_id * block_size + offset`) and
+    attention reads the whole context through `block_table`. When `sample_seq_ids` is not
+    empty, the last row's logits are sampled once for each id in it (more than one only for
+    the fork of n > 1) with `sampling_params`; sample `(request_id, index)` draws from the
+    generator of `(seed, index)`.
+
+    Raises:
+        ValueError: `slot_mapping` does not have one slot per token, or a sampling
+            sequence has no `sampling_params`.
     """
 
     seq_id: SeqId
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
-    sample_seq_ids: list[SeqId]
+    slot_mapping: list[int]
+    sample_seq_ids: list[SeqId] = field(default_factory=list)
+    sampling_params: SamplingParams | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.slot_mapping) != len(self.token_ids):
+            raise ValueError(
+                f"slot_mapping: expected {len(self.token_ids)} slots (one per token), "
+                f"got {len(self.slot_mapping)}"
+            )
+        if self.sample_seq_ids and self.sampling_params is None:
+            raise ValueError(
+                f"sampling_params: expected SamplingParams for {self.seq_id!r}, which samples, "
+                "got None"
+            )
 
     @property
     def seq_len(self) -> int:
