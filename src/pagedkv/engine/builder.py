@@ -1,17 +1,17 @@
-"""Build an engine's parts from a model directory and `LLM`-style keyword arguments:
-load the model and tokenizer, size the KV pool, create the manager and runner."""
+"""Build an engine's parts from `EngineArgs`: load the model and tokenizer, size the KV
+pool, create the manager and runner."""
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.memory import KVCacheManager
 from pagedkv.models import load_model, resolve_dtype
@@ -21,56 +21,29 @@ from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
 # free after loading the weights (CPU: MemAvailable; CUDA: mem_get_info).
 _CPU_MEMORY_SHARE = 0.3
 _GPU_MEMORY_SHARE = 0.8
-_DEFAULT_BATCHED_TOKENS = 2048
 
 
 def build_engine_parts(
-    model: str | Path,
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    kv_cache_memory: int | str | None = None,
-    swap_space: int | str = 0,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    enable_prefix_caching: bool = True,
-    preemption_mode: str = "recompute",
-    seed: int = 0,
-    max_model_len: int | None = None,
-    max_preemptions: int = 4,
-    attention_backend: str = "auto",
+    args: EngineArgs,
 ) -> tuple[EngineConfig, ModelRunner, KVCacheManager, Tokenizer | None, dict[str, int]]:
-    """Everything `LLMEngine.__init__` takes, built from a model directory.
+    """Everything `LLMEngine.__init__` takes, built from the options in `args`.
 
     Returns:
         (config, runner, kv_manager, tokenizer, {"max_model_len": ...}).
 
     Raises:
-        ValueError: a bad argument, or a model directory that cannot be loaded.
+        ValueError: a model directory that cannot be loaded, or a KV pool that holds no block.
     """
+    model = args.model
     model_config = ModelConfig.from_hf(model)
-    if max_model_len is None:
-        max_model_len = model_config.max_position_embeddings
-    if max_model_len <= 0:
-        raise ValueError(f"max_model_len: expected > 0, got {max_model_len}")
-    if str(device) == "auto":
+    max_model_len = args.max_model_len or model_config.max_position_embeddings
+    device = args.device
+    if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = resolve_dtype(dtype, model_config)
-    cache = CacheConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
-        swap_space=parse_size(swap_space),
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    scheduler = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens or _DEFAULT_BATCHED_TOKENS,
-        preemption_mode=preemption_mode,  # type: ignore[arg-type]
-        max_preemptions=max_preemptions,
-    )
+    torch_dtype = resolve_dtype(args.dtype, model_config)
+    block_size = args.block_size
+    cache = args.create_cache_config()
+    scheduler = args.create_scheduler_config()
     network = load_model(model, dtype=torch_dtype, device=device)
     shape = (
         model_config.num_layers,
@@ -94,7 +67,7 @@ def build_engine_parts(
     kv_manager = KVCacheManager(
         pool_blocks,
         block_size,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=cache.enable_prefix_caching,
         num_host_blocks=host_blocks,
     )
     config = EngineConfig(
@@ -104,9 +77,9 @@ def build_engine_parts(
         model_path=str(model),
         dtype=str(torch_dtype).removeprefix("torch."),
         device=str(device),
-        seed=seed,
+        seed=args.seed,
     )
-    runner = ModelRunner(network, kv_cache, attention_backend=attention_backend)
+    runner = ModelRunner(network, kv_cache, attention_backend=args.attention_backend)
     return config, runner, kv_manager, load_tokenizer(model), {"max_model_len": max_model_len}
 
 

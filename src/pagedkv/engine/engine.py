@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from pagedkv.config import EngineConfig, ModelConfig
+from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.runner import ModelRunner
@@ -71,20 +72,25 @@ class LLMEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_engine_args(cls, model: str, **llm_kwargs: Any) -> LLMEngine:
-        """Load `model` (a local Hugging Face model directory) and size the KV cache.
+    def from_engine_args(cls, args: EngineArgs | str, **kwargs: Any) -> LLMEngine:
+        """Load the model directory `args.model` names and size the KV cache.
 
-        Takes the keyword arguments of `LLM` (dtype, device, block_size, num_blocks,
-        kv_cache_memory, swap_space, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, preemption_mode, seed, max_model_len, max_preemptions,
-        attention_backend).
+        Args:
+            args: every engine option. A model directory with `EngineArgs`' fields as
+                keywords (`from_engine_args("DIR", block_size=8)`) is accepted too.
+            kwargs: those fields, only with a model directory.
 
         Raises:
-            ValueError: a bad argument, or a model directory that cannot be loaded.
+            TypeError: an unknown keyword, or keywords next to an `EngineArgs`.
+            ValueError: a bad option, or a model directory that cannot be loaded.
         """
         from pagedkv.engine.builder import build_engine_parts
 
-        config, runner, kv_manager, tokenizer, extra = build_engine_parts(model, **llm_kwargs)
+        if not isinstance(args, EngineArgs):
+            args = EngineArgs.from_kwargs(args, kwargs)
+        elif kwargs:
+            raise TypeError(f"from_engine_args: expected EngineArgs alone, got also {kwargs}")
+        config, runner, kv_manager, tokenizer, extra = build_engine_parts(args)
         return cls(config, runner, kv_manager, tokenizer, **extra)
 
     @property

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.engine.args import EngineArgs, engine_args_help, engine_args_signature
 from pagedkv.engine.engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -23,60 +24,23 @@ class LLM:
         llm = LLM("path/to/model", num_blocks=512)
         outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=32))
         print(outputs[0].outputs[0].text)
+
+    The keyword arguments are the fields of `EngineArgs`; `LLM.__init__` lists them.
     """
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        swap_space: int | str = 0,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        seed: int = 0,
-        **engine_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | Path, **kwargs: Any) -> None:
         """Load the model and size the KV cache.
 
         Args:
             model: a local model directory (config.json, *.safetensors, tokenizer.json).
-            dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
-            device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1", ...
-            block_size: tokens per KV block.
-            num_blocks: fixes the device pool size.
-            kv_cache_memory: otherwise, bytes (or "4GiB") for the pool.
-            swap_space: bytes (or "4GiB") of host memory for swapped-out blocks.
-            max_num_seqs: sequences in one step at most.
-            max_num_batched_tokens: tokens in one step at most (prefills are chunked).
-            enable_prefix_caching: reuse the KV of identical leading prompt blocks.
-            preemption_mode: "recompute" or "swap" when the pool runs out.
-            seed: seeds the requests that bring no seed of their own.
-            engine_kwargs: max_model_len, max_preemptions, attention_backend.
+            kwargs: the fields of `EngineArgs`:
+                {options}
 
-            Raises:
-            ValueError: a bad argument or a model directory that cannot be loaded.
+        Raises:
+            TypeError: a keyword that is not a field of `EngineArgs`.
+            ValueError: a bad option or a model directory that cannot be loaded.
         """
-        self.engine = LLMEngine.from_engine_args(
-            str(model),
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            swap_space=swap_space,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode,
-            seed=seed,
-            **engine_kwargs,
-        )
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, kwargs))
         self._counter = 0
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -174,6 +138,13 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+# What `help(LLM)` and `inspect.signature(LLM)` show comes from `EngineArgs`' fields.
+LLM.__init__.__signature__ = engine_args_signature(method=True)  # type: ignore[attr-defined]
+LLM.__init__.__doc__ = (LLM.__init__.__doc__ or "").replace(
+    "{options}", engine_args_help(indent=" " * 16).lstrip()
+)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -1,7 +1,8 @@
 """`pagedkv serve` and `pagedkv generate`: the engine from a terminal.
 
-Flags are named after `LLM`'s arguments (`--block-size` is `block_size`, ...). Torch and the
-engine are imported inside the handlers, so `pagedkv --help` stays fast.
+The engine's flags are the fields of `EngineArgs` (`--block-size` is `block_size`, ...), the
+same options `LLM` takes. Torch and the engine are imported inside the handlers, so
+`pagedkv --help` stays fast.
 """
 
 from __future__ import annotations
@@ -14,60 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedkv.config import parse_size
+from pagedkv.engine.args import EngineArgs
 
 logger = logging.getLogger("pagedkv.server")
-
-
-def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
-    """Add the `LLM(...)` keyword arguments as flags (see `engine_kwargs`)."""
-    group = parser.add_argument_group("engine (the arguments of LLM)")
-    group.add_argument(
-        "--model",
-        required=model_required,
-        metavar="DIR",
-        help="Hugging Face-format model directory (config.json, *.safetensors)",
-    )
-    group.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--num-blocks", type=int, default=None, help="fix the KV pool size")
-    group.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        metavar="BYTES",
-        help="size the KV pool by memory, e.g. 4GiB (when --num-blocks is unset)",
-    )
-    group.add_argument(
-        "--swap-space",
-        default="0",
-        metavar="BYTES",
-        help="host memory for swapped-out blocks, e.g. 1GiB",
-    )
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    group.add_argument("--seed", type=int, default=0, help="engine seed")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM`/`LLMEngine.from_engine_args` keyword arguments from parsed flags."""
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-        swap_space=parse_size(args.swap_space),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        seed=args.seed,
-    )
 
 
 def prefer_passive_omp() -> None:
@@ -106,7 +56,7 @@ def register(subparsers: Any) -> None:
         default=1024,
         help="answer 503 when this many requests already wait",
     )
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
 
     gen = subparsers.add_parser(
@@ -132,7 +82,7 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(handler=run_generate)
 
 
@@ -141,15 +91,15 @@ def run_serve(args: argparse.Namespace) -> int:
     prefer_passive_omp()
     import uvicorn
 
+    from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
 
-    _check_model_dir(args.model)
-    name = args.served_model_name or Path(args.model).resolve().name
+    engine_args = EngineArgs.from_cli_args(args)
+    _check_model_dir(engine_args.model)
+    name = args.served_model_name or Path(engine_args.model).resolve().name
     started = time.perf_counter()
-    engine = AsyncEngine.from_engine_args(
-        args.model, max_waiting_requests=args.max_waiting_requests, **engine_kwargs(args)
-    )
+    engine = AsyncEngine(LLMEngine.from_engine_args(engine_args), args.max_waiting_requests)
     stats = engine.engine.stats()
     logger.info(
         "loaded %s in %.1fs: %d KV blocks of %d tokens",
@@ -171,8 +121,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.server.streaming import DeltaTracker
 
-    _check_model_dir(args.model)
-    engine = LLMEngine.from_engine_args(args.model, **engine_kwargs(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    _check_model_dir(engine_args.model)
+    engine = LLMEngine.from_engine_args(engine_args)
     prompt = _generate_prompt(args, engine.tokenizer)
     params = SamplingParams(
         max_tokens=args.max_tokens,
