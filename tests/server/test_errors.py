@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -14,7 +15,6 @@ LONG_FOR_POOL = [5] * 600  # 150 blocks of 4 > the 128-block pool, < the 1024 co
 LONG_FOR_CONTEXT = [5] * 1100
 
 BAD_REQUESTS = [
-    ("completions", {**GOOD, "model": "gpt-9"}, "gpt-9"),
     ("completions", {**GOOD, "prompt": LONG_FOR_CONTEXT}, "1100"),
     ("completions", {**GOOD, "prompt": LONG_FOR_POOL}, "600"),
     ("completions", {**GOOD, "max_tokens": -3}, "max_tokens"),
@@ -32,7 +32,24 @@ BAD_REQUESTS = [
         {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]},
         "role",
     ),
-    ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "nope"),
+    ("completions", {**GOOD, "temperature": float("inf")}, "temperature"),
+    ("completions", {**GOOD, "top_p": float("nan")}, "top_p"),
+    ("completions", {**GOOD, "seed": 2**64}, "seed"),
+    ("completions", {**GOOD, "seed": -(2**63) - 1}, "seed"),
+    ("completions", {**GOOD, "max_tokens": 10**12}, "1000000000000"),
+    ("completions", {**GOOD, "prompt": [5] * 1000, "max_tokens": 100}, "1024"),
+    ("completions", {**GOOD, "max_tokens": 0}, "max_tokens"),
+    ("completions", {**GOOD, "suffix": "tail"}, "suffix"),
+    ("completions", {**GOOD, "best_of": 3}, "best_of"),
+    ("completions", {**GOOD, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {**GOOD, "frobnicate": 1}, "frobnicate"),
+    (
+        "chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000},
+        "2000",
+    ),
 ]
 
 
@@ -40,11 +57,65 @@ BAD_REQUESTS = [
     ("endpoint", "body", "named"), BAD_REQUESTS, ids=[f"{e}-{n}" for e, _, n in BAD_REQUESTS]
 )
 def test_bad_request_is_400(server, endpoint, body, named):
-    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
+    # json.dumps writes Infinity and NaN, as some clients do (httpx's json= refuses them).
+    response = httpx.post(
+        f"{server.url}/v1/{endpoint}",
+        content=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert named in error["message"], error["message"]
+    assert len(error["message"]) < 400, "the message must not echo the request"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("completions", {**GOOD, "model": "gpt-9"}),
+        ("chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+    ],
+)
+def test_unknown_model_is_404(server, endpoint, body):
+    before = server.metrics()['pagedkv_rejected_requests_total{reason="model_not_found"}']
+    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
+    after = server.metrics()['pagedkv_rejected_requests_total{reason="model_not_found"}']
+    assert after == before + 1
+
+
+def test_error_message_does_not_echo_the_prompt(server):
+    secret = "confidential " * 50
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": secret}],
+        "top_logprobs": 2,
+    }
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "top_logprobs" in message and "logprobs" in message
+    assert "confidential" not in message
+
+
+def test_rejections_are_counted_by_reason(server):
+    def count(reason: str) -> float:
+        return server.metrics()[f'pagedkv_rejected_requests_total{{reason="{reason}"}}']
+
+    before = {r: count(r) for r in ("invalid_json", "schema", "context_length")}
+    url = f"{server.url}/v1/completions"
+    httpx.post(url, content=b"{oops", headers={"Content-Type": "application/json"})
+    httpx.post(url, json={**GOOD, "n": 0})
+    httpx.post(url, json={**GOOD, "max_tokens": 5000})
+    assert {r: count(r) - before[r] for r in before} == {
+        "invalid_json": 1,
+        "schema": 1,
+        "context_length": 1,
+    }
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2", b""])
@@ -110,6 +181,7 @@ def test_overload_is_503(tiny_model_dir):
         for r in responses:
             if r.status_code == 503:
                 assert r.json()["error"]["type"] == "server_overloaded"
+                assert int(r.headers["Retry-After"]) >= 1
         return [r.status_code for r in responses]
 
     # One request runs at a time and one may wait: a burst of 8 must be partly refused.

@@ -123,6 +123,11 @@ class LLMEngine:
             raise ValueError(f"request_id: expected a str, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        vocab = self.config.model.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias: expected token ids in [0, {vocab}), got {max(params.logit_bias)}"
+            )
         text, token_ids = self.tokenize_prompt(prompt)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(

@@ -1,9 +1,13 @@
-"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health, metrics.
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, tokenizer, health,
+metrics.
 
 Every error, including FastAPI's own validation errors and invalid JSON, is answered with
-OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input, 503
-when the waiting queue is full, 500 for a server fault. Streams are server-sent events that
-end with ``data: [DONE]``; a client that disconnects has its requests aborted at once.
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (the
+message names the field, the expected and the given value, never the whole request), 404
+for another model's name, 503 with `Retry-After` when the waiting queue is full or the
+server is shutting down, 500 for a server fault. Every refusal is counted by reason in
+`pagedkv_rejected_requests_total`. Streams are server-sent events that end with
+``data: [DONE]``; a client that disconnects has its requests aborted at once.
 """
 
 from __future__ import annotations
@@ -16,32 +20,60 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.async_engine import AsyncEngine, EngineDead
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     random_id,
+    short,
 )
 from pagedkv.server.responses import ChatBuilder, CompletionBuilder
 from pagedkv.server.serving import (
     APIError,
     ServerState,
     admit,
+    check_context,
+    check_model,
     make_sampling_params,
     merge,
+    param_of,
+    render_chat,
+    require_tokenizer,
     run_to_end,
     track,
 )
+from pagedkv.server.tokenization import add_tokenize_routes
 
 logger = logging.getLogger("pagedkv.server")
+
+# Seconds a client should wait before retrying a 503 (the queue drains within steps).
+RETRY_AFTER_S = 1
+_ERROR = {"model": ErrorResponse}
+_ERRORS: dict[int | str, Any] = {
+    400: {
+        **_ERROR,
+        "description": "Bad request: the message names the field, the expected and the "
+        "given value. Unknown and unsupported fields are refused, not ignored.",
+    },
+    404: {**_ERROR, "description": "Another model's name (code `model_not_found`)."},
+    503: {
+        **_ERROR,
+        "description": "Overloaded, or shutting down; retry after `Retry-After` seconds.",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+    },
+}
+_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, shutdown_engine: bool = True) -> FastAPI:
@@ -53,7 +85,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, shutdown_engine: bool = 
         shutdown_engine: stop the engine thread when the app shuts down.
 
     Returns:
-        The FastAPI app; serve it with uvicorn.
+        The FastAPI app; serve it with uvicorn (or `launch.serve` for a bounded shutdown).
     """
 
     @asynccontextmanager
@@ -64,11 +96,28 @@ def create_app(engine: AsyncEngine, *, model_name: str, shutdown_engine: bool = 
             engine.shutdown()
 
     app = FastAPI(title="pagedkv", version="0.1.0", lifespan=lifespan)
-    max_model_len = int(engine.model_config.max_position_embeddings)
+    max_model_len = int(
+        getattr(engine.engine, "max_model_len", engine.model_config.max_position_embeddings)
+    )
     app.state.server = ServerState(engine, ServerMetrics(engine.stats), model_name, max_model_len)
     _add_error_handlers(app)
     _add_routes(app)
+    add_tokenize_routes(app, _ERRORS)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422s: validation errors are answered as 400s here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def error_response(
@@ -79,26 +128,34 @@ def error_response(
     code: str | None = None,
 ) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _reject(request: Request, reason: str) -> None:
+    request.app.state.server.metrics.rejected.labels(reason).inc()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.reason:
+            _reject(request, exc.reason)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI answers 422; OpenAI's clients and the issue expect 400 with a message.
+        # FastAPI answers 422; OpenAI's clients expect 400 with a message.
         errors = exc.errors()
         first = errors[0] if errors else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        if first.get("type") == "json_invalid":
-            message = f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            param = None
-        else:
-            message = "; ".join(_describe(e) for e in errors[:5])
-        return error_response(400, message, param=param)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid" or (first.get("type") == "missing" and not loc):
+            _reject(request, "invalid_json")
+            detail = first.get("ctx", {}).get("error", first.get("msg", "no body"))
+            return error_response(400, f"invalid JSON body: {detail}")
+        _reject(request, "schema")
+        message = "; ".join(_describe(e) for e in errors[:3])
+        return error_response(400, message, param=".".join(loc) or param_of(message))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -115,78 +172,107 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _describe(error: dict[str, Any]) -> str:
-    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-    message = f"{loc}: {error.get('msg', 'invalid')}"
-    if "input" in error and error.get("type") != "missing":
-        message += f", got {error['input']!r:.80}"
-    return message
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(
-            f"model {model!r} does not exist: expected {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    """One pydantic error as "field: expected ..., got ..." (the value only in short)."""
+    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    kind = error.get("type", "")
+    if kind == "extra_forbidden":
+        return f"{loc}: not a supported field (unknown fields are refused, not ignored)"
+    if kind == "missing":
+        return f"{loc}: expected a value, got none (the field is required)"
+    if kind == "value_error":
+        # Our validators' messages already name the expected and the given value.
+        text = str(error.get("ctx", {}).get("error", error.get("msg", "invalid")))
+        return text if not loc or text.startswith(loc.split(".")[0]) else f"{loc}: {text}"
+    expected = str(error.get("msg", "invalid")).replace("Input should be", "expected")
+    return f"{loc or 'body'}: {expected}, got {short(error.get('input'))}"
 
 
 def _add_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get("/health", responses={503: _ERRORS[503]})
     async def health(request: Request) -> Response:
         state: ServerState = request.app.state.server
         if not state.engine.is_running:
-            return error_response(503, "the engine is not running", "server_error")
+            return error_response(503, "the engine is not running or shutting down", "server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format.", "content": {"text/plain": {}}}},
+    )
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        state: ServerState = request.app.state.server
-        card = ModelCard(
-            id=state.model_name, root=state.model_name, max_model_len=state.max_model_len
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[_card(request.app.state.server)])
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models/{model_id}", responses={404: _ERRORS[404]})
+    async def model(model_id: str, request: Request) -> ModelCard:
+        state: ServerState = request.app.state.server
+        check_model(state, model_id)
+        return _card(state)
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": _STREAM, "description": "JSON, or SSE with stream: true."}}
+        | _ERRORS,
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
-        _check_model(state, body.model)
-        params = make_sampling_params(body, body.max_tokens, body.logprobs)
+        check_model(state, body.model)
+        prompts = _completion_prompts(state, body)
+        # max_tokens 0 with echo: generate one token and drop it, as vLLM does.
+        max_tokens = max(body.max_tokens, 1)
+        for prompt in prompts:
+            num_prompt = (
+                len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(prompt)
+            )
+            check_context(state.max_model_len, num_prompt, max_tokens)
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         builder = CompletionBuilder(
             random_id("cmpl"), state.model_name, body, state.engine.tokenizer
         )
-        return await _serve(request, state, builder, body.prompts(), params, body.stream)
+        return await _serve(request, state, builder, prompts, params, body.stream)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": _STREAM, "description": "JSON, or SSE with stream: true."}}
+        | _ERRORS,
+    )
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
-        _check_model(state, body.model)
-        prompt_ids = _render_chat(state, body)
-        max_tokens = body.requested_max_tokens() or max(1, state.max_model_len - len(prompt_ids))
+        check_model(state, body.model)
+        text = render_chat(state, body.messages, add_generation_prompt=True)
+        # The template already spells out special tokens such as BOS.
+        prompt_ids = require_tokenizer(state, "messages").encode(text, add_special_tokens=False)
+        requested = body.requested_max_tokens()
+        max_tokens = requested or max(1, state.max_model_len - len(prompt_ids))
+        check_context(state.max_model_len, len(prompt_ids), max_tokens)
         params = make_sampling_params(body, max_tokens, body.num_logprobs())
         builder = ChatBuilder(random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer)
-        return await _serve(request, state, builder, [prompt_ids], params, body.stream)
+        prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
+        return await _serve(request, state, builder, [prompt], params, body.stream)
 
 
-def _render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
-        raise APIError(
-            "chat needs a tokenizer: the model directory has none; "
-            "use /v1/completions with token ids",
-            param="messages",
-        )
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as exc:
-        raise APIError(str(exc), param="messages") from None
-    # The template already spells out special tokens such as BOS.
-    return tokenizer.encode(text, add_special_tokens=False)
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
+
+
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Any]:
+    """Each prompt as token ids, text prompts tokenized here so their length is checked
+    before admission (the engine gets {"prompt", "prompt_token_ids"} and keeps the text)."""
+    prompts: list[Any] = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            ids = require_tokenizer(state, "prompt").encode(prompt)
+            prompts.append({"prompt": prompt, "prompt_token_ids": ids})
+        else:
+            prompts.append(prompt)
+    return prompts
 
 
 async def _serve(
@@ -209,6 +295,8 @@ async def _serve(
     try:
         if not await run_to_end(request, deltas, builder.add):
             return Response(status_code=499)  # client closed the connection; nobody reads this
+    except EngineDead as exc:  # aborted by a shutdown after admission: not a rejection
+        raise APIError(str(exc), status=503, type="server_error", reason="") from None
     finally:
         for s in streams:
             s.abort()  # no-op for finished requests; covers a consumer cancelled before start
@@ -226,7 +314,8 @@ async def _sse(builder: Any, deltas: AsyncIterator[tuple[int, Any]]) -> AsyncIte
         if usage is not None:
             yield f"data: {usage.model_dump_json()}\n\n"
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-        logger.exception("stream %s failed", builder.request_id)
+        if not isinstance(exc, EngineDead):
+            logger.exception("stream %s failed", builder.request_id)
         body = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
         yield f"data: {body.model_dump_json()}\n\n"
     finally:

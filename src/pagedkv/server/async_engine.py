@@ -11,6 +11,10 @@ needs no locks, and an abort frees the request's blocks at the engine thread's n
     add_request ── ("add", fut) ──────▶   engine.add_request -> fut result / ValueError
     stream.abort ── ("abort") ────────▶   engine.abort_request (blocks back to the pool)
     queue.get() ◀── call_soon_threadsafe ─ engine.step() -> DeltaTracker.update
+
+Shutdown is bounded: `begin_shutdown(timeout)` stops admission at once (new requests get
+`EngineShuttingDown`), lets the running requests go on, and once `timeout` seconds have
+passed aborts whatever is left, each stream ending with `EngineShuttingDown`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +39,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+class EngineShuttingDown(EngineDead):
+    """The server is shutting down: no new request is admitted, running ones are bounded."""
 
 
 @dataclass
@@ -103,6 +112,8 @@ class AsyncEngine:
         self._num_pending_adds = 0  # guarded by _cond
         self._stats: dict[str, Any] = {}
         self._is_stopping = False
+        # Set once by begin_shutdown (plain assignment: it may run in a signal handler).
+        self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -125,7 +136,18 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._is_stopping
+        """The engine thread serves and admits requests (False once shutdown began)."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._is_stopping
+            and self._drain_deadline is None
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted and not finished (approximate outside the engine thread)."""
+        return len(self._streams)
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -142,6 +164,15 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop admitting now; abort the requests still running after `timeout` seconds.
+
+        Safe from a signal handler (it only assigns a deadline); idempotent: the first
+        call's deadline stands.
+        """
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + max(0.0, timeout)
 
     def stats(self) -> dict[str, Any]:
         """The engine's `stats()` as of its last step or abort (safe from any thread)."""
@@ -162,6 +193,8 @@ class AsyncEngine:
         stream = _Stream(loop, queue, DeltaTracker(stop=getattr(params, "stop", None)))
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._cond:
+            if self._drain_deadline is not None:
+                raise EngineShuttingDown("the server is shutting down: retry elsewhere")
             if not self.is_running:
                 raise EngineDead("the engine is not running")
             num_waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
@@ -201,6 +234,7 @@ class AsyncEngine:
                 self._apply(commands)
                 if self.engine.has_unfinished_requests():
                     self._step()
+                self._abort_after_deadline()
                 self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - the thread must report, never vanish
             logger.exception("engine thread crashed")
@@ -248,6 +282,16 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             if delta.samples or delta.finished:
                 _deliver(stream, delta)
+
+    def _abort_after_deadline(self) -> None:
+        deadline = self._drain_deadline
+        if deadline is None or time.monotonic() < deadline or not self._streams:
+            return
+        logger.warning("shutdown timeout: aborting %d running requests", len(self._streams))
+        error = EngineShuttingDown("the server shut down before this request finished")
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._fail(request_id, error)
 
     def _refresh_stats(self) -> None:
         try:

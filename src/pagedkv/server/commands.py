@@ -56,6 +56,13 @@ def register(subparsers: Any) -> None:
         default=1024,
         help="answer 503 when this many requests already wait",
     )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, let running requests finish for this long, then abort the rest",
+    )
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -89,11 +96,10 @@ def register(subparsers: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
     prefer_passive_omp()
-    import uvicorn
-
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.launch import serve
 
     engine_args = EngineArgs.from_cli_args(args)
     _check_model_dir(engine_args.model)
@@ -110,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     app = create_app(engine, model_name=name)
     logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0
 
 

@@ -15,6 +15,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Why a request was refused: the `reason` label of pagedkv_rejected_requests_total.
+REJECT_REASONS = (
+    "invalid_json",  # 400: the body is not JSON
+    "schema",  # 400: a field has a bad type or value, is unknown, or is not supported
+    "model_not_found",  # 404: another model's name
+    "context_length",  # 400: prompt + max_tokens beyond the model's context
+    "invalid_request",  # 400: refused by the engine (token ids, pool size, ...)
+    "overloaded",  # 503: the waiting queue is full
+    "unavailable",  # 503: the engine is shutting down or stopped
+)
 
 # (stats key, metric name, help); gauges are levels, counters only ever grow.
 _GAUGES = (
@@ -139,10 +149,12 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "pagedkv_rejected_requests",
-            "Requests refused before admission, by HTTP status.",
-            ["status"],
+            "Requests refused before admission, by reason (see REJECT_REASONS).",
+            ["reason"],
             registry=reg,
         )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)  # every series exists from the start, at 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic), plus vLLM's extra fields.
 
 Requests validate their own types and ranges, so a bad field becomes a 400 naming it before
-the engine sees anything. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+the engine sees anything. Every field is either honoured or refused: an unknown field is a
+400 (`extra="forbid"`), and a known field the server cannot honour (`suffix`, `best_of`
+other than 1 or n, `response_format` other than text, `tools`, `tool_choice`) is a 400 that
+names it. Only the fields listed in `IGNORED_FIELDS` (and a message's `name`) are accepted
+and ignored.
 """
 
 from __future__ import annotations
@@ -14,11 +18,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # OpenAI caps `logprobs` (completions) and `top_logprobs` (chat) at 20.
 MAX_LOGPROBS = 20
+# Accepted and ignored: they ask nothing of generation (bookkeeping on OpenAI's side).
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def random_id(prefix: str) -> str:
     """A fresh request id such as ``cmpl-3f2a...``."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def short(value: Any) -> str:
+    """A value for an error message: scalars shown (strings cut), containers only sized."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:40] + "...")
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object with {len(value)} keys"
+    return repr(value)
 
 
 class ErrorInfo(BaseModel):
@@ -35,30 +53,43 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+
+
+def _finite(**kwargs: Any) -> Any:
+    return Field(allow_inf_nan=False, **kwargs)
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: str | None = Field(None, description="The served model's name; 404 for any other.")
     n: int = Field(1, ge=1, le=128)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    temperature: float = _finite(default=1.0, ge=0.0, description="0 is greedy.")
+    top_p: float = _finite(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 keeps every token; 0 is refused.")
+    min_p: float = _finite(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="64-bit seed.")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string) -> bias in [-100, 100] added to its logit "
+        "before sampling; logprobs stay those of the unbiased logits.",
+    )
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # Accepted for compatibility; only the neutral value is supported.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
+    presence_penalty: float = _finite(default=0.0, description="Only 0 is supported.")
+    frequency_penalty: float = _finite(default=0.0, description="Only 0 is supported.")
+    user: str | None = Field(None, description="Ignored.")
+    metadata: dict[str, Any] | None = Field(None, description="Ignored.")
+    store: bool | None = Field(None, description="Ignored.")
+    service_tier: str | None = Field(None, description="Ignored.")
 
     @field_validator("stop")
     @classmethod
@@ -75,19 +106,53 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"penalties are not supported: expected 0.0, got {value}")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"expected token ids as keys, got {short(token)}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"expected biases in [-100, 100], got {value} for {token}")
+        return bias
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: expected only with stream: true, got stream: false")
+        return self
+
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
             return None
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: a prompt as text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    max_tokens: int = Field(
+        16,
+        ge=0,
+        description="New tokens per choice; 0 only with echo: true (the prompt alone comes "
+        "back). Prompt tokens + max_tokens must not exceed the model's context (400).",
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Top logprobs per token; with echo: true the prompt's tokens get them too "
+        "(the first prompt token's entry is null).",
+    )
+    echo: bool = Field(False, description="Return the prompt before the completion.")
+    suffix: str | None = Field(None, description="Not supported: any value is refused (400).")
+    best_of: int | None = Field(
+        None, description="Only 1 or n is supported (the n samples are returned as they are)."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -98,14 +163,29 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("expected non-empty token-id prompts, got []")
         if isinstance(prompt, list) and any(isinstance(t, int) and t < 0 for t in prompt):
             raise ValueError("expected non-negative token ids")
+        if isinstance(prompt, list) and any(
+            isinstance(p, list) and any(t < 0 for t in p) for p in prompt
+        ):
+            raise ValueError("expected non-negative token ids")
         return prompt
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _echo_unsupported(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported: expected false, got true")
-        return echo
+    def _suffix_unsupported(cls, suffix: str | None) -> str | None:
+        if suffix is not None:
+            raise ValueError(f"suffix is not supported: expected null, got {short(suffix)}")
+        return suffix
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: expected >= 1 (0 only with echo: true), got 0")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ValueError(
+                f"best_of: expected 1 or n ({self.n}): other values are not supported, "
+                f"got {self.best_of}"
+            )
+        return self
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a batch: a list of strings or a list of token-id lists."""
@@ -118,10 +198,11 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = Field(None, description="Ignored.")
 
     def text(self) -> str:
         """The content as plain text (OpenAI's list-of-parts form joined)."""
@@ -130,7 +211,9 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"expected text content parts, got {part.get('type')!r}")
+                raise ValueError(
+                    f"content: expected text parts, got type {short(part.get('type'))}"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -139,15 +222,58 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Default: what the context leaves after the prompt. Prompt tokens + "
+        "max_tokens must not exceed the model's context (400).",
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, description="Takes max_tokens' place.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true."
+    )
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only {"type": "text"} is supported; JSON modes are refused (400).'
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Not supported: a non-empty list is refused (400)."
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='Only "none" is supported (400 otherwise).'
+    )
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt != {"type": "text"}:
+            raise ValueError(
+                f'expected {{"type": "text"}} (JSON modes are not supported), '
+                f"got type {short(fmt.get('type'))}"
+            )
+        return fmt
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if tools:
+            raise ValueError(f"tools are not supported: expected none, got {short(tools)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if choice is not None and choice != "none":
+            raise ValueError(f'tools are not supported: expected "none", got {short(choice)}')
+        return choice
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise ValueError(
+                f"top_logprobs: expected only with logprobs: true, got top_logprobs "
+                f"{self.top_logprobs} with logprobs: false"
+            )
         return self
 
     def requested_max_tokens(self) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,7 +27,6 @@ from pagedkv.server.protocol import (
     SamplingRequest,
     UsageInfo,
 )
-from pagedkv.server.serving import LogprobFormatter
 from pagedkv.server.streaming import RequestDelta, SampleDelta
 
 
@@ -76,23 +76,61 @@ class _Builder:
 
 
 class CompletionBuilder(_Builder):
-    """`/v1/completions` bodies: `text_completion` objects, legacy logprobs lists."""
+    """`/v1/completions` bodies: `text_completion` objects, legacy logprobs lists.
+
+    With `echo`, each choice starts with the prompt (text, tokens and, with `logprobs`,
+    the prompt logprobs); with `max_tokens: 0` as well, the prompt is all it holds (the
+    engine still generates one token, which is dropped, as vLLM does).
+    """
 
     body: CompletionRequest
+
+    @property
+    def _is_echo_only(self) -> bool:
+        return self.body.echo and self.body.max_tokens == 0
+
+    def _count(self, prompt_index: int, delta: RequestDelta) -> None:
+        self._prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
+        if not self._is_echo_only:
+            self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
+
+    def _part(
+        self, prompt_index: int, delta: RequestDelta, sample: SampleDelta
+    ) -> tuple[int, _Choice, str, CompletionLogprobs | None]:
+        """A sample delta's text and logprobs, the echoed prompt first on a choice's first."""
+        index = prompt_index * self.body.n + sample.index
+        is_first = index not in self._choices
+        index, choice = self._choice(prompt_index, sample)
+        with_logprobs = self.body.logprobs is not None
+        text, logprobs = "", CompletionLogprobs() if with_logprobs else None
+        if is_first and self.body.echo:
+            text = self._prompt_text(delta)
+            if with_logprobs:
+                logprobs = choice.formatter.prompt(
+                    delta.prompt_token_ids, delta.prompt_logprobs, self.body.logprobs or 0
+                )
+        if not self._is_echo_only:
+            text += sample.text
+            if logprobs is not None:
+                _extend(logprobs, choice.formatter.completion(sample))
+        return index, choice, text, logprobs
+
+    def _prompt_text(self, delta: RequestDelta) -> str:
+        if delta.prompt is not None:
+            return delta.prompt
+        return self.tokenizer.decode(delta.prompt_token_ids) if self.tokenizer else ""
 
     def add(self, prompt_index: int, delta: RequestDelta) -> None:
         self._count(prompt_index, delta)
         for sample in delta.samples:
-            _, choice = self._choice(prompt_index, sample)
-            choice.text.append(sample.text)
+            _, choice, text, logprobs = self._part(prompt_index, delta, sample)
+            choice.text.append(text)
             choice.finish_reason = sample.finish_reason or choice.finish_reason
-            if self.body.logprobs is not None:
-                part = choice.formatter.completion(sample)
+            if logprobs is not None:
                 if choice.completion_logprobs is None:
-                    choice.completion_logprobs = part
+                    choice.completion_logprobs = logprobs
                 else:
-                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        getattr(choice.completion_logprobs, name).extend(getattr(part, name))
+                    _extend(choice.completion_logprobs, logprobs)
 
     def response(self) -> CompletionResponse:
         choices = [
@@ -113,10 +151,7 @@ class CompletionBuilder(_Builder):
         self._count(prompt_index, delta)
         out = []
         for sample in delta.samples:
-            index, choice = self._choice(prompt_index, sample)
-            logprobs = (
-                choice.formatter.completion(sample) if self.body.logprobs is not None else None
-            )
+            index, _, text, logprobs = self._part(prompt_index, delta, sample)
             out.append(
                 CompletionResponse(
                     id=self.request_id,
@@ -124,7 +159,7 @@ class CompletionBuilder(_Builder):
                     choices=[
                         CompletionChoice(
                             index=index,
-                            text=sample.text,
+                            text=text,
                             logprobs=logprobs,
                             finish_reason=sample.finish_reason,
                         )
@@ -139,6 +174,11 @@ class CompletionBuilder(_Builder):
         return CompletionResponse(
             id=self.request_id, model=self.model, choices=[], usage=self.usage()
         )
+
+
+def _extend(logprobs: CompletionLogprobs, part: CompletionLogprobs) -> None:
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(logprobs, name).extend(getattr(part, name))
 
 
 class ChatBuilder(_Builder):

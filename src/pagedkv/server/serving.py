@@ -1,34 +1,35 @@
 """Running one OpenAI request through the `AsyncEngine`: admission, metrics, merging.
 
-`api.py` holds the routes and error handling; this module holds what they share: sampling
-parameters from a request body, admitting a batch of prompts, following their streams (with
-latency metrics and one INFO log line per request), and logprob formatting.
+`api.py` holds the routes and error handling; this module holds what they share: the
+model-name and context checks, chat rendering, sampling parameters from a request body,
+admitting a batch of prompts, and following their streams (with latency metrics and one
+INFO log line per request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.server.async_engine import AsyncEngine, RequestStream
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import (
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    SamplingRequest,
-    TopLogprob,
-)
-from pagedkv.server.streaming import RequestDelta, SampleDelta
+from pagedkv.server.protocol import SamplingRequest, short
+from pagedkv.server.streaming import RequestDelta
 
 logger = logging.getLogger("pagedkv.server")
 
 
 class APIError(Exception):
-    """An error answered with OpenAI's body shape and an HTTP status."""
+    """An error answered with OpenAI's body shape and an HTTP status.
+
+    `reason` is the `reason` label it counts under in `pagedkv_rejected_requests_total`
+    (one of `metrics.REJECT_REASONS`).
+    """
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        reason: str = "invalid_request",
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = (
@@ -47,6 +49,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.reason = reason
 
 
 @dataclass
@@ -59,7 +62,66 @@ class ServerState:
     max_model_len: int
 
 
-def make_sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> Any:
+def check_model(state: ServerState, model: str | None) -> None:
+    """404 (`model_not_found`) unless `model` is None or the served model's name."""
+    if model is not None and model != state.model_name:
+        raise APIError(
+            f"model: expected {state.model_name!r} (the served model), got {short(model)}",
+            status=404,
+            param="model",
+            code="model_not_found",
+            reason="model_not_found",
+        )
+
+
+def require_tokenizer(state: ServerState, param: str) -> Any:
+    """The engine's tokenizer, or a 400 naming `param` when the model directory has none."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(
+            f"{param}: expected token ids (the model directory has no tokenizer), got text",
+            param=param,
+        )
+    return tokenizer
+
+
+def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool) -> str:
+    """The chat template applied to pydantic `ChatMessage`s (400 if it cannot be)."""
+    tokenizer = require_tokenizer(state, "messages")
+    try:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        return str(tokenizer.apply_chat_template(plain, add_generation_prompt))
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", param="messages") from None
+
+
+def param_of(message: str, default: str | None = None) -> str | None:
+    """The field an engine error message names first ("top_k: expected ..." -> "top_k")."""
+    match = re.match(r"([a-z_]+)(?::|\[)", message)
+    return match.group(1) if match else default
+
+
+def check_context(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
+    """400 unless the prompt and `max_tokens` new tokens fit the model's context.
+
+    Raises:
+        APIError: 400 naming both numbers (reason "context_length").
+    """
+    if num_prompt + max_tokens <= max_model_len:
+        return
+    raise APIError(
+        f"this model's maximum context length is {max_model_len} tokens: expected prompt "
+        f"tokens + max_tokens <= {max_model_len}, got {num_prompt} prompt tokens + "
+        f"max_tokens {max_tokens} = {num_prompt + max_tokens}",
+        param="max_tokens" if num_prompt < max_model_len else "prompt",
+        code="context_length_exceeded",
+        reason="context_length",
+    )
+
+
+def make_sampling_params(
+    body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> Any:
     """`SamplingParams` from a request body (ValueError from its validation becomes a 400)."""
     from pagedkv.engine.sampling_params import SamplingParams
 
@@ -76,9 +138,11 @@ def make_sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int |
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=body.logit_bias_ids(),
         )
     except ValueError as exc:
-        raise APIError(str(exc)) from None
+        raise APIError(str(exc), param=param_of(str(exc)), reason="schema") from None
 
 
 async def admit(
@@ -89,7 +153,7 @@ async def admit(
     Raises:
         APIError: 400 for a request the engine rejects, 503 when overloaded or stopped.
     """
-    from pagedkv.server.async_engine import EngineDead, EngineOverloaded
+    from pagedkv.server.async_engine import EngineDead, EngineOverloaded, EngineShuttingDown
 
     streams: list[RequestStream] = []
     try:
@@ -100,15 +164,20 @@ async def admit(
         for stream in streams:
             stream.abort()
         if isinstance(exc, EngineOverloaded):
-            state.metrics.rejected.labels("503").inc()
             raise APIError(
-                str(exc), status=503, type="server_overloaded", code="too_many_requests"
+                str(exc),
+                status=503,
+                type="server_overloaded",
+                code="too_many_requests",
+                reason="overloaded",
             ) from None
         if isinstance(exc, EngineDead):
-            raise APIError(str(exc), status=503, type="server_error") from None
+            code = "server_shutting_down" if isinstance(exc, EngineShuttingDown) else None
+            raise APIError(
+                str(exc), status=503, type="server_error", code=code, reason="unavailable"
+            ) from None
         if isinstance(exc, ValueError):
-            state.metrics.rejected.labels("400").inc()
-            raise APIError(str(exc), param="prompt") from None
+            raise APIError(str(exc), param=param_of(str(exc), "prompt")) from None
         raise
     return streams
 
@@ -239,65 +308,3 @@ async def run_to_end(
         return False
     task.result()  # re-raises the consumer's error
     return True
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text of one token (``token_id:N`` when the model has no tokenizer)."""
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-@dataclass
-class LogprobFormatter:
-    """Builds OpenAI logprobs for one choice, delta by delta (keeps the text offset)."""
-
-    tokenizer: Any
-    text_offset: int = 0
-    chat_content: list[ChatTokenLogprob] = field(default_factory=list)
-
-    def completion(self, sample: SampleDelta) -> CompletionLogprobs:
-        out = CompletionLogprobs()
-        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            text = token_text(self.tokenizer, token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(_finite(top.get(token_id)))
-            out.top_logprobs.append(
-                {token_text(self.tokenizer, t): _finite(lp) for t, lp in _sorted(top)}
-            )
-            out.text_offset.append(self.text_offset)
-            self.text_offset += len(text)
-        return out
-
-    def chat(self, sample: SampleDelta, num_top: int) -> list[ChatTokenLogprob]:
-        out = []
-        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            text = token_text(self.tokenizer, token_id)
-            tops = [
-                TopLogprob(
-                    token=token_text(self.tokenizer, t),
-                    logprob=_finite(lp),
-                    bytes=list(token_text(self.tokenizer, t).encode()),
-                )
-                for t, lp in _sorted(top)[:num_top]
-            ]
-            out.append(
-                ChatTokenLogprob(
-                    token=text,
-                    logprob=_finite(top.get(token_id)),
-                    bytes=list(text.encode()),
-                    top_logprobs=tops,
-                )
-            )
-        return out
-
-
-def _sorted(top: dict[int, float]) -> list[tuple[int, float]]:
-    return sorted(top.items(), key=lambda kv: -kv[1])
-
-
-def _finite(value: float | None) -> float:
-    # JSON has no -inf; OpenAI clients expect a number, so clamp like vLLM does.
-    if value is None:
-        return -9999.0
-    return max(float(value), -9999.0)

@@ -37,6 +37,9 @@ class RequestDelta:
     prompt_token_ids: list[int]
     samples: list[SampleDelta]
     finished: bool
+    prompt: str | None = None
+    # The request's prompt logprobs (RequestOutput's shape) when it asked for them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -69,6 +72,8 @@ class DeltaTracker:
             prompt_token_ids=list(output.prompt_token_ids or []),
             samples=[s for s in samples if s is not None],
             finished=bool(output.finished),
+            prompt=output.prompt,
+            prompt_logprobs=getattr(output, "prompt_logprobs", None),
         )
 
     def _sample_delta(self, completion: Any) -> SampleDelta | None:
