@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,53 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation or a batch of them, as vLLM's `LLM.chat`.
+
+        Each conversation ([{"role": ..., "content": ...}, ...]) is rendered with the chat
+        template, encoded without adding special tokens (the template spells them out), and
+        generated as `generate` would.
+
+        Args:
+            messages: one conversation, or a list of conversations.
+            sampling_params: one for all conversations, or one per conversation.
+            chat_template: a jinja2 template to use instead of the tokenizer's.
+            add_generation_prompt: end the rendering with the assistant's turn opening.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One finished `RequestOutput` per conversation, in input order.
+
+        Raises:
+            ValueError: no tokenizer or chat template, malformed messages, or bad params.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat: expected a model directory with a tokenizer, got none")
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)  # the engine's tokenizer keeps its own template
+            tokenizer.chat_template = chat_template
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages: expected a non-empty list, got {messages!r:.60}")
+        is_one = isinstance(messages[0], dict)
+        conversations = [messages] if is_one else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), add_generation_prompt=add_generation_prompt
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
         self,
