@@ -17,7 +17,13 @@ PLAN_KEYS = {
     "kv_budget_bytes",
     "max_kv_tokens",
     "max_sequences_at_context",
-    "fits",
+    "weights_fit",
+    "full_context_sequence_fits",
+    "context_exceeds_model",
+    "max_position_embeddings",
+    "activation_margin",
+    "activation_margin_bytes",
+    "warnings",
 }
 RESULT_KEYS = {
     "policy",
@@ -55,7 +61,8 @@ def test_plan_json(capsys):
     )
     assert PLAN_KEYS <= set(plan)
     assert plan["kv_bytes_per_token"] == 327_680
-    assert plan["fits"] is False
+    assert plan["weights_fit"] is False and plan["full_context_sequence_fits"] is False
+    assert plan["context_exceeds_model"] is False and plan["warnings"] == []
     fp8 = cli_json(
         capsys,
         "plan",
@@ -70,7 +77,8 @@ def test_plan_json(capsys):
         "--json",
     )
     assert fp8["kv_bytes_per_token"] == 327_680 // 2 // 2
-    assert fp8["fits"] is True and fp8["max_sequences_at_context"] > 0
+    assert fp8["weights_fit"] is True and fp8["full_context_sequence_fits"] is True
+    assert fp8["max_sequences_at_context"] > 0
 
 
 def test_plan_table_mentions_replicated_heads(capsys):
@@ -183,3 +191,44 @@ def test_sim_imports_without_torch_numpy_or_matplotlib():
         "assert not {'numpy', 'matplotlib'} & set(sys.modules), 'heavy import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_plan_table_separates_weights_from_a_full_context_sequence(capsys):
+    argv = ["plan", "--model", "llama-2-70b", "--memory", "80GiB", "--context", "128k"]
+    assert main([*argv, "--tp", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("warning: context 131,072 exceeds the model's")
+    rows = {line[:29].strip(): line[30:] for line in lines[1:]}
+    assert rows["weights fit"] == "yes"
+    assert rows["a full-context sequence fits"].startswith("NO: one needs 20.00 GiB of KV")
+    assert rows["sequences of 131,072"] == "0"
+    assert rows["activation margin"].startswith("8.00 GiB (10% of memory")
+    plan = cli_json(capsys, *argv, "--tp", "2", "--activation-margin", "0", "--json")
+    assert plan["context_exceeds_model"] is True and plan["max_position_embeddings"] == 4096
+    assert len(plan["warnings"]) == 1 and "4,096" in plan["warnings"][0]
+    assert plan["activation_margin_bytes"] == 0
+    assert plan["kv_budget_bytes"] == 80 * 2**30 - plan["weight_bytes"]
+
+
+def test_simulate_help_lists_each_workload_mix(capsys):
+    from pagedkv.sim.workload import WORKLOAD_MIXES, WORKLOADS
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # undo the wrapping
+    assert set(WORKLOAD_MIXES) == set(WORKLOADS)
+    for name in WORKLOADS:
+        assert f"{name}: {WORKLOAD_MIXES[name]}" in out, name
+    assert "long-context" in out and "seed:" not in out
+
+
+def test_simulate_old_workload_name_still_runs(capsys):
+    argv = ["simulate", "--model", "llama-3.1-8b", "--kv-memory", "40GiB", "--workload"]
+    tail = ["--num-requests", "5", "--policies", "paged", "--json"]
+    assert main([*argv, "seed", *tail]) == 0
+    captured = capsys.readouterr()
+    assert "--workload seed is now long-context" in captured.err
+    old = json.loads(captured.out)
+    new = cli_json(capsys, *argv, "long-context", *tail)
+    assert old["workload"] == new["workload"] == "long-context"
+    assert old["policies"][0]["admitted"] == new["policies"][0]["admitted"] == 5

@@ -8,7 +8,9 @@ import pytest
 
 from pagedkv.config import ModelConfig
 from pagedkv.sim.planner import (
+    ACTIVATION_MARGIN,
     builtin_models,
+    format_plan,
     kv_bytes_per_token,
     kv_heads_per_gpu,
     load_model,
@@ -33,7 +35,7 @@ PUBLISHED_PARAMETERS = {
 }
 
 
-def test_builtin_names_are_the_issue_list():
+def test_builtin_names_are_the_published_list():
     assert builtin_models() == sorted(PUBLISHED_PARAMETERS)
 
 
@@ -67,7 +69,7 @@ def test_llama_2_70b_is_327680_bytes_per_token():
     plan = plan_memory(load_model("llama-2-70b"), 80 * GIB, dtype="fp16", context=4096)
     assert plan.kv_bytes_per_token == 327_680
     assert plan.kv_bytes_per_block == 327_680 * 16
-    # The seed's 128K-token request: 40 GiB with GQA (not 32 GB).
+    # The long-context workload's 128K-token request: 40 GiB with GQA (not 32 GB).
     assert plan.kv_bytes_per_token * 131_072 == 40 * GIB
 
 
@@ -79,13 +81,45 @@ def test_qwen3_32b_uses_config_head_dim():
 def test_plan_llama_3_1_8b_by_hand():
     plan = plan_memory(load_model("llama-3.1-8b"), 80 * GIB, context=131_072, dtype="bf16")
     assert plan.weight_bytes == 8_030_261_248 * 2 == 16_060_522_496
-    assert plan.kv_budget_bytes == 85_899_345_920 - 16_060_522_496 == 69_838_823_424
+    assert ACTIVATION_MARGIN == plan.activation_margin == 0.10
+    assert plan.activation_margin_bytes == 8 * GIB == 8_589_934_592
+    assert plan.kv_budget_bytes == 85_899_345_920 - 16_060_522_496 - 8_589_934_592
+    assert plan.kv_budget_bytes == 61_248_888_832
     assert plan.kv_bytes_per_block == 131_072 * 16 == 2_097_152
-    assert plan.num_blocks == 33_301  # 69,838,823,424 / 2,097,152 = 33,301.99
-    assert plan.max_kv_tokens == 33_301 * 16
+    assert plan.num_blocks == 29_205  # 61,248,888,832 / 2,097,152 = 29,205.99
+    assert plan.max_kv_tokens == 29_205 * 16
     assert plan.blocks_per_sequence == 8192
-    assert plan.max_sequences_at_context == 4  # 33,301 // 8,192
-    assert plan.fits
+    assert plan.max_sequences_at_context == 3  # 29,205 // 8,192
+    assert plan.weights_fit and plan.full_context_sequence_fits
+    assert plan.max_position_embeddings == 131_072 and not plan.context_exceeds_model
+    assert not plan.warnings
+
+
+def test_no_margin_gives_the_whole_remainder_to_the_kv_cache():
+    plan = plan_memory(load_model("llama-3.1-8b"), 80 * GIB, context=131_072, activation_margin=0)
+    assert plan.activation_margin_bytes == 0
+    assert plan.kv_budget_bytes == 85_899_345_920 - 16_060_522_496
+    assert plan.num_blocks == 33_301 and plan.max_sequences_at_context == 4
+    with pytest.raises(ValueError, match=r"activation_margin: expected in \[0, 1\), got 1"):
+        plan_memory(load_model("llama-3.1-8b"), 80 * GIB, activation_margin=1)
+
+
+def test_weights_fit_but_no_full_context_sequence_beyond_the_model():
+    # llama-2-70b on two 80 GiB GPUs: 64 GiB of weights each, 7.8 GiB of KV left, while a
+    # 128K-token sequence needs 20 GiB; and the model knows only 4,096 positions.
+    plan = plan_memory(load_model("llama-2-70b"), 80 * GIB, context=131_072, tp=2)
+    assert plan.weights_fit and not plan.full_context_sequence_fits
+    assert plan.max_sequences_at_context == 0 < plan.num_blocks
+    assert plan.context_exceeds_model and plan.max_position_embeddings == 4096
+    table = format_plan(plan)
+    first, *_ = table.splitlines()
+    assert first.startswith("warning: context 131,072 exceeds") and "(4,096)" in first
+    assert "weights fit                   yes" in table
+    assert "a full-context sequence fits  NO: one needs 20.00 GiB of KV" in table
+    assert "activation margin             8.00 GiB (10% of memory" in table
+    assert "fits: yes" not in table and "\nfits" not in table
+    within = plan_memory(load_model("llama-2-70b"), 80 * GIB, context=4096, tp=2)
+    assert within.full_context_sequence_fits and not within.warnings
 
 
 def test_fp8_kv_halves_bytes_and_doubles_tokens():
@@ -94,6 +128,7 @@ def test_fp8_kv_halves_bytes_and_doubles_tokens():
     fp8 = plan_memory(model, 40 * GIB, context=8192, kv_dtype="fp8")
     assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
     assert fp8.weight_bytes == bf16.weight_bytes
+    assert fp8.activation_margin_bytes == bf16.activation_margin_bytes == 4 * GIB
     assert fp8.kv_budget_bytes == bf16.kv_budget_bytes
     assert fp8.num_blocks in (2 * bf16.num_blocks, 2 * bf16.num_blocks + 1)
 
@@ -126,7 +161,7 @@ def test_impossible_tp_is_rejected():
 def test_weights_that_do_not_fit():
     plan = plan_memory(load_model("llama-2-70b"), 80 * GIB, dtype="fp16")
     assert plan.weight_bytes == 68_976_648_192 * 2 > 80 * GIB
-    assert not plan.fits
+    assert not plan.weights_fit and not plan.full_context_sequence_fits
     assert plan.kv_budget_bytes == plan.max_kv_tokens == plan.max_sequences_at_context == 0
 
 

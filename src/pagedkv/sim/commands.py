@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 from pagedkv.config import parse_count, parse_size
 from pagedkv.sim.planner import (
+    ACTIVATION_MARGIN,
     builtin_models,
     dtype_bytes,
     format_plan,
@@ -22,7 +25,14 @@ from pagedkv.sim.planner import (
 )
 from pagedkv.sim.policies import POLICIES, create_policy
 from pagedkv.sim.simulator import PolicyResult, simulate
-from pagedkv.sim.workload import WORKLOADS, Request, load_trace, make_workload
+from pagedkv.sim.workload import (
+    DEPRECATED_WORKLOADS,
+    WORKLOAD_MIXES,
+    WORKLOADS,
+    Request,
+    load_trace,
+    make_workload,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan",
         help="how much KV cache a model leaves on a GPU",
-        description=f"Weights, KV bytes per token and block, and what fits. Built-in models: "
-        f"{models}.",
+        description="Weights, KV bytes per token and block, and whether the weights and a "
+        f"full-context sequence fit. Built-in models: {models}.",
     )
     plan.add_argument("--model", required=True, help="built-in name, model dir or config.json")
     plan.add_argument("--memory", required=True, help="memory per GPU, e.g. 80GiB")
@@ -45,19 +55,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument(
+        "--activation-margin",
+        type=float,
+        default=ACTIVATION_MARGIN,
+        metavar="SHARE",
+        help="share of memory kept from the KV cache for activations, the CUDA context and "
+        f"allocator slack (default {ACTIVATION_MARGIN})",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(handler=run_plan)
 
     sim = subparsers.add_parser(
         "simulate",
         help="replay a workload against contiguous and paged KV allocation",
-        description="Replay a workload on a simulated clock (one token per running request "
-        f"per step) against the policies {', '.join(POLICIES)}.",
+        description=textwrap.fill(
+            "Replay a workload on a simulated clock (one token per running request per step) "
+            f"against the policies {', '.join(POLICIES)}."
+        ),
+        epilog=_workloads_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim.add_argument("--model", required=True, help="built-in name, model dir or config.json")
     sim.add_argument("--kv-memory", required=True, help="KV cache memory, e.g. 40GiB")
     source = sim.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=WORKLOADS, help="a built-in synthetic workload")
+    source.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, *DEPRECATED_WORKLOADS),
+        metavar="{" + ",".join(WORKLOADS) + "}",
+        help="a built-in synthetic workload (listed below)",
+    )
     source.add_argument(
         "--trace",
         help="JSONL: arrival, prompt_len, output_len [, prefix_group, prefix_len] per line",
@@ -68,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--rate",
         type=float,
         default=None,
-        help="Poisson arrivals per step (default: all at step 0; seed: 0.01)",
+        help="Poisson arrivals per step (default: all at step 0; long-context: 0.01)",
     )
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
@@ -86,6 +113,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.set_defaults(handler=run_simulate)
 
 
+def _workloads_help() -> str:
+    """The built-in workloads and their mixes, one wrapped paragraph each."""
+    lines = ["built-in workloads (--workload):"]
+    for name in WORKLOADS:
+        lines.append(
+            textwrap.fill(
+                f"{name}: {WORKLOAD_MIXES[name]}", initial_indent="  ", subsequent_indent="    "
+            )
+        )
+    return "\n".join(lines)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of `pagedkv plan`. Raises ValueError for bad input (one-line message)."""
     model = load_model(args.model)
@@ -99,6 +138,7 @@ def run_plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         tp=args.tp,
         block_size=args.block_size,
+        activation_margin=args.activation_margin,
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0
@@ -107,6 +147,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def _requests(args: argparse.Namespace) -> tuple[str, list[Request]]:
     if args.trace:
         return str(args.trace), load_trace(args.trace)
+    if args.workload in DEPRECATED_WORKLOADS:
+        new_name = DEPRECATED_WORKLOADS[args.workload]
+        print(f"pagedkv simulate: --workload {args.workload} is now {new_name}", file=sys.stderr)
+        args.workload = new_name
     return args.workload, make_workload(args.workload, args.num_requests, args.seed, args.rate)
 
 

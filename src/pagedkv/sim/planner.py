@@ -6,11 +6,13 @@ Standard library only. The arithmetic, per GPU under tensor parallelism `tp`:
     kv_heads_per_gpu   = num_kv_heads / tp, or 1 when tp > num_kv_heads (heads replicated)
     kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu x head_dim x kv_dtype_bytes
     kv_bytes_per_block = kv_bytes_per_token x block_size
-    kv_budget_bytes    = memory - weight_bytes
+    margin_bytes       = memory x activation_margin      (ACTIVATION_MARGIN by default)
+    kv_budget_bytes    = memory - weight_bytes - margin_bytes
     max_kv_tokens      = (kv_budget_bytes // kv_bytes_per_block) x block_size
 
-Activations, the CUDA context and the allocator's slack are not counted: the figures are
-an upper bound on what the KV cache can get.
+"Weights fit" and "a full-context sequence fits" are separate answers: 70B weights can fit
+on a GPU that then holds no 128K-token sequence. A context beyond the model's
+`max_position_embeddings` is planned as asked, with a warning.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import DTYPE_BYTES, ModelConfig
+
+ACTIVATION_MARGIN = 0.10
+"""Share of each GPU's memory held back from the KV cache for what the plan does not count
+one by one: a step's activations (hidden states, attention and MLP intermediates, logits),
+the CUDA context and the caching allocator's slack. 0.10 is the headroom of vLLM's default
+`gpu_memory_utilization=0.9`; a plan with little to spare should be checked on the device."""
 
 _CONFIG_PACKAGE = "pagedkv.sim"
 _CONFIG_DIR = "model_configs"
@@ -110,8 +118,12 @@ class Plan:
     tp: int
     block_size: int
     context: int
+    max_position_embeddings: int
+    context_exceeds_model: bool
     memory_bytes: int
     weight_bytes: int
+    activation_margin: float
+    activation_margin_bytes: int
     kv_heads_per_gpu: int
     kv_heads_replicated: bool
     kv_bytes_per_token: int
@@ -121,13 +133,15 @@ class Plan:
     max_kv_tokens: int
     blocks_per_sequence: int
     max_sequences_at_context: int
-    fits: bool
+    weights_fit: bool
+    full_context_sequence_fits: bool
+    warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as JSON-ready values (`notes` as a list)."""
+        """The plan as JSON-ready values (`warnings` and `notes` as lists)."""
         data = asdict(self)
-        data["notes"] = list(self.notes)
+        data["warnings"], data["notes"] = list(self.warnings), list(self.notes)
         return data
 
 
@@ -141,6 +155,7 @@ def plan_memory(
     kv_dtype: str | None = None,
     tp: int = 1,
     block_size: int = 16,
+    activation_margin: float = ACTIVATION_MARGIN,
 ) -> Plan:
     """Split one GPU's memory into weights and KV cache for `model`.
 
@@ -152,12 +167,17 @@ def plan_memory(
         dtype: weight dtype name; `kv_dtype` defaults to it.
         tp: tensor-parallel degree (weights and KV heads are split over `tp` GPUs).
         block_size: tokens per KV block.
+        activation_margin: share of `memory_bytes` kept from the KV cache (see
+            `ACTIVATION_MARGIN`).
 
     Returns:
-        The plan; `fits` is False when the weights alone exceed `memory_bytes`.
+        The plan: `weights_fit` is False when the weights and the margin exceed the memory,
+        `full_context_sequence_fits` when no sequence of `context` tokens fits the KV budget;
+        `warnings` says when `context` is beyond the model's positions.
 
     Raises:
-        ValueError: a non-positive size, an unknown dtype or an impossible `tp`.
+        ValueError: a non-positive size, a margin outside [0, 1), an unknown dtype or an
+            impossible `tp`.
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory: expected > 0 bytes, got {memory_bytes}")
@@ -166,16 +186,25 @@ def plan_memory(
     context = model.max_position_embeddings if context is None else context
     if context <= 0:
         raise ValueError(f"context: expected > 0 tokens, got {context}")
+    if not 0 <= activation_margin < 1:
+        raise ValueError(f"activation_margin: expected in [0, 1), got {activation_margin}")
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     heads = kv_heads_per_gpu(model, tp)
     params = model.num_parameters()
     weight_bytes = math.ceil(params * dtype_bytes(dtype) / tp)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_block = per_token * block_size
-    budget = max(0, memory_bytes - weight_bytes)
+    margin_bytes = math.ceil(memory_bytes * activation_margin)
+    budget = max(0, memory_bytes - weight_bytes - margin_bytes)
     num_blocks = budget // per_block
     blocks_per_seq = -(-context // block_size)
-    notes = _notes(model, tp, heads)
+    max_positions = model.max_position_embeddings
+    warnings = []
+    if context > max_positions:
+        warnings.append(
+            f"context {context:,} exceeds the model's max_position_embeddings "
+            f"({max_positions:,}): it was not trained for sequences this long"
+        )
     return Plan(
         model=name,
         num_parameters=params,
@@ -184,8 +213,12 @@ def plan_memory(
         tp=tp,
         block_size=block_size,
         context=context,
+        max_position_embeddings=max_positions,
+        context_exceeds_model=context > max_positions,
         memory_bytes=memory_bytes,
         weight_bytes=weight_bytes,
+        activation_margin=activation_margin,
+        activation_margin_bytes=margin_bytes,
         kv_heads_per_gpu=heads,
         kv_heads_replicated=tp > model.num_kv_heads,
         kv_bytes_per_token=per_token,
@@ -195,8 +228,10 @@ def plan_memory(
         max_kv_tokens=num_blocks * block_size,
         blocks_per_sequence=blocks_per_seq,
         max_sequences_at_context=num_blocks // blocks_per_seq,
-        fits=weight_bytes <= memory_bytes,
-        notes=notes,
+        weights_fit=weight_bytes + margin_bytes <= memory_bytes,
+        full_context_sequence_fits=num_blocks >= blocks_per_seq,
+        warnings=tuple(warnings),
+        notes=_notes(model, tp, heads),
     )
 
 
@@ -218,13 +253,19 @@ def _gib(num_bytes: int) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    """A two-column table of the plan, for the terminal."""
+    """A two-column table of the plan, then its warnings and notes, for the terminal."""
+    sequence_bytes = plan.blocks_per_sequence * plan.kv_bytes_per_block
     rows = [
         ("model", f"{plan.model} ({plan.num_parameters / 1e9:,.2f}B parameters)"),
         ("dtype / kv dtype", f"{plan.dtype} / {plan.kv_dtype}"),
         ("tensor parallel", f"{plan.tp} (KV heads per GPU: {plan.kv_heads_per_gpu})"),
         ("memory per GPU", _gib(plan.memory_bytes)),
         ("weights per GPU", _gib(plan.weight_bytes)),
+        (
+            "activation margin",
+            f"{_gib(plan.activation_margin_bytes)} ({plan.activation_margin:.0%} of memory: "
+            "activations, CUDA context, allocator slack)",
+        ),
         (
             "KV per token",
             f"{plan.kv_bytes_per_token:,} B ({plan.kv_bytes_per_token / 1024:,.1f} KiB)",
@@ -233,10 +274,26 @@ def format_plan(plan: Plan) -> str:
         ("KV budget", _gib(plan.kv_budget_bytes)),
         ("KV blocks", f"{plan.num_blocks:,}"),
         ("max KV tokens", f"{plan.max_kv_tokens:,}"),
+        (
+            "context",
+            f"{plan.context:,} tokens (model maximum {plan.max_position_embeddings:,}); "
+            f"KV {_gib(sequence_bytes)} per sequence",
+        ),
         (f"sequences of {plan.context:,}", f"{plan.max_sequences_at_context:,}"),
-        ("fits", "yes" if plan.fits else "NO: the weights alone exceed the memory"),
+        (
+            "weights fit",
+            "yes" if plan.weights_fit else "NO: the weights and the margin exceed the memory",
+        ),
+        (
+            "a full-context sequence fits",
+            "yes"
+            if plan.full_context_sequence_fits
+            else f"NO: one needs {_gib(sequence_bytes)} of KV, the budget is "
+            f"{_gib(plan.kv_budget_bytes)}",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines = [f"warning: {w}" for w in plan.warnings]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -11,7 +11,18 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("sharegpt", "seed", "chat")
+WORKLOADS = ("sharegpt", "long-context", "chat")
+# Each built-in workload's mix, as `pagedkv simulate --help` lists it.
+WORKLOAD_MIXES = {
+    "sharegpt": "ShareGPT-like chat: lognormal prompts (mean ~161 tokens) and outputs "
+    "(mean ~338), all at step 0",
+    "long-context": "10% 128K-token, 30% 64K-token and 60% 512-token requests (outputs 64 "
+    "to 4,096 tokens), Poisson arrivals at 0.01 per step",
+    "chat": "4 shared system prompts of 500-2,000 tokens, each request one of them plus a "
+    "ShareGPT-like turn and answer, all at step 0",
+}
+# Old names still accepted: {old: new}.
+DEPRECATED_WORKLOADS = {"seed": "long-context"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +151,10 @@ def sharegpt_workload(
     ]
 
 
-def seed_workload(num_requests: int, seed: int = 0, rate: float | None = 0.01) -> list[Request]:
-    """The seed document's mix: 128K-token requests among 64K and 512-token ones.
+def long_context_workload(
+    num_requests: int, seed: int = 0, rate: float | None = 0.01
+) -> list[Request]:
+    """Long contexts: 128K-token requests among 64K and 512-token ones.
 
     Lengths include the output (64 to 4,096 tokens, so requests end at different times and
     leave holes behind). 10 % are 128K, 30 % 64K, 60 % 512 tokens.
@@ -183,17 +196,18 @@ def chat_workload(
 def make_workload(
     name: str, num_requests: int, seed: int = 0, rate: float | None = None
 ) -> list[Request]:
-    """A built-in workload by name (`sharegpt`, `seed`, `chat`).
+    """A built-in workload by name (`WORKLOADS`; the old name `seed` is `long-context`).
 
     Raises:
         ValueError: an unknown name or a non-positive count.
     """
     if num_requests <= 0:
         raise ValueError(f"num_requests: expected > 0, got {num_requests}")
+    name = DEPRECATED_WORKLOADS.get(name, name)
     if name == "sharegpt":
         return sharegpt_workload(num_requests, seed, rate)
-    if name == "seed":
-        return seed_workload(num_requests, seed, 0.01 if rate is None else rate)
+    if name == "long-context":
+        return long_context_workload(num_requests, seed, 0.01 if rate is None else rate)
     if name == "chat":
         return chat_workload(num_requests, seed, rate)
     raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
