@@ -209,6 +209,8 @@ class LLMEngine:
         except Exception:
             self._drop_failed_step(step)
             raise
+        for seq_id, (start, rows) in self.runner.pop_prompt_logprobs().items():
+            _add_prompt_logprobs(live[seq_id[0]], start, rows)
         outputs = self._postprocess(step, results, live)
         if self._debug:
             self.kv_manager.check()
@@ -277,6 +279,9 @@ class LLMEngine:
             completions,
             request.is_finished,
             request.metrics,
+            prompt_logprobs=(
+                list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+            ),
         )
 
     # ---- observability ------------------------------------------------------------------
@@ -303,6 +308,17 @@ class LLMEngine:
             num_steps=self.num_steps,
         )
         return stats
+
+
+def _add_prompt_logprobs(request: Request, start: int, rows: list[dict[int, float]]) -> None:
+    """Place the rows of positions start.. as entries start+1.. (row p predicts token p+1).
+
+    A recomputed prompt (after a preemption) brings rows already placed: they are skipped.
+    """
+    entries = request.prompt_logprobs
+    assert entries is not None, "rows only for requests that asked for prompt logprobs"
+    assert start + 1 <= len(entries), f"prompt logprobs from {start + 1}, have {len(entries)}"
+    entries.extend(rows[len(entries) - (start + 1) :])
 
 
 def _completion(request: Request, seq: Sequence) -> CompletionOutput:

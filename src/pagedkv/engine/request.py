@@ -113,6 +113,11 @@ class Request:
         self.seqs: list[Sequence] = [
             Sequence((request_id, 0), list(prompt_token_ids), len(prompt_token_ids))
         ]
+        # Filled by the engine when asked: entry i holds prompt token i's logprobs (see
+        # `RequestOutput.prompt_logprobs`); the first token has none.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def n(self) -> int:

@@ -1,4 +1,5 @@
-"""Runs one scheduled step on the model: KV moves, one forward pass, sampling."""
+"""Runs one scheduled step on the model: KV moves, one forward pass, sampling, and the
+prompt logprobs of the rows that ask for them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
+from pagedkv.ops import plan as plan_attention
+
+# Prompt rows whose logits are computed at once (bounds [rows, vocab] float32 memory).
+_LOGIT_ROWS = 256
 
 
 class ModelRunner:
@@ -34,10 +39,10 @@ class ModelRunner:
         # Per request id, per sample index: its generator, created on first use and kept
         # across steps (and preemptions) until `release`.
         self._generators: dict[str, dict[int, torch.Generator]] = {}
-        # torch's intra-op thread count when the engine started: the first Numba parallel
-        # region (the attention kernels: the warm-up below, or else the first step) can reset
-        # it, so it is restored once after that.
-        self._num_threads: int | None = torch.get_num_threads()
+        # The last step's prompt logprobs, until `pop_prompt_logprobs`.
+        self._prompt_logprobs: dict[SeqId, tuple[int, list[dict[int, float]]]] = {}
+        # Each distinct window of the model's layers gets its own attention plan per step.
+        self._windows = sorted(set(model.config.sliding_windows) or {None}, key=lambda w: w or 0)
         # Compile the attention kernels now, not in the middle of serving a request.
         warmup(
             kv_cache.key_caches[0],
@@ -45,7 +50,6 @@ class ModelRunner:
             model.config.num_heads,
             backend=attention_backend,
         )
-        self._restore_threads()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[SeqId, SampleResult]:
@@ -81,21 +85,68 @@ class ModelRunner:
             device=self.device,
             backend=self.attention_backend,
         )
+        for window in self._windows:
+            plan_attention(
+                metadata,
+                self.kv_cache.key_caches[0],
+                self.kv_cache.value_caches[0],
+                self.model.config.num_heads,
+                window,
+            )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache,
             metadata,
         )
-        if self._num_threads is not None:
-            self._restore_threads()
+        self._prompt_logprobs = self._compute_prompt_logprobs(step, hidden)
         return self._sample(step, hidden)
 
-    def _restore_threads(self) -> None:
-        """Once, after the first forward: undo a reset of torch's thread count."""
-        wanted, self._num_threads = self._num_threads, None
-        if wanted is not None and torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
+    def pop_prompt_logprobs(self) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
+        """The prompt logprobs of the last `execute`, then forgotten.
+
+        Returns:
+            Per sequence that asked (`prompt_logprob_token_ids`): its step's `start_pos` and,
+            per row i, token id -> logprob (float32 log-softmax of the raw logits) of the
+            top `prompt_logprobs` tokens and of `prompt_logprob_token_ids[i]`.
+        """
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
+
+    def _compute_prompt_logprobs(
+        self, step: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
+        """hidden: [num_tokens, hidden_size]. Logits in slices of rows: a whole prompt's
+        [rows, vocab] at once could take gigabytes."""
+        out: dict[SeqId, tuple[int, list[dict[int, float]]]] = {}
+        first_row = 0
+        for seq in step.seqs:
+            if seq.prompt_logprob_token_ids:
+                out[seq.seq_id] = (seq.start_pos, self._prompt_rows(seq, hidden, first_row))
+            first_row += len(seq.token_ids)
+        return out
+
+    def _prompt_rows(
+        self, seq: ScheduledSequence, hidden: torch.Tensor, first_row: int
+    ) -> list[dict[int, float]]:
+        assert seq.sampling_params is not None, "every scheduled sequence carries its params"
+        k = seq.sampling_params.prompt_logprobs or 0
+        targets = seq.prompt_logprob_token_ids
+        rows: list[dict[int, float]] = []
+        for begin in range(0, len(targets), _LOGIT_ROWS):
+            ids = targets[begin : begin + _LOGIT_ROWS]
+            chunk = hidden[first_row + begin : first_row + begin + len(ids)]
+            logprobs = torch.log_softmax(self.model.compute_logits(chunk).float(), dim=-1)
+            index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
+            chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            for i, token in enumerate(ids):
+                top = {}
+                if top_ids is not None and top_values is not None:
+                    top = dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True))
+                top[token] = chosen[i]
+                rows.append(top)
+        return rows
 
     def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:
         """hidden: [num_tokens, hidden_size]; logits only for the rows that sample."""

@@ -286,9 +286,12 @@ class Scheduler(PreemptionMixin):
                     plan.append((seq, seq.num_computed, 1))
                     budget.tokens -= 1
                 continue
-            start = (
-                seq.num_computed if seq.is_allocated else self.kv.num_cached_tokens(seq.token_ids)
-            )
+            if seq.is_allocated:
+                start = seq.num_computed
+            elif _skips_prefix_cache(request):
+                start = 0
+            else:
+                start = self.kv.num_cached_tokens(seq.token_ids)
             num = min(len(seq.token_ids) - start, budget.prefill_tokens)
             if num > 0:
                 plan.append((seq, start, num))
@@ -306,6 +309,8 @@ class Scheduler(PreemptionMixin):
         for seq, start, num in plan:
             if seq.is_allocated:
                 need += self.kv.num_blocks_to_append(seq.seq_id, num)
+            elif _skips_prefix_cache(self.requests[seq.seq_id[0]]):
+                need += -(-(start + num) // self.block_size)
             else:
                 need += self.kv.num_blocks_to_allocate(seq.token_ids[: start + num])
         return need
@@ -321,7 +326,7 @@ class Scheduler(PreemptionMixin):
                 if seq.is_allocated:
                     self.kv.append(seq.seq_id, seq.token_ids[start:end])
                 else:
-                    start = self.kv.allocate(seq.seq_id, seq.token_ids[:end])
+                    start = self._allocate(request, seq, end)
                     seq.is_allocated = True
                     if request.metrics.num_computed_tokens == 0 and seq.index == 0:
                         request.metrics.num_cached_tokens = start
@@ -347,8 +352,27 @@ class Scheduler(PreemptionMixin):
                     sample_ids,
                     request.params,
                     request.seed,
+                    _prompt_logprob_targets(request, seq, start, end),
                 )
             )
+
+    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
+        """Allocate `seq`'s first `end` tokens; returns how many were found cached.
+
+        A request asking for prompt logprobs takes no prefix-cache hit (a cached block has no
+        logits): its first token alone is allocated (too short to look up), then the rest is
+        appended. Its full blocks still enter the prefix cache for others.
+        """
+        if not _skips_prefix_cache(request):
+            return int(self.kv.allocate(seq.seq_id, seq.token_ids[:end]))
+        self.kv.allocate(seq.seq_id, seq.token_ids[:1])
+        if end > 1:
+            try:
+                self.kv.append(seq.seq_id, seq.token_ids[1:end])
+            except OutOfBlocks:
+                self.kv.free(seq.seq_id)
+                raise
+        return 0
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
@@ -401,3 +425,16 @@ class Scheduler(PreemptionMixin):
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
+
+
+def _skips_prefix_cache(request: Request) -> bool:
+    """Prompt logprobs need every prompt position's logits, so the prompt is computed."""
+    return request.params.prompt_logprobs is not None
+
+
+def _prompt_logprob_targets(request: Request, seq: Sequence, start: int, end: int) -> list[int]:
+    """The prompt tokens that follow rows start..end-1, while prompt logprobs are missing."""
+    logprobs = request.prompt_logprobs
+    if logprobs is None or seq.index != 0 or len(logprobs) >= seq.prompt_len:
+        return []
+    return seq.token_ids[start + 1 : min(end, seq.prompt_len - 1) + 1]

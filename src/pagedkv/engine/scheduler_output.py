@@ -22,7 +22,9 @@ class ScheduledSequence:
     attention reads the whole context through `block_table`. When `sample_seq_ids` is not
     empty, the last row's logits are sampled once for each id in it (more than one only for
     the fork of n > 1) with `sampling_params`; sample `(request_id, index)` draws from the
-    generator of `(seed, index)`.
+    generator of `(seed, index)`. `prompt_logprob_token_ids[i]` is the prompt token after
+    row i: the runner returns its logprob (and the top `sampling_params.prompt_logprobs`)
+    from row i's logits; empty unless the request asks for prompt logprobs.
 
     Raises:
         ValueError: `slot_mapping` does not have one slot per token, or a sampling
@@ -37,6 +39,7 @@ class ScheduledSequence:
     sample_seq_ids: list[SeqId] = field(default_factory=list)
     sampling_params: SamplingParams | None = None
     seed: int = 0
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.slot_mapping) != len(self.token_ids):
@@ -48,6 +51,11 @@ class ScheduledSequence:
             raise ValueError(
                 f"sampling_params: expected SamplingParams for {self.seq_id!r}, which samples, "
                 "got None"
+            )
+        if len(self.prompt_logprob_token_ids) > len(self.token_ids):
+            raise ValueError(
+                f"prompt_logprob_token_ids: expected at most one per token "
+                f"({len(self.token_ids)}), got {len(self.prompt_logprob_token_ids)}"
             )
 
     @property
