@@ -1,21 +1,38 @@
-"""Simulator policies on small cases worked out by hand, plus invariants on larger loads."""
+"""Simulator policies on small cases worked out by hand, invariants on larger loads, and the
+paged replay against a real engine run."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from pagedkv.sim.policies import POLICIES, create_policy
+from pagedkv.config import SchedulerConfig
+from pagedkv.sim import paged
+from pagedkv.sim.policies import POLICIES, StepCost, create_policy
 from pagedkv.sim.simulator import simulate
 from pagedkv.sim.workload import Request, make_workload
 
 
-def run(requests, name, capacity, block_size=1, max_len=None, record=False, snapshot_every=1):
+def run(
+    requests,
+    name,
+    capacity,
+    block_size=1,
+    max_len=None,
+    record=False,
+    snapshot_every=1,
+    scheduler=None,
+    step_cost=None,
+):
     policy = create_policy(
         name,
         capacity_tokens=capacity,
         num_blocks=capacity // block_size,
         block_size=block_size,
         max_len=max_len or max(r.total_len for r in requests),
+        scheduler=scheduler,
+        step_cost=step_cost,
     )
     result = simulate(requests, policy, record=record, snapshot_every=snapshot_every)
     if name.startswith("paged"):
@@ -34,11 +51,12 @@ def test_single_request_utilization_per_policy():
     assert fit.external_fragmentation == 0
     most = run(requests, "contiguous-max", 64, max_len=10)
     assert most.mean_kv_utilization == pytest.approx((4 + 5 + 6 + 7) / 10 / 4)
-    # Blocks of 4: 1, 2, 2, 2 blocks for 4, 5, 6, 7 tokens.
+    # The engine holds the KV of 3, 4, 5, 6 tokens at steps 0..3 (a sampled token's KV is
+    # written by the next step): blocks of 4 give 1, 1, 2, 2 blocks.
     paged = run(requests, "paged", 64, block_size=4)
-    assert paged.steps == 4
-    assert paged.mean_kv_utilization == pytest.approx((4 / 4 + 5 / 8 + 6 / 8 + 7 / 8) / 4)
-    assert paged.internal_fragmentation == pytest.approx((0 + 3 + 2 + 1) / 4 / 64)
+    assert (paged.steps, paged.engine_steps) == (4, 4)
+    assert paged.mean_kv_utilization == pytest.approx((3 / 4 + 4 / 4 + 5 / 8 + 6 / 8) / 4)
+    assert paged.internal_fragmentation == pytest.approx((1 + 0 + 3 + 2) / 4 / 64)
 
 
 def test_fifo_head_of_line_blocking():
@@ -91,13 +109,46 @@ def test_contiguous_max_serializes():
 
 
 def test_paged_preempts_youngest_and_recomputes():
-    # 4 blocks of 2. Both need a third block at step 3: b (youngest) is preempted with 4
-    # tokens, a finishes at step 4, b comes back at step 5 with a 4-token prompt.
+    # 4 blocks of 2. At step 4 both hold 4 tokens and need a third block: b (youngest) is
+    # preempted, a takes the block and ends there (5 outputs, steps 0-4); b comes back at
+    # step 5, recomputes its 5 tokens (prompt + 4 outputs) and samples its last output.
     requests = [Request(0, 1, 5), Request(0, 1, 5)]
-    result = run(requests, "paged", 8, block_size=2)
-    assert result.preemptions == 1
-    assert result.steps == 7
+    steps = []
+    policy = create_policy("paged", capacity_tokens=8, num_blocks=4, block_size=2, max_len=6)
+    result = paged.replay(requests, policy, on_step=steps.append)
+    assert result.preemptions == 1 and result.steps == 6
+    assert [s.preempted_request_ids for s in steps] == [[], [], [], [], ["1"], []]
+    assert [len(s.seqs[0].token_ids) for s in steps[4:]] == [1, 5]
     assert (result.admitted, result.queued, result.rejected) == (2, 0, 0)
+
+
+def test_step_cost_sets_the_clock():
+    # Step 0 prefills 3 + 5 tokens, steps 1-2 decode 2 tokens: 1 + 8/4, then 1 + 2/4 twice
+    # (clock 6); idle until the third arrives at 10; its prefill takes 1 + 2/4.
+    requests = [Request(0, 3, 3), Request(0, 5, 3), Request(10, 2, 1)]
+    result = run(requests, "paged", 64, block_size=4, step_cost=StepCost(1.0, 0.25), record=True)
+    assert result.timeline.steps == [0.0, 3.0, 4.5, 10.0]
+    assert result.engine_steps == 4 and result.steps == 12  # 11.5 rounded up
+    assert result.mean_wait_steps == 0
+    with pytest.raises(ValueError, match="per_token: expected a finite number >= 0"):
+        StepCost(1.0, -1.0)
+    with pytest.raises(ValueError, match="fixed \\+ per_token > 0"):
+        StepCost(0.0, 0.0)
+
+
+def test_scheduler_limits_apply_to_paged_policies():
+    # Two sequences at most and 4 tokens per step: the 10-token prompt takes chunks of 4, 4
+    # and 2; request 1's prompt fills the third step; request 2 waits for a free sequence.
+    requests = [Request(0, 10, 2), Request(0, 2, 2), Request(0, 2, 2)]
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4)
+    steps = []
+    policy = create_policy(
+        "paged", capacity_tokens=64, num_blocks=16, block_size=4, max_len=12, scheduler=config
+    )
+    paged.replay(requests, policy, on_step=steps.append)
+    ids = [[s.seq_id[0] for s in step.seqs] for step in steps]
+    assert ids == [["0"], ["0"], ["0", "1"], ["0", "1"], ["2"], ["2"]]
+    assert [len(s.token_ids) for s in steps[2].seqs] == [2, 2]
 
 
 def test_prefix_sharing_shares_prompt_blocks():
@@ -105,11 +156,11 @@ def test_prefix_sharing_shares_prompt_blocks():
     requests = [Request(0, 9, 2, prefix_group=0, prefix_len=8) for _ in range(2)]
     paged = run(requests, "paged", 64, block_size=4, record=True)
     shared = run(requests, "paged-prefix", 64, block_size=4, record=True)
-    # Step 0: 10 tokens each in 3 blocks; with sharing the 2 prefix blocks are held once.
+    # Step 0: 9 tokens each in 3 blocks; with sharing the 2 prefix blocks are held once.
     assert paged.timeline.reserved[0] == 2 * 3 * 4
     assert shared.timeline.reserved[0] == (2 + 1 + 1) * 4
-    assert paged.timeline.held[0] == 20
-    assert shared.timeline.held[0] == 20 - 8
+    assert paged.timeline.held[0] == 18
+    assert shared.timeline.held[0] == 18 - 8
     assert shared.manager_stats and paged.steps == shared.steps == 2
 
 
@@ -151,9 +202,9 @@ def test_paged_held_tokens_match_block_tables():
         assert sum(h for _, _, h in regions) == held[step]
 
 
-def test_seed_scenario_fragments_contiguous_but_not_paged():
-    # llama-3.1-8b in 40 GiB: 327,680 tokens, 2.5 times the seed's 128K request.
-    requests = make_workload("seed", 60, seed=0)
+def test_long_context_fragments_contiguous_but_not_paged():
+    # llama-3.1-8b in 40 GiB: 327,680 tokens, 2.5 times the workload's 128K request.
+    requests = make_workload("long-context", 40, seed=0)
     fit = run(requests, "contiguous-first-fit", 327_680)
     paged = run(requests, "paged", 327_680, block_size=16)
     assert fit.fragmentation_stalls > 0
@@ -162,7 +213,7 @@ def test_seed_scenario_fragments_contiguous_but_not_paged():
     assert paged.fragmentation_stalls == 0 and paged.external_fragmentation == 0
     assert paged.steps < fit.steps
     for result in (fit, paged):
-        assert result.admitted + result.rejected == len(requests) == 60
+        assert result.admitted + result.rejected == len(requests) == 40
 
 
 def test_empty_workload_and_unknown_policy():
@@ -172,3 +223,65 @@ def test_empty_workload_and_unknown_policy():
         )
     with pytest.raises(ValueError, match="policy: expected one of"):
         create_policy("buddy", capacity_tokens=16, num_blocks=1, block_size=16, max_len=1)
+
+
+def test_paged_replay_schedules_as_a_real_engine_run(tmp_path):
+    # The same trace through the simulator and through an engine on a random-weight model:
+    # lengths are fixed by ignore_eos + max_tokens, so every step must schedule the same
+    # requests and preempt the same ones (chunked prefill, decode-first budget, max_num_seqs,
+    # recompute preemption and prefix hits on recomputed tokens all take part).
+    from helpers import make_hf_model
+
+    from pagedkv import SamplingParams
+    from pagedkv.engine.engine import LLMEngine
+
+    prompt_lens, output_lens = [5, 23, 9, 14, 3, 30, 7], [12, 6, 15, 9, 20, 4, 10]
+    block_size, num_blocks, max_num_seqs, max_num_batched_tokens = 4, 12, 4, 16
+    requests = [Request(0, p, o) for p, o in zip(prompt_lens, output_lens, strict=True)]
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    simulated = []
+    policy = create_policy(
+        "paged-prefix",
+        capacity_tokens=num_blocks * block_size,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_len=64,
+        scheduler=config,
+    )
+    result = paged.replay(requests, policy, on_step=simulated.append)
+
+    engine = LLMEngine.from_engine_args(
+        str(make_hf_model(tmp_path, "llama", seed=4)),
+        device="cpu",
+        dtype="float32",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=True,
+    )
+    real, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: real.append(schedule()) or real[-1]
+    rng = random.Random(0)
+    for index, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
+        prompt = [rng.randrange(3, 512) for _ in range(p)]
+        engine.add_request(str(index), prompt, SamplingParams(max_tokens=o, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    def trace(steps):
+        return [
+            (
+                [(s.seq_id[0], s.start_pos, len(s.token_ids)) for s in step.seqs],
+                step.preempted_request_ids,
+            )
+            for step in steps
+        ]
+
+    assert trace(simulated) == trace(real)
+    assert result.preemptions == engine.scheduler.num_preemptions > 0
+    assert result.engine_steps == engine.num_steps
+    hits = engine.stats()["prefix_cache_hits"]
+    assert result.manager_stats["prefix_cache_hits"] == hits > 0

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedkv.config import parse_count, parse_size
+from pagedkv.config import SchedulerConfig, parse_count, parse_size
 from pagedkv.sim.planner import (
     ACTIVATION_MARGIN,
     builtin_models,
@@ -23,7 +23,7 @@ from pagedkv.sim.planner import (
     load_model,
     plan_memory,
 )
-from pagedkv.sim.policies import POLICIES, create_policy
+from pagedkv.sim.policies import POLICIES, StepCost, create_policy
 from pagedkv.sim.simulator import PolicyResult, simulate
 from pagedkv.sim.workload import (
     DEPRECATED_WORKLOADS,
@@ -71,7 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replay a workload against contiguous and paged KV allocation",
         description=textwrap.fill(
             "Replay a workload on a simulated clock (one token per running request per step) "
-            f"against the policies {', '.join(POLICIES)}."
+            f"against the policies {', '.join(POLICIES)}. The paged policies run the engine's "
+            "own scheduler and KV cache manager, with a cost model in place of the model."
         ),
         epilog=_workloads_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -107,6 +108,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sim.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset of the policies"
+    )
+    engine = SchedulerConfig()
+    sim.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=engine.max_num_seqs,
+        help=f"paged policies: sequences in one step at most (default {engine.max_num_seqs})",
+    )
+    sim.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=engine.max_num_batched_tokens,
+        help="paged policies: tokens in one step at most "
+        f"(default {engine.max_num_batched_tokens})",
+    )
+    sim.add_argument(
+        "--token-cost",
+        type=float,
+        default=0.0,
+        help="paged policies: a step takes 1 + this x its batched tokens clock steps (default 0)",
     )
     sim.add_argument("--plot", metavar="DIR", help="write PNG figures to DIR")
     sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -204,6 +225,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         "num_blocks": header["num_blocks"],
         "block_size": header["block_size"],
         "max_len": header["max_model_len"],
+        "scheduler": SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        "step_cost": StepCost(1.0, args.token_cost),
     }
     results = []
     for name in names:
@@ -216,7 +241,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 requests,
                 create_policy(name, **sizes),
                 record=True,
-                snapshot_every=result.steps // 300,
+                snapshot_every=(result.engine_steps or result.steps) // 300,
             )
         results.append((result, seconds))
     if args.plot:

@@ -1,8 +1,9 @@
 """KV allocation policies the simulator compares, all measured in tokens.
 
 Standard library only. The two contiguous policies place each request in one address range
-of a token-addressed arena; the two paged ones hand the request to pagedkv's own
-`KVCacheManager` (imported when a paged policy is built), which never needs contiguity.
+of a token-addressed arena; the two paged ones run the engine's own `Scheduler` over
+pagedkv's `KVCacheManager` (imported when a paged policy is built), which never needs
+contiguity.
 
 Contiguous arena (first fit, free list sorted by address, neighbours coalesced on release):
 
@@ -15,32 +16,25 @@ Contiguous arena (first fit, free list sorted by address, neighbours coalesced o
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass
 
-from pagedkv.errors import OutOfBlocks
+from pagedkv.config import SchedulerConfig
 from pagedkv.sim.workload import Request
 
 POLICIES = ("contiguous-max", "contiguous-first-fit", "paged", "paged-prefix")
 
-# Token ids live in disjoint ranges: request i's own tokens at (2i + 1) << 32 | position,
-# prefix group g's shared tokens at (2g + 2) << 32 | position. Same id <=> same prefix.
-_ID_SHIFT = 32
-
 
 @dataclass(slots=True)
 class Live:
-    """One admission of a request. After a preemption the request is admitted again as a new
-    `Live` whose prompt holds the tokens produced so far (recompute)."""
+    """One admission of a request into a contiguous arena."""
 
     index: int
     request: Request
     prompt_len: int  # tokens prefilled at admission
     start: int  # admission step; the admission step already produces one token
-    addr: int = -1  # contiguous: first token's address
-    reserved: int = 0  # contiguous: tokens reserved
-    synced: int = 0  # paged: tokens the manager has been given
-    bucket: int = field(default=-1)  # paged: step % block_size at which it needs a new block
+    addr: int = -1  # first token's address
+    reserved: int = 0  # tokens reserved
 
     def length(self, step: int) -> int:
         """Tokens held at the end of `step` (one more per step since admission)."""
@@ -53,8 +47,6 @@ class Live:
 
 class ContiguousPolicy:
     """Each request reserves one address range: its exact final size, or `max_len` tokens."""
-
-    grows_in_blocks = False
 
     def __init__(self, name: str, capacity: int, max_len: int | None = None) -> None:
         if capacity <= 0:
@@ -101,7 +93,7 @@ class ContiguousPolicy:
         self._reserved += need
         return True
 
-    def release(self, live: Live, produced: int) -> None:
+    def release(self, live: Live) -> None:
         start, size = live.addr, live.reserved
         starts, sizes = self._starts, self._sizes
         i = bisect.bisect_left(starts, start)
@@ -116,24 +108,53 @@ class ContiguousPolicy:
             sizes.insert(i, size)
         self._reserved -= live.reserved
 
-    def grow(self, live: Live, length: int) -> None:
-        raise AssertionError("contiguous reservations never grow")
-
     def regions(self, lives: list[Live], step: int) -> list[tuple[int, int, int]]:
         """(address, reserved tokens, tokens holding KV) per live request."""
         return [(v.addr, v.reserved, v.length(step)) for v in lives]
 
-    def manager_stats(self) -> dict[str, Any]:
-        return {}
+
+@dataclass(frozen=True)
+class StepCost:
+    """The stand-in runner's cost model: one paged step takes `fixed + per_token x batched
+    tokens` clock units (one unit = one step of the contiguous policies).
+
+    Raises:
+        ValueError: a negative or non-finite term, or a step that would take no time.
+    """
+
+    fixed: float = 1.0
+    per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("fixed", "per_token"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        if self.fixed + self.per_token <= 0:
+            raise ValueError(
+                f"step cost: expected fixed + per_token > 0, got {self.fixed} + {self.per_token}"
+            )
+
+    def time(self, num_batched_tokens: int) -> float:
+        """Clock units one step of `num_batched_tokens` tokens takes."""
+        return self.fixed + self.per_token * num_batched_tokens
 
 
 class PagedPolicy:
-    """Blocks from pagedkv's `KVCacheManager`, one more whenever a sequence crosses a block
-    boundary. With `prefix_caching`, prompts of one prefix group share their full blocks."""
+    """The engine's own `Scheduler` over pagedkv's `KVCacheManager` (see `sim/paged.py`).
 
-    grows_in_blocks = True
+    With `prefix_caching`, prompts of one prefix group share their full blocks.
+    """
 
-    def __init__(self, name: str, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool,
+        scheduler: SchedulerConfig | None = None,
+        step_cost: StepCost | None = None,
+    ) -> None:
         from pagedkv.memory import KVCacheManager
 
         self.name = name
@@ -141,95 +162,24 @@ class PagedPolicy:
         self.num_blocks = num_blocks
         self.capacity = num_blocks * block_size
         self.prefix_caching = prefix_caching
+        self.scheduler_config = scheduler if scheduler is not None else SchedulerConfig()
+        self.step_cost = step_cost if step_cost is not None else StepCost()
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
 
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def never_fits(self, request: Request) -> bool:
-        return self._blocks(request.total_len) > self.num_blocks
-
-    def need_tokens(self, live: Live) -> int:
-        # The prompt and the token the admission step produces; shared blocks may lower it.
-        return self._blocks(live.prompt_len + 1) * self.block_size
-
-    def free_tokens(self) -> int:
-        return self.manager.num_free_blocks * self.block_size
-
-    def largest_free_tokens(self) -> int:
-        return self.free_tokens()  # any free block serves any sequence
-
-    def reserved_tokens(self) -> int:
-        return (self.num_blocks - self.manager.num_free_blocks) * self.block_size
-
-    def token_ids(self, live: Live, lo: int, hi: int) -> list[int]:
-        """The request's token ids at positions [lo, hi)."""
-        request = live.request
-        own = ((2 * live.index + 1) << _ID_SHIFT) + lo
-        shared = min(hi, request.prefix_len) - lo
-        if shared <= 0:
-            return list(range(own, own + hi - lo))
-        group = ((2 * request.prefix_group + 2) << _ID_SHIFT) + lo
-        return list(range(group, group + shared)) + list(range(own + shared, own + hi - lo))
-
-    def admit(self, live: Live) -> bool:
-        n = live.prompt_len
-        # At most the group prefix can be cached, or after a preemption (prompt_len grew)
-        # the request's own tokens: with fewer free blocks than the rest, allocate would
-        # raise OutOfBlocks, so skip building a token list for a head that waits long.
-        shareable = 0
-        if self.prefix_caching:
-            own = n > live.request.prompt_len
-            shareable = (n if own else live.request.prefix_len) // self.block_size
-        if self.manager.num_free_blocks + shareable < self._blocks(n + 1):
-            return False
-        try:
-            self.manager.allocate(live.index, self.token_ids(live, 0, n))
-        except OutOfBlocks:
-            return False
-        live.synced = n
-        if n % self.block_size == 0:  # the token produced now opens a new block
-            try:
-                self.grow(live, n + 1)
-            except OutOfBlocks:
-                self.manager.free(live.index)
-                return False
-        return True
-
-    def grow(self, live: Live, length: int) -> None:
-        """Give the manager the tokens up to `length` (called when `length` opens a block).
-
-        Appending the tokens of a block in one call at the boundary instead of one by one
-        changes nothing: tokens that stay inside the last block never allocate, so the
-        manager's blocks, and any OutOfBlocks, are exactly those of per-token appends.
-
-        Raises:
-            OutOfBlocks: no block is free; nothing changed.
-        """
-        self.manager.append(live.index, self.token_ids(live, live.synced, length))
-        live.synced = length
-
-    def release(self, live: Live, produced: int) -> None:
-        if produced > live.synced:  # tokens inside the last block: no allocation
-            self.manager.append(live.index, self.token_ids(live, live.synced, produced))
-        self.manager.free(live.index)
-
-    def regions(self, lives: list[Live], step: int) -> list[tuple[int, int, int]]:
-        bs, out = self.block_size, []
-        for v in lives:
-            table = self.manager.block_table(v.index)
-            last = v.length(step) - (len(table) - 1) * bs
-            out.extend((b * bs, bs, bs) for b in table[:-1])
-            out.append((table[-1] * bs, bs, min(bs, last)))
-        return out
-
-    def manager_stats(self) -> dict[str, Any]:
-        stats = self.manager.stats()
-        return dict(stats) if isinstance(stats, dict) else dict(vars(stats))
+        """Whether the request cannot complete even alone in the pool."""
+        return -(-request.total_len // self.block_size) > self.num_blocks
 
 
 def create_policy(
-    name: str, *, capacity_tokens: int, num_blocks: int, block_size: int, max_len: int
+    name: str,
+    *,
+    capacity_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    max_len: int,
+    scheduler: SchedulerConfig | None = None,
+    step_cost: StepCost | None = None,
 ) -> ContiguousPolicy | PagedPolicy:
     """Build a policy by name.
 
@@ -237,6 +187,8 @@ def create_policy(
         capacity_tokens: tokens the KV memory holds (contiguous policies).
         num_blocks: blocks the KV memory holds (paged policies).
         max_len: tokens `contiguous-max` reserves per request.
+        scheduler: the paged policies' batch limits (default `SchedulerConfig()`).
+        step_cost: the paged policies' time per step (default one clock unit).
 
     Raises:
         ValueError: an unknown policy name.
@@ -248,5 +200,7 @@ def create_policy(
     if name in ("paged", "paged-prefix"):
         if num_blocks <= 0:
             raise ValueError(f"KV memory: expected room for at least one block, got {num_blocks}")
-        return PagedPolicy(name, num_blocks, block_size, prefix_caching=name == "paged-prefix")
+        return PagedPolicy(
+            name, num_blocks, block_size, name == "paged-prefix", scheduler, step_cost
+        )
     raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {name!r}")

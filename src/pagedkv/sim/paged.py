@@ -1,0 +1,219 @@
+"""Paged policies: the engine's own `Scheduler` and `KVCacheManager` on a simulated clock.
+
+Standard library only (the scheduler and the manager import no torch). In place of the
+`ModelRunner`, a stand-in executes each `SchedulerOutput`: a cost model gives the step's
+time, and every sampled token is the request's own token id at its position, never EOS
+(requests run with `ignore_eos` and `max_tokens = output_len`, so their lengths are those
+of the workload). Everything else is the engine's code, so admissions, chunked prefill,
+the decode-first token budget, the watermark, preemptions and prefix hits are the engine's.
+
+One iteration:
+
+    1. arrivals   requests with arrival <= clock go to `Scheduler.add_request` in arrival
+                  order; one whose prompt + output can never fit the pool is rejected
+    2. schedule   `Scheduler.schedule()`
+    3. run        the stand-in runner samples; the figures are taken (the manager now
+                  holds the KV this step computes)
+    4. update     `Scheduler.update()` appends the tokens and ends finished requests
+    5. clock      += `StepCost.time(batched tokens)`
+
+When nothing is running or waiting, the clock jumps to the next arrival. Token ids live
+in disjoint ranges: request i's own tokens at (2i + 1) << 32 | position, prefix group g's
+shared ones at (2g + 2) << 32 | position, so blocks are shared only through the prefix
+cache, and only within a prefix group (or a request's own recomputed tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from pagedkv.engine.request import Request as EngineRequest
+from pagedkv.engine.request import SeqId, Sequence
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.sim.policies import PagedPolicy, StepCost
+from pagedkv.sim.results import PolicyResult, Regions, StepSums, Timeline
+from pagedkv.sim.workload import Request
+
+_ID_SHIFT = 32
+
+
+def token_ids(index: int, request: Request, lo: int, hi: int) -> list[int]:
+    """Request `index`'s token ids at positions [lo, hi) (prompt and generated alike)."""
+    own = ((2 * index + 1) << _ID_SHIFT) + lo
+    shared = min(hi, request.prefix_len) - lo
+    if shared <= 0:
+        return list(range(own, own + hi - lo))
+    assert request.prefix_group is not None, "a prefix_len needs a prefix_group"
+    group = ((2 * request.prefix_group + 2) << _ID_SHIFT) + lo
+    return list(range(group, group + shared)) + list(range(own + shared, own + hi - lo))
+
+
+class StandInRunner:
+    """Executes a `SchedulerOutput` without a model (the request id is the workload index)."""
+
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+
+    def execute(self, step: SchedulerOutput) -> dict[SeqId, int]:
+        """Per sampled id, the request's own token id at the new token's position."""
+        sampled: dict[SeqId, int] = {}
+        for seq in step.seqs:
+            for seq_id in seq.sample_seq_ids:
+                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << _ID_SHIFT) + seq.seq_len
+        return sampled
+
+    def step_time(self, step: SchedulerOutput) -> float:
+        """Clock units `step` takes."""
+        return self.cost.time(step.num_batched_tokens)
+
+
+class _Replay:
+    """The state of one paged replay; `replay` drives it."""
+
+    def __init__(self, requests: list[Request], policy: PagedPolicy, record: bool) -> None:
+        self.requests = sorted(enumerate(requests), key=lambda item: item[1].arrival)
+        self.policy = policy
+        self.manager = policy.manager
+        self.scheduler = Scheduler(
+            policy.scheduler_config,
+            policy.manager,
+            num_blocks=policy.num_blocks,
+            block_size=policy.block_size,
+            max_model_len=max(r.total_len for r in requests),
+        )
+        self.runner = StandInRunner(policy.step_cost)
+        self.clock = 0.0
+        self.num_steps = self.next_arrival = self.rejected = 0
+        self.arrived: dict[str, tuple[int, float]] = {}  # id -> (step, clock) on arrival
+        self.first_run: dict[str, tuple[int, float]] = {}  # id -> (step, clock) first scheduled
+        self.sums = StepSums(policy.capacity)
+        self.timeline = Timeline(policy.capacity, False) if record else None
+
+    def has_work(self) -> bool:
+        return self.next_arrival < len(self.requests) or self.scheduler.has_unfinished_requests()
+
+    def arrive(self) -> None:
+        """Hand the arrivals up to the clock to the scheduler; jump over idle time."""
+        if not self.scheduler.has_unfinished_requests():
+            self.clock = max(self.clock, self.requests[self.next_arrival][1].arrival)
+        while (
+            self.next_arrival < len(self.requests)
+            and self.requests[self.next_arrival][1].arrival <= self.clock
+        ):
+            index, request = self.requests[self.next_arrival]
+            if self.policy.never_fits(request):
+                self.rejected += 1
+            else:
+                params = SamplingParams(
+                    max_tokens=request.output_len, temperature=0.0, ignore_eos=True
+                )
+                prompt = token_ids(index, request, 0, request.prompt_len)
+                self.scheduler.add_request(
+                    EngineRequest(
+                        str(index),
+                        prompt,
+                        params,
+                        arrival_time=self.clock,
+                        arrival_index=self.next_arrival,
+                    )
+                )
+                self.arrived[str(index)] = (self.num_steps, self.clock)
+            self.next_arrival += 1
+
+    def step(self, on_step: Callable[[SchedulerOutput], None] | None) -> None:
+        """One engine step: schedule, run, sample the figures, update, advance the clock."""
+        step = self.scheduler.schedule()
+        if step.is_empty and not step.finished_request_ids:
+            raise AssertionError(f"{self.policy.name}: the scheduler made no progress")
+        for scheduled in step.seqs:
+            self.first_run.setdefault(scheduled.seq_id[0], (self.num_steps, self.clock))
+        sampled = self.runner.execute(step)
+        if on_step is not None:
+            on_step(step)
+        self.sample()
+        self.scheduler.update(step, sampled)
+        self.clock += self.runner.step_time(step)
+        self.num_steps += 1
+
+    def sample(self) -> None:
+        bs = self.policy.block_size
+        free = self.manager.num_free_blocks * bs
+        reserved = self.policy.capacity - free
+        # Only a sequence's last block can be partly filled: shared prefix blocks are full.
+        empty = sum(-seq.num_computed % bs for seq in self._resident_seqs())
+        running = self.scheduler.num_running
+        if self.timeline is not None:
+            totals = (reserved, reserved - empty, running)
+            self.timeline.record(self.num_steps, self.clock, totals, self.memory_map)
+        self.sums.add(running, reserved, reserved - empty, free, free)
+
+    def _resident_seqs(self) -> list[Sequence]:
+        return [s for r in self.scheduler.running for s in r.seqs if s.is_allocated]
+
+    def memory_map(self) -> tuple[Regions, int]:
+        """Per resident sequence its blocks as (address, block_size, tokens held); a shared
+        block appears once per holder. No need: any free block serves any sequence."""
+        bs, regions = self.policy.block_size, []
+        for seq in self._resident_seqs():
+            for i, block in enumerate(self.manager.block_table(seq.seq_id)):
+                regions.append((block * bs, bs, max(0, min(bs, seq.num_computed - i * bs))))
+        return regions, 0
+
+    def result(self) -> PolicyResult:
+        waits = [first[1] - self.arrived[i][1] for i, first in self.first_run.items()]
+        return PolicyResult(
+            policy=self.policy.name,
+            requests=len(self.requests),
+            admitted=len(self.first_run),
+            queued=sum(first[0] > self.arrived[i][0] for i, first in self.first_run.items()),
+            rejected=self.rejected,
+            preemptions=self.scheduler.num_preemptions,
+            steps=math.ceil(self.clock),
+            capacity_tokens=self.policy.capacity,
+            **self.sums.means(),
+            fragmentation_stalls=0,  # any free block serves any sequence
+            fragmentation_stalled_requests=0,
+            stall_examples=[],
+            mean_wait_steps=sum(waits) / max(1, len(waits)),
+            engine_steps=self.num_steps,
+            manager_stats=dict(self.manager.stats()),
+            timeline=self.timeline,
+        )
+
+
+def replay(
+    requests: list[Request],
+    policy: PagedPolicy,
+    *,
+    record: bool = False,
+    snapshot_every: int = 1,
+    on_step: Callable[[SchedulerOutput], None] | None = None,
+) -> PolicyResult:
+    """Replay `requests` through the engine's scheduler until every one finished or was
+    rejected.
+
+    Args:
+        requests: the workload, at least one request (replayed by arrival, ties in order).
+        policy: a fresh `PagedPolicy` (its manager is used up by the run).
+        record: keep a `Timeline` (its `steps` are the clock at each engine step).
+        snapshot_every: engine steps between memory-map snapshots.
+        on_step: called with each step's `SchedulerOutput`, before its update.
+
+    Returns:
+        The policy's figures; `steps` is the clock when the trace drained, rounded up.
+
+    Raises:
+        ValueError: an empty workload.
+    """
+    if not requests:
+        raise ValueError("requests: expected at least one request, got none")
+    run = _Replay(requests, policy, record)
+    if run.timeline is not None:
+        run.timeline.snapshot_every = max(1, snapshot_every)
+    while run.has_work():
+        run.arrive()
+        if run.scheduler.has_unfinished_requests():
+            run.step(on_step)
+    return run.result()
