@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pagedkv.gguf_file import hf_config_from_gguf, is_gguf_path, read_gguf
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -135,13 +137,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | Path) -> ModelConfig:
-        """Build from a `config.json` dict, file or model directory.
+        """Build from a `config.json` dict, file or model directory, or a `.gguf` file.
 
         Raises:
             ValueError: unsupported architecture, or a missing or broken field.
         """
         if not isinstance(config, dict):
             path = Path(config)
+            if is_gguf_path(path):
+                return _model_config_from_dict(hf_config_from_gguf(read_gguf(path)))
             if path.is_dir():
                 path = path / "config.json"
             try:

@@ -17,6 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedkv.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedkv.gguf_file import is_gguf_path, read_gguf
+from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.layers import compute_inv_freq
 from pagedkv.models.llama import CausalLM
 
@@ -141,11 +143,12 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     model_dir: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
 ) -> CausalLM:
-    """Build the model `model_dir/config.json` describes and load its safetensors weights.
+    """Build the model `model_dir/config.json` describes and load its safetensors weights,
+    or the model of a `.gguf` file (dequantized; needs the `gguf` package).
 
     Args:
         model_dir: a directory with config.json and model.safetensors (or a sharded
-            checkpoint with model.safetensors.index.json).
+            checkpoint with model.safetensors.index.json), or a `.gguf` file.
         dtype: "auto" (the config's dtype, float32 if absent), "float32", "bfloat16",
             "float16" or a torch.dtype; weights are cast to it.
         device: where the parameters live ("auto": CUDA when available, else CPU).
@@ -158,13 +161,17 @@ def load_model(
             or a missing, unexpected or misshapen weight (named, with expected/got shape).
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ValueError(f"model dir: expected a directory, got {str(model_dir)!r}")
+    gguf_file = read_gguf(model_dir) if is_gguf_path(model_dir) else None
+    if gguf_file is None and not model_dir.is_dir():
+        raise ValueError(f"model dir: expected a directory or a .gguf file, got {str(model_dir)!r}")
     config = ModelConfig.from_hf(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    files = _checkpoint_files(model_dir)
+    if gguf_file is None:
+        tensors = _iter_tensors(_checkpoint_files(model_dir))
+    else:
+        tensors = iter_gguf_tensors(gguf_file, config)
     # Parameters start on the meta device: no time spent on a random init that the
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
@@ -176,15 +183,20 @@ def load_model(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
     )
-    _load_weights(model, config, files)
+    divisors = rope_divisors(gguf_file) if gguf_file is not None else None
+    if divisors is not None:
+        model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))
+    _load_weights(model, config, tensors)
     return model.eval()
 
 
-def _load_weights(model: CausalLM, config: ModelConfig, files: list[Path]) -> None:
+def _load_weights(
+    model: CausalLM, config: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
     expected = checkpoint_shapes(config)
     seen: set[str] = set()
     with torch.no_grad():
-        for name, tensor in _iter_tensors(files):
+        for name, tensor in tensors:
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some tied checkpoints still store the (identical) head
             if name not in expected:

@@ -1,0 +1,147 @@
+"""Weights of a GGUF checkpoint, dequantized and named as in a Hugging Face checkpoint.
+
+The tensor table comes from `pagedkv.gguf_file`; the bytes of each tensor are dequantized by
+the `gguf` package (llama.cpp's own Python tooling: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants,
+the IQ types, F16, BF16, F32) to float32, renamed to the Hugging Face layout the loader
+validates, and for the "llama" architecture (Llama, Mistral) the rows of the q and k
+projections are put back in Hugging Face's order (llama.cpp's converter interleaves them for
+its rotary kernel; transformers' GGUF loader undoes it the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedkv.config import ModelConfig
+from pagedkv.gguf_file import GGUFFile, GGUFTensorInfo, import_gguf
+
+# GGUF tensor name -> Hugging Face name: model-wide, then per layer (`blk.{i}.` prefix).
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Per-dimension rotary divisors (llama3 rope scaling), applied to inv_freq, not a weight.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_tensor_name(name: str) -> str:
+    """The Hugging Face name of GGUF tensor `name` (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`); unknown names come back unchanged."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return name
+
+
+def dequantize(file: GGUFFile, info: GGUFTensorInfo, data: np.ndarray | None = None) -> Tensor:
+    """One tensor of `file` as float32 in torch's shape order (`[out, in]` for a weight).
+
+    Args:
+        file: the parsed header.
+        info: the tensor's entry in `file.tensors`.
+        data: the file's bytes (`np.memmap` of uint8); mapped here when None.
+
+    Raises:
+        ValueError: a quantization type the `gguf` package cannot dequantize (named).
+    """
+    gguf = import_gguf()
+    try:
+        qtype = gguf.GGMLQuantizationType(info.type_id)
+    except ValueError:
+        raise ValueError(
+            f"GGUF tensor {info.name!r}: unknown quantization type id {info.type_id}"
+        ) from None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    row = info.shape[0]
+    if row % block:
+        raise ValueError(
+            f"GGUF tensor {info.name!r}: expected rows of a multiple of {block} for "
+            f"{qtype.name}, got {row}"
+        )
+    rows = int(np.prod(info.shape[1:], dtype=np.int64))
+    row_bytes = row // block * type_size
+    if data is None:
+        data = np.memmap(file.path, dtype=np.uint8, mode="r")
+    raw = data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+    try:
+        values = gguf.quants.dequantize(raw, qtype)
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF tensor {info.name!r}: unsupported quantization {qtype.name} "
+            f"(the installed gguf package cannot dequantize it)"
+        ) from None
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only map
+        values = values.copy()
+    return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(info.shape[::-1])
+
+
+def _unpermute_rotary(weight: Tensor, num_heads: int) -> Tensor:
+    # llama.cpp stores each head's rows as (d/2, 2) pairs; Hugging Face as (2, d/2) halves.
+    head_dim = weight.shape[0] // num_heads
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return pairs.transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """Every weight of `file` as (Hugging Face name, float32 tensor), ready for the loader.
+
+    `rope_freqs.weight` is left out (see `rope_divisors`).
+
+    Raises:
+        ValueError: a tensor of an unsupported quantization type.
+    """
+    data = np.memmap(file.path, dtype=np.uint8, mode="r")
+    interleaved = file.metadata.get("general.architecture") == "llama"
+    for info in file.tensors.values():
+        if info.name == ROPE_FREQS:
+            continue
+        tensor = dequantize(file, info, data)
+        name = hf_tensor_name(info.name)
+        if interleaved and ".self_attn.q_proj." in name:
+            tensor = _unpermute_rotary(tensor, config.num_heads)
+        elif interleaved and ".self_attn.k_proj." in name:
+            tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        yield name, tensor
+
+
+def rope_divisors(file: GGUFFile) -> Tensor | None:
+    """`rope_freqs.weight` ([head_dim // 2] float32): llama.cpp's form of llama3 rope
+    scaling, the factor each inverse frequency is divided by; None when absent."""
+    info = file.tensors.get(ROPE_FREQS)
+    return None if info is None else dequantize(file, info)
+
+
+def describe(file: GGUFFile) -> dict[str, Any]:
+    """Architecture, name and tensor count per quantization type, for messages."""
+    gguf = import_gguf()
+    counts: dict[str, int] = {}
+    for info in file.tensors.values():
+        name = gguf.GGMLQuantizationType(info.type_id).name
+        counts[name] = counts.get(name, 0) + 1
+    return {
+        "architecture": file.metadata.get("general.architecture"),
+        "name": file.metadata.get("general.name"),
+        "quantization": counts,
+    }

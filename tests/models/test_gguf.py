@@ -1,0 +1,127 @@
+"""GGUF checkpoints written by `gguf.GGUFWriter` from tiny random HF models: pagedkv loads
+each supported architecture and quantization type and matches transformers' logits on the
+same dequantized weights; unsupported files fail with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import make_hf_model
+
+from pagedkv.config import ModelConfig
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.models.gguf import hf_tensor_name
+from pagedkv.models.loader import load_model
+
+gguf = pytest.importorskip("gguf")
+from helpers.gguf_models import write_gguf  # noqa: E402 (needs gguf)
+
+PROMPT = [1, 17, 300, 42, 7, 99, 250, 3, 64, 128, 5, 77]  # longer than Mistral's window 8
+CASES = [
+    ("llama", "F32"),
+    ("llama", "F16"),
+    ("llama", "Q8_0"),
+    ("llama", "Q4_0"),
+    ("mistral", "Q8_0"),
+    ("qwen2", "Q4_0"),
+    ("qwen3", "F16"),
+]
+
+
+def hf_reference(hf_dir, state):
+    """transformers' model from `hf_dir` with the GGUF file's dequantized weights."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q}" for a, q in CASES])
+def test_gguf_matches_transformers(tmp_path, arch, qtype):
+    hf_dir = make_hf_model(tmp_path, arch)
+    path = tmp_path / f"{arch}-{qtype}.gguf"
+    reference = hf_reference(hf_dir, write_gguf(hf_dir, path, qtype))
+    # The same shape; llama3 rope scaling travels as rope_freqs divisors, not config.
+    expected_config = replace(ModelConfig.from_hf(hf_dir), rope_scaling=None)
+    assert ModelConfig.from_hf(path) == expected_config
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT])).logits[0]
+    expected = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(PROMPT[1:])[:, None])
+    got = torch.tensor([out.prompt_logprobs[i][t] for i, t in enumerate(PROMPT) if i > 0])
+    torch.testing.assert_close(got, expected[:, 0], atol=2e-4, rtol=1e-4)
+    with torch.no_grad():
+        hf_tokens = reference.generate(
+            torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, eos_token_id=None
+        )[0, len(PROMPT) :]
+    assert out.outputs[0].token_ids == hf_tokens.tolist()
+    llm.engine.kv_manager.check()
+
+
+def test_hf_tensor_names_follow_gguf_package():
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 2)
+    for hf in (
+        "model.embed_tokens",
+        "model.norm",
+        "lm_head",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.k_norm",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.post_attention_layernorm",
+    ):
+        assert hf_tensor_name(f"{name_map.get_name(hf)}.weight") == f"{hf}.weight"
+
+
+def _write_minimal(path, arch="llama", tensor_type=None):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    if tensor_type is None:
+        writer.add_tensor("token_embd.weight", torch.zeros(8, 32).numpy())
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+        raw = torch.zeros(8, 32 // block * size, dtype=torch.uint8).numpy()
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = _write_minimal(tmp_path / "m.gguf", arch="gpt2")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        ModelConfig.from_hf(path)
+
+
+def test_unsupported_quantization_is_named(tmp_path):
+    path = _write_minimal(tmp_path / "m.gguf", tensor_type=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ValueError, match="unsupported quantization Q8_1"):
+        load_model(path)
+
+
+def test_missing_gguf_package_says_how_to_install(tmp_path, monkeypatch):
+    path = _write_minimal(tmp_path / "m.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match=r'pip install "pagedkv\[gguf\]"'):
+        load_model(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_text(json.dumps({"not": "gguf"}))
+    with pytest.raises(ValueError, match="expected a GGUF file"):
+        ModelConfig.from_hf(path)
