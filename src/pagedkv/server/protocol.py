@@ -53,7 +53,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -65,7 +65,7 @@ def _finite(**kwargs: Any) -> Any:
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="The served model's name; 404 for any other.")
     n: int = Field(1, ge=1, le=128)
@@ -84,8 +84,8 @@ class SamplingRequest(BaseModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
-    presence_penalty: float = _finite(default=0.0, description="Only 0 is supported.")
-    frequency_penalty: float = _finite(default=0.0, description="Only 0 is supported.")
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Only 0 is supported.")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Only 0 is supported.")
     user: str | None = Field(None, description="Ignored.")
     metadata: dict[str, Any] | None = Field(None, description="Ignored.")
     store: bool | None = Field(None, description="Ignored.")
@@ -98,13 +98,6 @@ class SamplingRequest(BaseModel):
         if any(s == "" for s in values):
             raise ValueError("expected non-empty stop strings, got ''")
         return stop
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty_unsupported(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(f"penalties are not supported: expected 0.0, got {value}")
-        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -149,9 +142,9 @@ class CompletionRequest(SamplingRequest):
         "(the first prompt token's entry is null).",
     )
     echo: bool = Field(False, description="Return the prompt before the completion.")
-    suffix: str | None = Field(None, description="Not supported: any value is refused (400).")
+    suffix: None = Field(None, description="Not supported: any value but null is refused (400).")
     best_of: int | None = Field(
-        None, description="Only 1 or n is supported (the n samples are returned as they are)."
+        None, ge=1, description="Only 1 or n is supported (the n samples are returned as they are)."
     )
 
     @field_validator("prompt")
@@ -168,13 +161,6 @@ class CompletionRequest(SamplingRequest):
         ):
             raise ValueError("expected non-negative token ids")
         return prompt
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix_unsupported(cls, suffix: str | None) -> str | None:
-        if suffix is not None:
-            raise ValueError(f"suffix is not supported: expected null, got {short(suffix)}")
-        return suffix
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> CompletionRequest:
@@ -198,7 +184,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -218,6 +204,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
@@ -233,39 +225,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true."
     )
-    response_format: dict[str, Any] | None = Field(
+    response_format: TextFormat | None = Field(
         None, description='Only {"type": "text"} is supported; JSON modes are refused (400).'
     )
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Not supported: a non-empty list is refused (400)."
+        None, max_length=0, description="Not supported: a non-empty list is refused (400)."
     )
-    tool_choice: str | dict[str, Any] | None = Field(
+    tool_choice: Literal["none"] | None = Field(
         None, description='Only "none" is supported (400 otherwise).'
     )
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        if fmt is not None and fmt != {"type": "text"}:
-            raise ValueError(
-                f'expected {{"type": "text"}} (JSON modes are not supported), '
-                f"got type {short(fmt.get('type'))}"
-            )
-        return fmt
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if tools:
-            raise ValueError(f"tools are not supported: expected none, got {short(tools)}")
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if choice is not None and choice != "none":
-            raise ValueError(f'tools are not supported: expected "none", got {short(choice)}')
-        return choice
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

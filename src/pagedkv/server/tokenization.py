@@ -21,7 +21,7 @@ from pagedkv.server.serving import (
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered by the template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = Field(None, description="Exactly one of prompt and messages.")
@@ -51,7 +51,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
