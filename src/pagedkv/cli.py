@@ -16,6 +16,8 @@ from collections.abc import Sequence
 _COMMAND_MODULES = (
     "pagedkv.server.commands",  # serve, generate
     "pagedkv.demo",  # demo
+    "pagedkv.chat",  # chat
+    "pagedkv.convert",  # convert
     "pagedkv.sim.commands",  # plan, simulate
 )
 
@@ -41,8 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        # Bad input is a one-line error and a non-zero exit, never a traceback.
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        # Bad input or a missing optional dependency is a one-line error and a non-zero
+        # exit, never a traceback.
         print(f"pagedkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
