@@ -329,13 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = "triton" if args.device == "cuda" else "cpu"
     gen = torch.Generator(device=args.device).manual_seed(0)
     bandwidth = read_bandwidth(args.device, gib=4.0 if args.device == "cuda" else 1.0)
-    launcher = ""
-    if args.device == "cpu":
-        from pagedkv.ops import cpu_launch
-
-        launcher = f", C++ launcher {'on' if cpu_launch.load() else 'off'}"
     print(
-        f"threads={args.threads} (torch and numba), backend={backend}{launcher}, "
+        f"threads={args.threads} (torch and numba), backend={backend}, "
         f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     print(

@@ -2,8 +2,9 @@
 
 A ~125M-parameter random Llama (hidden 768, 12 layers, 12 heads, 4 KV heads, intermediate
 2048, vocab 32000), float32 and bfloat16, 32 seeded prompts of 32-512 tokens, greedy with EOS
-ignored. Workloads: *fixed* (64 new tokens each) and *variable* (16-256 new tokens per
-request, the serving case). In the same run:
+ignored. Workloads: *fixed* (64 new tokens each), *variable* (16-256 new tokens per
+request, the serving case) and *long* (8 prompts of 4,096 tokens, 128 new tokens each:
+attention is a large share of each decode step). In the same run:
 
 - pagedkv `LLM`'s engine (continuous batching, chunked prefill, paged attention);
 - transformers' static `generate`: prompts sorted by length, batches of 8 (left padded),
@@ -62,7 +63,7 @@ FULL_MODEL = {
     "num_key_value_heads": 4,
     "intermediate_size": 2048,
     "vocab_size": 32000,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "bos_token_id": 1,
@@ -117,9 +118,13 @@ def make_workloads(vocab_size: int, *, quick: bool, seed: int = 0) -> dict[str, 
     lengths = [rng.randint(low, high) for _ in range(num)]
     prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
     variable = [rng.randint(4, 32) if quick else rng.randint(16, 256) for _ in prompts]
+    num_long, long_len, long_new = (2, 256, 16) if quick else (8, 4096, 128)
+    long = [[rng.randrange(3, vocab_size) for _ in range(long_len)] for _ in range(num_long)]
     return {
         "fixed": Workload("fixed", prompts, [8 if quick else 64] * num),
         "variable": Workload("variable", prompts, variable),
+        # Attention a large share of each decode step: few sequences with long contexts.
+        "long": Workload("long", long, [long_new] * num_long),
     }
 
 
@@ -469,7 +474,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and workload")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    parser.add_argument("--workload", choices=["fixed", "variable", "both"], default="both")
+    parser.add_argument(
+        "--workload",
+        choices=["fixed", "variable", "long", "both", "all"],
+        default="both",
+        help="fixed: 32 prompts of 32-512 tokens, 64 new each; variable: the same prompts, "
+        "16-256 new; long: 8 prompts of 4,096 tokens, 128 new; both: fixed and variable",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="pagedkv runs only")
     parser.add_argument("--skip-pressure", action="store_true")
     parser.add_argument("--skip-parallel", action="store_true")
@@ -510,14 +521,16 @@ def main(argv: list[str] | None = None) -> None:
             save_random_checkpoint(model_dir, hf_config, seed=0)
         config = ModelConfig.from_hf(model_dir)
         workloads = make_workloads(config.vocab_size, quick=args.quick)
-        if args.workload != "both":
+        if args.workload == "both":
+            workloads = {k: workloads[k] for k in ("fixed", "variable")}
+        elif args.workload != "all":
             workloads = {args.workload: workloads[args.workload]}
         results: dict[str, Any] = {"throughput": []}
         for dtype in dtypes:
             results["throughput"] += bench_throughput(args, model_dir, config, dtype, workloads)
         # Memory pressure and sharing, first dtype only: pressure on the serving case, sharing
         # on half the prompts (n = 4 quadruples the decode work).
-        pressure_load = workloads.get("variable") or workloads["fixed"]
+        pressure_load = workloads.get("variable") or workloads.get("fixed") or workloads["long"]
         if not args.skip_pressure:
             pressure = run_pressure(
                 model_dir, dtypes[0], pressure_load, config, **_engine_kwargs(args)

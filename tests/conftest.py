@@ -2,4 +2,7 @@
 
 import os
 
+# Before any test module imports torch: the package sets the OpenMP thread policy first.
+import pagedkv  # noqa: F401
+
 os.environ.setdefault("PAGEDKV_DEBUG", "1")

@@ -1,13 +1,18 @@
 """pagedkv: a paged KV cache for LLM inference.
 
 Names are re-exported lazily so that the torch-free layers (`pagedkv.memory`,
-`pagedkv.sim`, the scheduler) import without pulling in torch.
+`pagedkv.sim`, the scheduler) import without pulling in torch. Importing the package sets
+the OpenMP thread policy first (`pagedkv.threads`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from pagedkv.threads import apply_thread_policy
+
+apply_thread_policy()
 
 __version__ = "0.1.0"
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,9 +10,9 @@ from paged_cases import ATTENTION_GRID, check_backend, expected, make_case
 from pagedkv.ops import (
     AttentionMetadata,
     cpu,
-    cpu_kernels,
     paged_attention,
     paged_attention_from_metadata,
+    plan,
 )
 
 
@@ -155,13 +153,9 @@ def test_from_metadata_matches_plain_call(window: int | None) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 300])
-def test_plain_decode_batch_matches_planned_call(
-    dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch of decode rows only takes the plain call's one-kernel path (plan and run in
-    one compiled call, index tensors by address), never the general path; it must agree
-    bit for bit with the planned path, here with rows split across threads and index
-    tensors that are strided views (their contiguous copies are what the kernel reads)."""
+def test_plain_decode_batch_matches_planned_call(dtype: torch.dtype, window: int | None) -> None:
+    """A plain call plans and runs in one; it agrees bit for bit with the planned call, here
+    with rows split across threads and strided views as query and index tensors."""
     lens, queries = [1, 37, 700, 3000], [1, 1, 2, 4]
     case = make_case(lens, queries, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64,
                      dtype=dtype)  # fmt: skip
@@ -173,19 +167,13 @@ def test_plain_decode_batch_matches_planned_call(
     wide = torch.full((case.block_tables.shape[0], 2 * case.block_tables.shape[1]), 7,
                       dtype=torch.int32)  # fmt: skip
     wide[:, ::2] = case.block_tables
-    # A dense query that is not contiguous: a cast may keep its strides.
     tokens, heads, dim = case.query.shape
     query = torch.empty(heads, tokens, dim, dtype=dtype).transpose(0, 1).copy_(case.query)
     assert not query.is_contiguous()
-    strided = (query, case.key_cache, case.value_cache, wide[:, ::2])
     lens_t = torch.stack([case.seq_lens, case.seq_lens], dim=1)[:, 0]
-    assert not strided[3].is_contiguous() and not lens_t.is_contiguous()
-
-    def general_path(*args, **kwargs):
-        raise AssertionError("a decode-only batch fell back to the general path")
-
-    monkeypatch.setattr(cpu, "_make_plan", general_path)
-    plain = paged_attention(*strided, lens_t, case.query_start_loc, sliding_window=window)
+    assert not wide[:, ::2].is_contiguous() and not lens_t.is_contiguous()
+    plain = paged_attention(query, case.key_cache, case.value_cache, wide[:, ::2], lens_t,
+                            case.query_start_loc, sliding_window=window)  # fmt: skip
     assert plain.dtype == dtype
     torch.testing.assert_close(plain, planned, rtol=0, atol=0)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -193,12 +181,9 @@ def test_plain_decode_batch_matches_planned_call(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_later_layers_of_a_decode_step_take_the_planned_fast_path(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first layer of a decode step plans it (general path); later layers, each over
-    its own cache pair, run that plan in one compiled call (`cpu.try_planned`) and agree
-    bit for bit with the general path. A step with a prefill sequence never does."""
+def test_one_plan_serves_every_layer(dtype: torch.dtype) -> None:
+    """`plan` once per step, then each layer over its own cache pair runs that plan and
+    matches a fresh plain call; a cache of another shape is refused, a bad query named."""
     lens, queries = [1, 37, 700, 3000], [1, 1, 1, 1]
     layers = [
         make_case(
@@ -214,102 +199,49 @@ def test_later_layers_of_a_decode_step_take_the_planned_fast_path(
         for seed in (1, 2)
     ]
     tables = [[b for b in row if b >= 0] for row in layers[0].block_tables.tolist()]
-    general = [
-        paged_attention_from_metadata(
-            layers[0].query,
-            c.key_cache,
-            c.value_cache,
-            AttentionMetadata.build(tables, lens, queries, [0, 1, 2, 3]),
-        )  # fmt: skip
-        for c in layers
-    ]
     md = AttentionMetadata.build(tables, lens, queries, [0, 1, 2, 3])
-    first = paged_attention_from_metadata(
-        layers[0].query, layers[0].key_cache, layers[0].value_cache, md
-    )
-    torch.testing.assert_close(first, general[0], rtol=0, atol=0)
-
-    def general_path(*args, **kwargs):
-        raise AssertionError("a later layer of a decode step took the general path")
-
-    monkeypatch.setattr(cpu, "_run", general_path)
-    for case, want in zip(layers, general, strict=True):
+    plan(md, layers[0].key_cache, layers[0].value_cache, num_heads=8)
+    assert list(md.plans) == [None]
+    for case in layers:
         out = paged_attention_from_metadata(layers[0].query, case.key_cache, case.value_cache, md)
+        want = paged_attention(layers[0].query, case.key_cache, case.value_cache,
+                               *layers[0].args()[3:])  # fmt: skip
         assert out.dtype == dtype
         torch.testing.assert_close(out, want, rtol=0, atol=0)
-    # A bad query still gets the general path's message.
+    assert list(md.plans) == [None]
     with pytest.raises(ValueError, match=r"^query: expected head_dim 64"):
         paged_attention_from_metadata(
             layers[0].query[..., :32], layers[1].key_cache, layers[1].value_cache, md
         )
-    mixed = make_case([40, 9], [1, 9], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64,
-                      dtype=dtype)  # fmt: skip
-    md = AttentionMetadata.build(
-        [[b for b in row if b >= 0] for row in mixed.block_tables.tolist()], [40, 9], [1, 9],
-        list(range(10)),
-    )  # fmt: skip
-    monkeypatch.undo()
-    calls, general_run = [], cpu._run
-    monkeypatch.setattr(cpu, "_run", lambda *a, **k: calls.append(1) or general_run(*a, **k))
-    for _layer in range(2):
-        paged_attention_from_metadata(mixed.query, mixed.key_cache, mixed.value_cache, md)
-    assert len(calls) == 2
-
-
-def test_decode_kernel_reads_the_live_thread_count() -> None:
-    """`plan_and_decode` reads Numba's thread count through a C function pointer (in
-    compiled code that stays cacheable on disk): it follows `numba.set_num_threads`."""
-    import numba
-    from numba import njit
-
-    @njit
-    def read(address):
-        return cpu_kernels._call_int_function(address)
-
-    address = cpu_kernels.thread_count_address()
-    before = numba.get_num_threads()
-    try:
-        for n in {1, before}:
-            numba.set_num_threads(n)
-            assert read(address) == n == cpu_kernels.num_threads()
-    finally:
-        numba.set_num_threads(before)
-
-
-def test_plain_decode_batch_rejects_bad_block_ids() -> None:
-    """The one-kernel path leaves errors to the general path, which names them."""
-    case = make_case([5, 20], [1, 1], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)
-    tables = case.block_tables.clone()
-    tables[1, 2] = case.key_cache.shape[0]  # the last block of sequence 1
-    with pytest.raises(ValueError, match=r"^block_tables: expected block ids in \[0, "):
-        paged_attention(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
-                        case.query_start_loc, backend="cpu")  # fmt: skip
+    smaller = layers[1].key_cache[:-1]
+    with pytest.raises(ValueError, match=r"^key_cache: expected shape .* \(as planned\)"):
+        paged_attention_from_metadata(layers[0].query, smaller, smaller.clone(), md)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_decode_kernel_prefetch_modes_agree(dtype: torch.dtype, block_size: int) -> None:
-    """Software prefetch is a hint: every mode gives the same bits, including the K rows
-    asked for past a block's end (in the next block, or nowhere after an item's last)."""
-    case = make_case([3, 13, 40, 301], [1, 1, 1, 1], block_size=block_size, num_heads=8,
+def test_serial_and_parallel_kernels_agree(dtype: torch.dtype, block_size: int) -> None:
+    """Small batches run on one thread, large ones on all: the same items, the same bits."""
+    case = make_case([3, 13, 40, 901], [1, 1, 1, 1], block_size=block_size, num_heads=8,
                      num_kv_heads=2, head_dim=32, dtype=dtype)  # fmt: skip
-    plan = cpu._make_plan(4, case.block_tables, case.seq_lens, case.query_start_loc,
-                          case.key_cache, case.value_cache, None)  # fmt: skip
-    modes = (cpu_kernels.PREFETCH_NONE, cpu_kernels.PREFETCH_K, cpu_kernels.PREFETCH_KV)
-    outs = [
-        cpu._decode_rows(
-            case.query, case.key_cache, case.value_cache, replace(plan, prefetch=mode), 32**-0.5
-        )  # fmt: skip
-        for mode in modes
-    ]
-    for out in outs[1:]:
-        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
+    md = AttentionMetadata.build(tables, [3, 13, 40, 901], [1, 1, 1, 1], [0, 1, 2, 3])
+    cpu_plan = cpu.plan(md, case.key_cache, 8, None)
+    assert cpu_plan.items.shape[0] > 4  # the long row is split
+    outs = []
+    for parallel in (False, True):
+        cpu_plan.parallel = parallel
+        outs.append(cpu.run(case.query, case.key_cache, case.value_cache, cpu_plan, 32**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(outs[0].double(), expected(case), rtol=tol, atol=tol)
 
 
-def test_prefetch_mode_by_dtype_and_size() -> None:
-    k = cpu_kernels
-    assert k.prefetch_mode(2, 1) == k.PREFETCH_KV
-    assert k.prefetch_mode(4, k.PREFETCH_BYTES) == k.PREFETCH_K
-    assert k.prefetch_mode(4, k.PREFETCH_BYTES - 1) == k.PREFETCH_NONE
+def test_plain_decode_batch_rejects_bad_block_ids() -> None:
+    case = make_case([5, 20], [1, 1], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)
+    tables = case.block_tables.clone()
+    tables[1, 2] = case.key_cache.shape[0]  # the last block of sequence 1
+    for backend in ("cpu", "reference"):
+        with pytest.raises(ValueError, match=r"^block_tables: expected block ids in \[0, "):
+            paged_attention(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
+                            case.query_start_loc, backend=backend)  # fmt: skip

@@ -51,7 +51,11 @@ if not TRITON_PREIMPORTED:
 
 from paged_cases import ATTENTION_GRID, check_backend  # noqa: E402
 
-from pagedkv.ops import AttentionMetadata  # noqa: E402
+from pagedkv.ops import (  # noqa: E402
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_from_metadata,
+)
 from pagedkv.ops import reference as ops_reference  # noqa: E402
 
 in_process = pytest.mark.skipif(
@@ -128,7 +132,8 @@ def assert_matches(out, scale, args, window=None):
 
 def run(args, window=None, scale=None):
     scale = scale if scale is not None else args[0].shape[-1] ** -0.5
-    return tops.paged_attention(*args, scale=scale, sliding_window=window), scale
+    out = paged_attention(*args, scale=scale, sliding_window=window, backend="triton")
+    return out, scale
 
 
 # Each axis fully covered without the full product: (block_size, head_dim, group, dtype).
@@ -221,7 +226,7 @@ def test_from_metadata_routes_by_host_lengths() -> None:
     md = AttentionMetadata.build(tables, lens, queries, [-1] * sum(queries), device=DEVICE,
                                  backend="triton")  # fmt: skip
     assert md.max_query_len == 1
-    out = tops.paged_attention_from_metadata(*args[:3], md, scale=0.2, sliding_window=None)
+    out = paged_attention_from_metadata(*args[:3], md, scale=0.2, sliding_window=None)
     assert_matches(out, 0.2, args)
 
 

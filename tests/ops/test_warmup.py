@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
-from pagedkv.ops import cpu_launch, warmup
+from pagedkv import kernel_cache
+from pagedkv.ops import warmup
 
 _PROBE = """
 import torch
-from pagedkv.ops import cpu_kernels, cpu_plan, warmup
+from pagedkv.ops import cpu, warmup
 
 for dtype in (torch.float32, torch.bfloat16):
     key_cache = torch.randn(3, 4, 2, 8).to(dtype)
@@ -21,52 +22,49 @@ for dtype in (torch.float32, torch.bfloat16):
     before = key_cache.clone(), value_cache.clone()
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
-for kernel in (cpu_plan.plan_items, cpu_kernels.decode, cpu_kernels.plan_and_decode,
-               cpu_kernels.write_rows):
+k = cpu._kernels
+for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, k.write_rows):
     print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
 """
 
 
-def test_warmup_compiles_every_kernel_and_leaves_the_cache_alone() -> None:
-    """In a fresh process (compiled signatures are per process), warm-up alone readies the
-    planner, the decode kernel for planned batches and for plain calls, and the write, for
-    float32 and bfloat16 caches (without the C++ launcher: the kernels its Python paths
-    call)."""
-    env = os.environ | {cpu_launch.DISABLE_ENV: "0"}  # the Python paths' kernels
+def _probe(cache_dir: str) -> tuple[dict[str, str], str]:
+    env = os.environ | {"PAGEDKV_CACHE_DIR": cache_dir}
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600, env=env
     )
     assert result.returncode == 0, result.stderr
-    signatures = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines()), result.stderr
+
+
+def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
+    """In a fresh process (compiled signatures are per process), warm-up alone readies the
+    planner, both decode kernels and the writes for float32 and bfloat16 caches, saying so
+    in one line; a second process with the same cache loads them and says nothing."""
+    signatures, stderr = _probe(str(tmp_path))
+    assert stderr.count("pagedkv: compiling CPU kernels once") == 1, stderr
+    assert str(tmp_path) in stderr
     assert signatures["plan_items"]
-    for name in ("decode", "plan_and_decode"):
-        assert "Array(float32, 1, 'C'" in signatures[name], signatures[name]
-        assert "Array(uint16, 1, 'C'" in signatures[name], signatures[name]
-    assert "Array(uint64, 2, 'C'" in signatures["write_rows"], signatures["write_rows"]
+    for name in ("decode_serial", "decode_parallel"):
+        assert "Array(float32, 3, 'C'" in signatures[name], signatures[name]
+        assert "Array(uint16, 3, 'C'" in signatures[name], signatures[name]
+    for raw in ("int32", "int16"):
+        assert f"Array({raw}, 1, 'C'" in signatures["write_rows"], signatures["write_rows"]
+    again, stderr = _probe(str(tmp_path))
+    assert "compiling" not in stderr, stderr
+    assert again == signatures
 
 
-_LAUNCHER_PROBE = """
-import torch
-from pagedkv.ops import cpu, cpu_launch, warmup
-
-key_cache, value_cache = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8)
-cpu._flat_views(key_cache, value_cache)  # a memo made before the launcher is loaded
-warmup(key_cache, value_cache, 4)
-assert cpu_launch.loaded() is not None
-assert key_cache.__dict__[cpu._FLAT_MEMO][3].launch is not None
-print("ok")
-"""
-
-
-def test_warmup_loads_the_launcher_and_remakes_older_views() -> None:
-    """Warm-up builds or loads the C++ launcher (an engine's start-up), and the pair's
-    views made before it get the launcher's blocks."""
-    if os.environ.get(cpu_launch.DISABLE_ENV) == "0":
-        pytest.skip(f"{cpu_launch.DISABLE_ENV}=0")
-    result = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER_PROBE], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+def test_kernel_cache_is_keyed_by_source_not_path(tmp_path, monkeypatch) -> None:
+    """Two checkouts or venvs with the same kernels share one compiled copy."""
+    here = kernel_cache.kernel_dir()
+    copy = tmp_path / "elsewhere" / "kernels.py"
+    copy.parent.mkdir()
+    copy.write_bytes(kernel_cache._SOURCE.read_bytes())
+    monkeypatch.setattr(kernel_cache, "_SOURCE", copy)
+    assert kernel_cache.kernel_dir() == here
+    copy.write_text(copy.read_text() + "\n# changed\n")
+    assert kernel_cache.kernel_dir() != here
 
 
 def test_warmup_with_a_backend_without_one_is_a_no_op() -> None:

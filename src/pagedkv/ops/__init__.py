@@ -1,6 +1,5 @@
-"""Attention ops over the paged KV cache: `write_kv`, `paged_attention` and their metadata.
-
-Backends (`reference`, `cpu`, `triton`) load lazily; see `pagedkv.ops.attention`.
+"""Attention ops over the paged KV cache: `write_kv`, `plan`, `paged_attention` and their
+metadata. Backends (`reference`, `cpu`, `triton`) load lazily; see `pagedkv.ops.backend`.
 """
 
 from __future__ import annotations
@@ -9,16 +8,20 @@ from pagedkv.ops.attention import (
     available_backends,
     paged_attention,
     paged_attention_from_metadata,
+    plan,
     warmup,
     write_kv,
 )
+from pagedkv.ops.backend import AttentionBackend
 from pagedkv.ops.metadata import AttentionMetadata
 
 __all__ = [
+    "AttentionBackend",
     "AttentionMetadata",
     "available_backends",
     "paged_attention",
     "paged_attention_from_metadata",
+    "plan",
     "warmup",
     "write_kv",
 ]

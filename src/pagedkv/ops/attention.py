@@ -1,85 +1,20 @@
-"""Public attention ops and the backend registry.
+"""The public attention ops: argument checks, then the backend that `backend.py` finds.
 
-A backend is a module exporting
+    write_kv(key, value, key_cache, value_cache, slot_mapping)       per layer
+    plan(metadata, key_cache, value_cache, num_heads, sliding_window) once per step
+    paged_attention_from_metadata(query, key_cache, value_cache, metadata, ...)  per layer
+    paged_attention(query, key_cache, value_cache, block_tables, ...)  plan + run, one call
 
-    paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                    *, scale: float, sliding_window: int | None) -> Tensor
-    write_kv(key, value, key_cache, value_cache, slot_mapping) -> None
-
-and receiving arguments already validated here. It may also export
-``paged_attention_from_metadata(query, key_cache, value_cache, attn_metadata, *, scale,
-sliding_window)`` to reuse a per-step plan, and ``warmup(key_cache, value_cache, num_heads)``
-to compile its kernels ahead of the first step. Backends are imported lazily, on first use.
+Every check lives in `checks.py`; backends receive checked arguments.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-from types import ModuleType
-
 import torch
 
-from pagedkv.ops import _validate
+from pagedkv.ops import checks
+from pagedkv.ops.backend import available_backends, get_backend, resolve_backend
 from pagedkv.ops.metadata import AttentionMetadata
-
-_BACKEND_MODULES = {
-    "reference": "pagedkv.ops.reference",
-    "cpu": "pagedkv.ops.cpu",
-    "triton": "pagedkv.ops.triton",
-}
-_loaded: dict[str, ModuleType] = {}
-
-
-def _load(name: str) -> ModuleType:
-    module = _loaded.get(name)
-    if module is None:
-        module = _loaded[name] = importlib.import_module(_BACKEND_MODULES[name])
-    return module
-
-
-def available_backends() -> list[str]:
-    """Backend names usable in this process.
-
-    `triton` is listed when `pagedkv.ops.triton` imports and either CUDA is present or
-    ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests).
-
-    Returns:
-        Names accepted by ``backend=``, besides "auto".
-    """
-    names = []
-    for name in _BACKEND_MODULES:
-        if name == "triton" and not (
-            torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        ):
-            continue
-        try:
-            _load(name)
-        except ImportError:
-            continue
-        names.append(name)
-    return names
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to a concrete backend for `device`, and check the name and device."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
-    if backend not in _BACKEND_MODULES:
-        raise ValueError(
-            f"backend: expected auto or one of {sorted(_BACKEND_MODULES)}, got {backend!r}"
-        )
-    if backend == "cpu" and device.type != "cpu":
-        raise ValueError(f"backend: expected CPU tensors for backend 'cpu', got device {device}")
-    return backend
-
-
-def _get(backend: str, device: torch.device) -> ModuleType:
-    name = resolve_backend(backend, device)
-    try:
-        return _load(name)
-    except ImportError as exc:
-        raise ValueError(f"backend: expected an importable backend, got {name!r} ({exc})") from exc
 
 
 def warmup(
@@ -87,35 +22,20 @@ def warmup(
 ) -> None:
     """Get the backend's kernels for this cache pair ready before the first step.
 
-    JIT backends compile on first use, seconds per kernel, and a kernel can first be needed
-    deep into serving (the CPU backend's parallel decode only runs for large batches). An
-    engine calls this once at start-up; backends without a warm-up do nothing. Reads the
-    caches, never writes them.
+    JIT backends compile on first use (seconds per kernel); an engine calls this once at
+    start-up so no request waits for it. Reads the caches, never writes them.
 
     Args:
-        key_cache, value_cache: the pools steps will use, [num_blocks, block_size,
-            num_kv_heads, head_dim].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
         num_heads: query heads, a multiple of num_kv_heads.
         backend: as for `paged_attention`.
 
     Raises:
         ValueError: bad caches, `num_heads` or backend.
     """
-    num_kv_heads = _validate.check_kv_pair(key_cache, value_cache)[2]
-    if (
-        isinstance(num_heads, bool)
-        or not isinstance(num_heads, int)
-        or num_heads < 1
-        or (num_heads % num_kv_heads)
-    ):
-        raise ValueError(
-            f"num_heads: expected a positive multiple of num_kv_heads = {num_kv_heads}, "
-            f"got {num_heads!r}"
-        )
-    module = _get(backend, key_cache.device)
-    prepare = getattr(module, "warmup", None)
-    if prepare is not None:
-        prepare(key_cache, value_cache, num_heads)
+    _, _, num_kv_heads, _ = checks.check_kv_pair(key_cache, value_cache)
+    checks.check_num_heads(num_heads, num_kv_heads)
+    get_backend(backend, key_cache.device).warmup(key_cache, value_cache, num_heads)
 
 
 def write_kv(
@@ -130,30 +50,107 @@ def write_kv(
     Args:
         key: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
         value: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 | bfloat16 | float16.
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 | bfloat16 |
+            float16 | float64.
         value_cache: same shape, dtype and device as `key_cache`.
         slot_mapping: int64 | int32 [num_tokens]; token t goes to block
             ``slot // block_size``, row ``slot % block_size``. Negative slots are skipped.
 
     Raises:
-        ValueError: a shape, dtype or device does not match ("expected X, got Y").
+        ValueError: a shape, dtype or device does not match, or a slot lies past the cache.
     """
-    # The common case, CPU tensors and a known cache pair, checks its own arguments and
-    # writes in one compiled call (`cpu.try_write`); False: anything else.
-    cpu = _loaded.get("cpu")
-    if cpu is not None and cpu.try_write(key, value, key_cache, value_cache, slot_mapping):
-        return
-    if not _validate.check_write_args(key, value, key_cache, value_cache, slot_mapping):
-        return  # no tokens
-    # A pair's first write, or one `try_write` does not take (strided, other devices).
-    module = _loaded.get("cpu") if key.is_cpu else None
-    if module is None:
-        try:
-            module = _load(resolve_backend("auto", key_cache.device))
-        except ImportError:
-            # Without the Triton backend a GPU cache is still writable (with a host sync).
-            module = _load("reference")
-    module.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    checks.check_write(key, value, key_cache, value_cache, slot_mapping)
+    if key.shape[0]:
+        get_backend("auto", key_cache.device).write_kv(
+            key, value, key_cache, value_cache, slot_mapping
+        )
+
+
+def plan(
+    metadata: AttentionMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+    sliding_window: int | None = None,
+) -> None:
+    """Check the step's batch once and let its backend split the work, for every layer.
+
+    The plan is kept in ``metadata.plans[sliding_window]``; call once per distinct window
+    of the model's layers (most models have one). Layers whose caches differ in shape or
+    dtype from `key_cache` are refused at run time.
+
+    Args:
+        metadata: the step's batch; its `backend` picks the backend.
+        key_cache, value_cache: any layer's pools (all layers share shape and dtype).
+        num_heads: query heads.
+        sliding_window: the window of the layers this plan serves, or None.
+
+    Raises:
+        ValueError: an index tensor, length, block id or backend that does not fit.
+    """
+    _, block_size, num_kv_heads, _ = checks.check_kv_pair(key_cache, value_cache)
+    checks.check_num_heads(num_heads, num_kv_heads)
+    checks.check_window(sliding_window)
+    device = key_cache.device
+    backend = get_backend(metadata.backend, device)
+    checks.check_batch(metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, device)
+    metadata.plans[sliding_window] = (
+        key_cache.shape,
+        key_cache.dtype,
+        num_heads,
+        backend,
+        backend.plan(metadata, key_cache, num_heads, sliding_window),
+    )
+
+
+def paged_attention_from_metadata(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` of one layer, with the batch planned once for the step.
+
+    Plans on first use when `plan` was not called for this window. Checks only the query
+    and that the caches are the ones the plan was made for.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim].
+        key_cache, value_cache: this layer's pools.
+        attn_metadata: the step's metadata.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        sliding_window: as in `paged_attention`.
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in the query's dtype.
+
+    Raises:
+        ValueError: as `paged_attention`.
+    """
+    entry = attn_metadata.plans.get(sliding_window)
+    if entry is None:
+        checks.check_kv_pair(key_cache, value_cache)
+        checks.check_query(query, key_cache)
+        plan(attn_metadata, key_cache, value_cache, query.shape[1], sliding_window)
+        entry = attn_metadata.plans[sliding_window]
+    cache_shape, dtype, num_heads, backend, backend_plan = entry
+    if key_cache.shape != cache_shape or value_cache.shape != cache_shape:
+        checks.check_kv_pair(key_cache, value_cache)
+        raise checks.fail("key_cache", f"shape {tuple(cache_shape)} (as planned)", key_cache.shape)
+    if key_cache.dtype != dtype or value_cache.dtype != dtype:
+        raise checks.fail("key_cache", f"dtype {dtype} (as planned)", key_cache.dtype)
+    checks.check_query(query, key_cache)
+    if query.shape[0] != attn_metadata.num_tokens or query.shape[1] != num_heads:
+        raise checks.fail(
+            "query",
+            f"shape [{attn_metadata.num_tokens}, {num_heads}, *] (as planned)",
+            tuple(query.shape),
+        )
+    scale = checks.resolve_scale(scale, cache_shape[3])
+    return backend.run(query, key_cache, value_cache, backend_plan, scale)
 
 
 def paged_attention(
@@ -176,7 +173,7 @@ def paged_attention(
     head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
 
     Args:
-        query: [num_tokens, num_heads, head_dim], float32 | bfloat16 | float16.
+        query: [num_tokens, num_heads, head_dim], float32 | bfloat16 | float16 | float64.
         key_cache: [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype.
         value_cache: same shape, dtype and device as `key_cache`.
         block_tables: int32 [num_seqs, max_blocks]; entries past a sequence's last block
@@ -194,123 +191,22 @@ def paged_attention(
         ValueError: a shape, dtype, device or length does not match ("expected X, got Y"),
             or the backend is unknown or unavailable.
     """
-    if backend == "auto" or backend == "cpu":
-        # The common case, a CPU decode batch over a known cache pair, checks its own
-        # arguments and runs in one compiled call (`cpu.try_decode`); None: anything else.
-        cpu = _loaded.get("cpu")
-        if cpu is not None:
-            out = cpu.try_decode(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                sliding_window,
-            )  # fmt: skip
-            if out is not None:
-                return out
-    scale = _validate.check_attention_args(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window,
+    checks.check_kv_pair(key_cache, value_cache)
+    checks.check_query(query, key_cache)
+    checks.check_batch(block_tables, seq_lens, query_start_loc, query.device)
+    resolve_backend(backend, query.device)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.empty(query.shape[0], dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=None,
+        max_seq_len=None,
+        backend=backend,
     )
-    if query.is_cpu and (backend == "auto" or backend == "cpu"):
-        # Without the lookups below (a few us per call on a cold cache). The cpu backend
-        # checks lengths and block ids while planning, in one Numba pass.
-        module = _loaded.get("cpu") or _load("cpu")
-    else:
-        resolve_backend(backend, query.device)  # names a bad backend before any length
-        if query.is_cpu:  # reference, or triton under its interpreter
-            _validate.check_lengths(
-                query_start_loc.numpy(),
-                seq_lens.numpy(),
-                query.shape[0],
-                block_tables.shape[1] * key_cache.shape[1],
-            )
-        module = _get(backend, query.device)
-    return module.paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        sliding_window=sliding_window,
+    return paged_attention_from_metadata(
+        query, key_cache, value_cache, metadata, scale=scale, sliding_window=sliding_window
     )
-
-
-def paged_attention_from_metadata(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """`paged_attention` with the batch description taken from `attn_metadata`.
-
-    Same result as the plain function; backends that keep a per-step plan (the CPU backend
-    splits work across cores once per step) reuse it across layers, and the length checks
-    run once per step instead of once per layer.
-
-    Args:
-        query: [num_tokens, num_heads, head_dim].
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        value_cache: same as `key_cache`.
-        attn_metadata: this step's metadata (its `backend` selects the backend).
-        scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        sliding_window: as in `paged_attention`.
-
-    Returns:
-        [num_tokens, num_heads, head_dim] in the query's dtype.
-
-    Raises:
-        ValueError: as `paged_attention`.
-    """
-    md = attn_metadata
-    if md.backend == "auto" or md.backend == "cpu":
-        # A later layer of a CPU decode step runs its plan in one compiled call, checking
-        # only the query (`cpu.try_planned`); None: anything else.
-        cpu = _loaded.get("cpu")
-        if cpu is not None:
-            out = cpu.try_planned(query, key_cache, value_cache, md, scale, sliding_window)
-            if out is not None:
-                return out
-    scale = _validate.check_attention_args(
-        query,
-        key_cache,
-        value_cache,
-        md.block_tables,
-        md.seq_lens,
-        md.query_start_loc,
-        scale,
-        sliding_window,
-    )
-    module = _get(md.backend, query.device)
-    planned = getattr(module, "paged_attention_from_metadata", None)
-    if planned is None:
-        if query.device.type == "cpu" and ("checked", key_cache.shape[1]) not in md.plans:
-            _validate.check_lengths(
-                md.query_start_loc.numpy(),
-                md.seq_lens.numpy(),
-                query.shape[0],
-                md.block_tables.shape[1] * key_cache.shape[1],
-            )
-            md.plans["checked", key_cache.shape[1]] = True
-        return module.paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            md.block_tables,
-            md.seq_lens,
-            md.query_start_loc,
-            scale=scale,
-            sliding_window=sliding_window,
-        )
-    return planned(query, key_cache, value_cache, md, scale=scale, sliding_window=sliding_window)
 
 
 __all__ = [
@@ -318,6 +214,8 @@ __all__ = [
     "available_backends",
     "paged_attention",
     "paged_attention_from_metadata",
+    "plan",
     "resolve_backend",
+    "warmup",
     "write_kv",
 ]

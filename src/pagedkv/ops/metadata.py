@@ -23,19 +23,20 @@ class AttentionMetadata:
         block_tables: int32 [num_seqs, max_blocks], -1 past each sequence's blocks.
         seq_lens: int32 [num_seqs].
         query_start_loc: int32 [num_seqs + 1], cumulative query lengths from 0.
-        max_query_len: largest query length in the batch.
-        max_seq_len: largest total length in the batch.
+        max_query_len: largest query length in the batch (None: unknown, as in a plain
+            `paged_attention` call, where a GPU backend bounds it without a device sync).
+        max_seq_len: largest total length in the batch (None: unknown).
         backend: backend name for `paged_attention` ("auto", "cpu", "reference", "triton").
-        plans: backend-private precomputed data keyed by the backend (e.g. the CPU backend's
-            work split for a given block size), filled on first use and reused by later layers.
+        plans: per sliding window (None included), the plan `pagedkv.ops.plan` made for this
+            step, reused by every layer.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
+    max_query_len: int | None
+    max_seq_len: int | None
     backend: str = "auto"
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops import checks
+from pagedkv.ops.metadata import AttentionMetadata
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Read one sequence's keys (or values) through its block table.
@@ -95,3 +98,45 @@ def paged_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def plan(
+    metadata: AttentionMetadata,
+    key_cache: torch.Tensor,
+    num_heads: int,
+    sliding_window: int | None,
+) -> tuple[AttentionMetadata, int | None]:
+    """Check lengths and block ids (CPU index tensors only: elsewhere it would sync)."""
+    if metadata.seq_lens.is_cpu:
+        checks.check_lengths(
+            metadata.query_start_loc.numpy(),
+            metadata.seq_lens.numpy(),
+            metadata.num_tokens,
+            metadata.block_tables.shape[1] * key_cache.shape[1],
+        )
+        tables, lens = metadata.block_tables.numpy(), metadata.seq_lens.numpy()
+        block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+        for s, seq_len in enumerate(lens.tolist()):
+            used = tables[s, : -(-seq_len // block_size)]
+            if ((used < 0) | (used >= num_blocks)).any():
+                raise checks.bad_block(tables, lens, s, num_blocks, block_size)
+    return metadata, sliding_window
+
+
+def run(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: tuple[AttentionMetadata, int | None],
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention` on the planned batch."""
+    md, sliding_window = plan
+    return paged_attention(
+        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+        scale=scale, sliding_window=sliding_window,
+    )  # fmt: skip
+
+
+def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
+    """Nothing to compile."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,14 +19,14 @@ from pagedkv.engine.args import EngineArgs
 logger = logging.getLogger("pagedkv.server")
 
 
-def prefer_passive_omp() -> None:
-    """Make idle OpenMP threads sleep instead of spin, unless the user chose otherwise.
+def announce_kernel_compile() -> None:
+    """Before torch loads: say at once when the CPU kernels compile on this first start.
 
-    On a shared CPU, spinning torch threads fight other processes for cores: measured here
-    with the machine otherwise busy, a demo step took 4x longer with the default policy.
-    Takes effect only before torch is first imported (the handlers import it lazily).
+    (The OpenMP thread policy itself is set by importing pagedkv: `pagedkv.threads`.)
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pagedkv import kernel_cache
+
+    kernel_cache.announce()
 
 
 def _check_model_dir(model: str) -> None:
@@ -95,7 +94,7 @@ def register(subparsers: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
-    prefer_passive_omp()
+    announce_kernel_compile()
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
@@ -122,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; a summary line goes to stderr."""
-    prefer_passive_omp()
+    announce_kernel_compile()
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
     from pagedkv.server.streaming import DeltaTracker

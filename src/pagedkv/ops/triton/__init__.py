@@ -8,26 +8,24 @@ kernels run on CPU tensors, which is how the tests check them without a GPU.
 Routing, one launch per kind and no host sync (nothing is read back from the GPU):
     decode batch  ->  the decode kernel, split across partitions (+ one reduce launch)
     otherwise     ->  the general prefill/mixed kernel for all rows
-A decode batch is ``num_tokens == num_seqs`` for `paged_attention` and
-``max_query_len <= 1`` for `paged_attention_from_metadata`. Partitions are sized
-from an upper bound of the sequence lengths: ``max_seq_len`` from the metadata, or
-``block_tables.shape[1] * block_size`` without it (size block tables to the batch's
-longest sequence, not to the model's maximum, or short batches split too little).
+`plan` picks the kernel and bounds the sequence lengths from host-side values.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 
+from pagedkv.ops import reference
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton.decode import decode_attention
 from pagedkv.ops.triton.prefill import prefill_attention
 from pagedkv.ops.triton.write import write_kv_rows
 
-__all__ = ["paged_attention", "paged_attention_from_metadata", "write_kv"]
+__all__ = ["plan", "run", "warmup", "write_kv"]
 
 _DECODE_TILE_LANES = 64  # keys per decode iteration: 16 KiB of K (bf16, d=128) per load
 _PREFILL_TILE_LANES = 64
@@ -96,71 +94,62 @@ def _check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> N
         raise ValueError(f"expected caches with unit stride in head_dim, got {key_cache.stride()}")
 
 
-def paged_attention(
+@dataclass
+class TritonPlan:
+    """Host-side bounds of a step's batch: which kernel, and how far to split."""
+
+    metadata: AttentionMetadata
+    sliding_window: int | None
+    is_decode: bool
+    max_seq_len: int
+
+
+def plan(
+    metadata: AttentionMetadata,
+    key_cache: torch.Tensor,
+    num_heads: int,
+    sliding_window: int | None,
+) -> TritonPlan:
+    """Route the batch from host-side values only (nothing is read back from the GPU).
+
+    ``max_query_len <= 1`` selects the decode kernel even when some sequences have no new
+    token. Without host lengths (a plain `paged_attention` call), ``num_tokens ==
+    num_seqs`` means decode (or q_len 0 next to q_len 2+, which the decode kernel handles
+    too) and ``max_blocks * block_size`` bounds every sequence: size block tables to the
+    batch's longest sequence, not the model's maximum, or short batches split too little.
+    """
+    md = metadata
+    if md.seq_lens.is_cpu:  # under the interpreter: the checks the GPU path cannot afford
+        reference.plan(md, key_cache, num_heads, sliding_window)
+    is_decode = (
+        md.max_query_len <= 1 if md.max_query_len is not None else md.num_tokens == md.num_seqs
+    )
+    max_seq_len = (
+        md.max_seq_len
+        if md.max_seq_len is not None
+        else md.block_tables.shape[1] * key_cache.shape[1]
+    )
+    return TritonPlan(md, sliding_window, is_decode, max_seq_len)
+
+
+def run(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
+    plan: TritonPlan,
     scale: float,
-    sliding_window: int | None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over their sequences' paged KV.
-
-    Args:
-        query: [num_tokens, num_heads, head_dim], float16 | bfloat16 | float32.
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype.
-        block_tables: [num_seqs, max_blocks] int32; entries past a sequence's end unread.
-        seq_lens: [num_seqs] int32, total length including the new tokens.
-        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
-        scale: softmax scale.  sliding_window: keys > position - window only, or None.
-
-    Returns:
-        [num_tokens, num_heads, head_dim] in query's dtype (float32 accumulation).
-
-    Raises:
-        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
-    """
-    num_tokens = query.shape[0]
-    # Without host lengths, max_blocks * block_size bounds every sequence. num_tokens ==
-    # num_seqs is decode (or q_len 0 next to q_len 2+, which the decode kernel handles too).
-    return _run(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=scale,
-        sliding_window=sliding_window, is_decode=num_tokens == seq_lens.shape[0],
-        max_seq_len=block_tables.shape[1] * key_cache.shape[1],
-    )  # fmt: skip
-
-
-def paged_attention_from_metadata(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """As `paged_attention`, routed by the step's host-side lengths.
-
-    ``max_query_len <= 1`` selects the decode kernel even when some sequences have no
-    new token, and ``max_seq_len`` sizes the decode partitions (tighter than the table).
-
-    Args:
-        query, key_cache, value_cache: as `paged_attention`.
-        attn_metadata: the step's metadata; its tensors are on query's device.
-        scale, sliding_window: as `paged_attention`.
-
-    Returns:
-        [num_tokens, num_heads, head_dim] in query's dtype.
-    """
-    md = attn_metadata
+    """Attention of the planned batch for one layer (see `pagedkv.ops.backend`)."""
+    md = plan.metadata
     return _run(
         query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        scale=scale, sliding_window=sliding_window, is_decode=md.max_query_len <= 1,
-        max_seq_len=md.max_seq_len,
+        scale=scale, sliding_window=plan.sliding_window, is_decode=plan.is_decode,
+        max_seq_len=plan.max_seq_len,
     )  # fmt: skip
+
+
+def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
+    """Triton compiles per launch configuration on first use; nothing to do ahead."""
 
 
 def _run(

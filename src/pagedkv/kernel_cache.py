@@ -1,0 +1,106 @@
+"""Where the CPU attention kernels' compiled code lives, and the line that says it is made.
+
+Numba caches a function's machine code next to its source file, keyed by that file's path
+and modification time, so two checkouts or two venvs of the same pagedkv would each compile
+the kernels again (tens of seconds). Instead the kernels' source is copied once into
+
+    $PAGEDKV_CACHE_DIR (default: $XDG_CACHE_HOME/pagedkv or ~/.cache/pagedkv)
+        /cpu-kernels/<hash of source + Python + Numba versions>/kernels.py
+
+and imported from there: every install whose kernels are byte-identical shares one copy
+and so one Numba cache (`__pycache__/` beside it). A `compiled` marker records that every
+kernel variant was built; until it exists, `announce()` prints one line on stderr.
+
+Standard library only (and outside `pagedkv.ops`, which imports torch): the CLI calls
+`announce()` before importing torch or Numba, so the line comes at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).parent / "ops" / "cpu" / "kernels.py"
+_MARKER = "compiled"
+COMPILE_SECONDS = 30
+"""About how long building every kernel takes once on a small machine (said to the user)."""
+
+_announced = False
+
+
+def cache_root() -> Path:
+    """The user-wide cache directory of pagedkv."""
+    root = os.environ.get("PAGEDKV_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv"
+
+
+def kernel_dir() -> Path:
+    """The directory of this kernel source's shared copy (it may not exist yet)."""
+    try:
+        numba_version = importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:
+        numba_version = "none"
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    key.update(f"{sys.version_info[:2]} {numba_version}".encode())
+    return cache_root() / "cpu-kernels" / key.hexdigest()[:16]
+
+
+def is_compiled() -> bool:
+    """Whether every kernel variant was compiled and cached before."""
+    return (kernel_dir() / _MARKER).exists()
+
+
+def announce() -> None:
+    """Say on stderr, once per process, that the kernels compile now (when they do)."""
+    global _announced
+    if _announced or is_compiled():
+        return
+    _announced = True
+    print(
+        f"pagedkv: compiling CPU kernels once, about {COMPILE_SECONDS} s; cached in {kernel_dir()}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def mark_compiled() -> None:
+    """Record that every variant is in the cache (called after a full warm-up)."""
+    try:
+        (kernel_dir() / _MARKER).touch()
+    except OSError:
+        pass  # a read-only cache: the line is printed again next time, nothing else
+
+
+def load_kernels() -> ModuleType:
+    """Import the kernels from their shared copy (the packaged file if that cannot be made)."""
+    directory = kernel_dir()
+    path = directory / "kernels.py"
+    try:
+        if not path.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            # Written whole under a temporary name, then renamed: a concurrent first start
+            # sees either no file or the complete one, and its modification time (part of
+            # Numba's cache key) never changes afterwards.
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(_SOURCE.read_bytes())
+            os.replace(tmp, path)
+    except OSError:
+        path = _SOURCE
+    name = f"pagedkv_cpu_kernels_{directory.name}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, f"cannot import {path}"
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module

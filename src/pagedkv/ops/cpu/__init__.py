@@ -1,0 +1,247 @@
+"""The CPU attention backend: decode rows through a Numba kernel, prefills through SDPA.
+
+One batch may mix both (the engine's continuous batches). Sequences with at most
+`MAX_DECODE_QUERY` new tokens become kernel rows that read their blocks in place
+(`kernels.decode_*`); longer ones gather their blocks and run
+`scaled_dot_product_attention` with a bottom-right causal mask, where the matrix products
+pay for the copy. float16 and float64 caches, and pools that are not contiguous, take the
+SDPA path for every sequence (Numba has no fast float16, and the kernel reads flat views).
+
+`plan` (once per step) runs the checks and the work split in one compiled pass; `run` (per
+layer) converts the query and calls one compiled function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedkv import kernel_cache
+from pagedkv.ops import checks
+from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.reference import attention_mask
+
+MAX_DECODE_QUERY = 4
+"""Sequences with at most this many new tokens go to the kernel; beyond it, gather + SDPA
+is faster (see docs/benchmarks.md)."""
+SERIAL_BYTES = 512 * 1024
+"""Batches reading less KV than this run on one thread: starting the team costs more."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+_kernels = kernel_cache.load_kernels()
+
+
+@dataclass
+class CpuPlan:
+    """One step's batch, checked and split; valid for caches of `cache_shape`/`dtype`."""
+
+    cache_shape: torch.Size
+    dtype: torch.dtype
+    num_heads: int
+    sliding_window: int | None
+    items: np.ndarray  # int64 [num_items, 4]: (kernel row, seq, start, end)
+    row_items: np.ndarray  # int64 [num_rows + 1]
+    rows: np.ndarray  # int64 [num_rows]: query row of each kernel row
+    prefill_seqs: list[int]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    query_start_loc: np.ndarray  # int32 [num_seqs + 1]
+    parallel: bool
+    rows_index: torch.Tensor | None  # the rows as a tensor, unless they are all the rows
+
+
+def uses_kernel(cache: torch.Tensor) -> bool:
+    """Whether decode rows over `cache` go to the Numba kernel."""
+    return cache.dtype in KERNEL_DTYPES and cache.is_contiguous()
+
+
+def plan(
+    metadata: AttentionMetadata,
+    key_cache: torch.Tensor,
+    num_heads: int,
+    sliding_window: int | None,
+) -> CpuPlan:
+    """See `AttentionBackend.plan`."""
+    # Contiguous copies of strided views: one compiled variant reads them all.
+    tables = np.ascontiguousarray(metadata.block_tables.numpy())
+    lens = np.ascontiguousarray(metadata.seq_lens.numpy())
+    starts = np.ascontiguousarray(metadata.query_start_loc.numpy())
+    num_tokens = metadata.num_tokens
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    items, row_items, rows, prefill, total, error, seq = _kernels.plan_items(
+        starts, lens, tables, num_tokens, num_blocks, block_size, sliding_window or 0,
+        MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, _sync_threads(),
+    )  # fmt: skip
+    if error == _kernels.BAD_BLOCK:
+        raise checks.bad_block(tables, lens, seq, num_blocks, block_size)
+    if error != _kernels.OK:
+        checks.check_lengths(starts, lens, num_tokens, tables.shape[1] * block_size)
+        raise AssertionError(f"plan_items reported error {error} that check_lengths missed")
+    row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
+    return CpuPlan(
+        cache_shape=key_cache.shape,
+        dtype=key_cache.dtype,
+        num_heads=num_heads,
+        sliding_window=sliding_window,
+        items=items,
+        row_items=row_items,
+        rows=rows,
+        prefill_seqs=prefill.tolist(),
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=starts,
+        parallel=total * row_bytes >= SERIAL_BYTES,
+        rows_index=None if rows.shape[0] == num_tokens else torch.from_numpy(rows),
+    )
+
+
+def _sync_threads() -> int:
+    """Give the kernels torch's thread count (both run on one OpenMP runtime's pool)."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def run(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: CpuPlan,
+    scale: float,
+) -> torch.Tensor:
+    """See `AttentionBackend.run`."""
+    if plan.rows.shape[0] and not uses_kernel(key_cache):
+        raise checks.fail("key_cache", "a contiguous pool, as the plan's", "a strided one")
+    if not plan.prefill_seqs:
+        return _decode_rows(query, key_cache, value_cache, plan, scale).to(query.dtype)
+    out = torch.empty_like(query)
+    if plan.rows.shape[0]:
+        out[plan.rows_index] = _decode_rows(query, key_cache, value_cache, plan, scale).to(
+            query.dtype
+        )
+    for s in plan.prefill_seqs:
+        lo, hi = int(plan.query_start_loc[s]), int(plan.query_start_loc[s + 1])
+        out[lo:hi] = _prefill_seq(
+            query[lo:hi], key_cache, value_cache, plan.block_tables[s], int(plan.seq_lens[s]),
+            scale, plan.sliding_window,
+        )  # fmt: skip
+    return out
+
+
+def _bits(cache: torch.Tensor) -> np.ndarray:
+    """The cache as the kernels read it: [num_slots, num_kv_heads, head_dim], float32 or
+    bfloat16 bits as uint16 (NumPy has no bfloat16)."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    if cache.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.numpy()
+
+
+def _decode_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: CpuPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel rows' output, float32 [num_rows, num_heads, head_dim]."""
+    rows = query if plan.rows_index is None else query[plan.rows_index]
+    q = rows.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    decode = _kernels.decode_parallel if plan.parallel else _kernels.decode_serial
+    decode(
+        q.numpy(), _bits(key_cache), _bits(value_cache), plan.block_tables, plan.items,
+        plan.row_items, key_cache.shape[1], scale, out.numpy(),
+    )  # fmt: skip
+    return out
+
+
+def _prefill_seq(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: np.ndarray,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence by gather + SDPA: query [q, H, D] -> [q, H, D]."""
+    query_len, block_size = query.shape[0], key_cache.shape[1]
+    # Blocks wholly before the window of the first new token are never read.
+    first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+    b0, b1 = first // block_size, -(-seq_len // block_size)
+    blocks = torch.from_numpy(block_table[b0:b1].astype(np.int64))
+    start = b0 * block_size
+    # (nb, bs, Hkv, D) -> (nb * bs, Hkv, D) -> (Hkv, L', D) with L' = seq_len - start;
+    # made contiguous because SDPA's CPU kernel is slower on the strided view.
+    k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
+    v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
+    k, v = k.contiguous(), v.contiguous()
+    q = query.transpose(0, 1)  # (H, q, D)
+    if sliding_window is None and start == 0 and query_len == seq_len:
+        mask, causal = None, True
+    else:
+        mask = attention_mask(query_len, seq_len, sliding_window, query.device)[:, start:]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def _raw(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's elements as flat raw bits of the same size."""
+    view = {8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()]
+    return tensor.view(view).numpy().reshape(-1)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """See `AttentionBackend.write_kv`: rows copied as raw bits, one compiled loop."""
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        from pagedkv.ops import reference
+
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        past = torch.nonzero(slot_mapping >= num_slots)
+        if past.numel():
+            raise checks.slot_past_end(slot_mapping, int(past[0]), num_slots)
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
+    width = key_cache.shape[2] * key_cache.shape[3]
+    bad = _kernels.write_rows(
+        _raw(key.contiguous()), _raw(value.contiguous()), _raw(key_cache), _raw(value_cache),
+        slot_mapping.numpy(), width,
+    )  # fmt: skip
+    if bad >= 0:
+        raise checks.slot_past_end(slot_mapping, bad, key_cache.shape[0] * key_cache.shape[1])
+
+
+def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
+    """Load or compile every kernel variant: plan, both decode kernels for this cache's
+    dtype, and the writes; say so on stderr when it compiles."""
+    kernel_cache.announce()
+    for dtype in KERNEL_DTYPES:
+        _compile(dtype)
+    kernel_cache.mark_compiled()
+
+
+def _compile(dtype: torch.dtype) -> None:
+    """Run each kernel once on a tiny cache of `dtype` (a decode of one 1-token sequence)."""
+    cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
+    metadata = AttentionMetadata.build([[0]], [1], [1], [0])
+    for parallel in (False, True):
+        p = plan(metadata, cache, 1, None)
+        p.parallel = parallel
+        run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
+    for slots in (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)):
+        write_kv(cache[0], cache[0], cache.clone(), cache.clone(), slots)

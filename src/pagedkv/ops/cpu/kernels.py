@@ -1,0 +1,289 @@
+"""The CPU backend's compiled code: plan a batch, attend decode rows over the paged cache,
+write new K/V rows.
+
+NumPy and Numba only (no torch: tensors arrive as NumPy views), and no imports from
+pagedkv: `pagedkv.kernel_cache` imports this file from a copy in the user's cache directory, so that
+every checkout and venv of one pagedkv version shares the compiled code.
+
+Work split (flash-decoding on the CPU). A decode row attends to key positions
+``[lo, pos]`` of its sequence; the plan cuts that range at multiples of `chunk` into
+*items*, sized so that the batch makes about two items per thread, so one long sequence
+still uses every core:
+
+    row r:    lo ........................................... pos
+    items:    [lo, c)   [c, 2c)   [2c, 3c)   ...   [kc, pos]      (c = chunk)
+
+Each item leaves an unnormalized partial state per query head (running max `row_max`, sum
+of weights `row_sum`, weighted values `acc`); `_merge` combines a row's items into its
+output. Within an item, tokens are
+scored a span at a time (up to `SPAN` tokens, across block boundaries) before one online-
+softmax update per head, so small blocks do not pay a rescale each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+OK, BAD_BOUNDS, BAD_QUERY_LEN, BAD_SEQ_LEN, BAD_BLOCK = range(5)
+MIN_CHUNK = 256
+"""Fewest key positions worth an item of their own (smaller ones cost more to merge)."""
+SPAN = 64
+"""Tokens scored between two online-softmax updates."""
+NEG_INIT = -1e30
+"""Running max before any score (fastmath assumes no infinities)."""
+
+
+@njit(cache=True)
+def plan_items(
+    query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block_size, window,
+    max_decode_query, num_threads,
+):  # fmt: skip  # pragma: no cover
+    """Check a batch's lengths and block ids, and split it into items and prefill sequences.
+
+    Args:
+        query_start_loc: int32 [num_seqs + 1].  seq_lens: int32 [num_seqs].
+        block_tables: int32 [num_seqs, max_blocks].
+        num_tokens, num_blocks, block_size: the query's rows and the cache's geometry.
+        window: sliding window, 0 for none.
+        max_decode_query: sequences with at most this many new tokens become kernel rows;
+            longer ones are returned in `prefill`.
+        num_threads: threads the parallel kernel will run on.
+
+    Returns:
+        (items int64 [n, 4] of (row, seq, start, end), row_items int64 [num_rows + 1] (row
+        r's items are row_items[r]:row_items[r + 1]), rows int64 [num_rows] (query row of
+        kernel row r), prefill int64 [k], key positions over all rows, error code, sequence
+        of the error).
+    """
+    num_seqs = seq_lens.shape[0]
+    max_context = block_tables.shape[1] * block_size
+    if query_start_loc[0] != 0 or query_start_loc[num_seqs] != num_tokens:
+        return _failed(BAD_BOUNDS, 0)
+    total = 0
+    num_rows = 0
+    for s in range(num_seqs):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        if q_len < 0:
+            return _failed(BAD_QUERY_LEN, s)
+        if seq_lens[s] < q_len or seq_lens[s] > max_context:
+            return _failed(BAD_SEQ_LEN, s)
+        for b in range((seq_lens[s] + block_size - 1) // block_size):
+            if block_tables[s, b] < 0 or block_tables[s, b] >= num_blocks:
+                return _failed(BAD_BLOCK, s)
+        if q_len <= max_decode_query:
+            num_rows += q_len
+            total += q_len * (seq_lens[s] if window <= 0 else min(seq_lens[s], window))
+    chunk = max(-(-total // (2 * num_threads)), MIN_CHUNK)
+    chunk = -(-chunk // block_size) * block_size
+    # A row of x positions makes at most x // chunk + 2 items (its ends need not align).
+    items = np.empty((2 * num_rows + total // chunk + 1, 4), dtype=np.int64)
+    row_items = np.empty(num_rows + 1, dtype=np.int64)
+    rows = np.empty(num_rows, dtype=np.int64)
+    prefill = np.empty(num_seqs, dtype=np.int64)
+    n = r = k = 0
+    for s in range(num_seqs):
+        q0, q1 = query_start_loc[s], query_start_loc[s + 1]
+        if q1 - q0 > max_decode_query:
+            prefill[k] = s
+            k += 1
+            continue
+        for row in range(q0, q1):
+            pos = seq_lens[s] - (q1 - row)
+            start = 0 if window <= 0 else max(0, pos - window + 1)
+            rows[r] = row
+            row_items[r] = n
+            r += 1
+            while start <= pos:
+                end = min((start // chunk + 1) * chunk, pos + 1)
+                items[n, 0], items[n, 1], items[n, 2], items[n, 3] = r - 1, s, start, end
+                n += 1
+                start = end
+    row_items[num_rows] = n
+    return items[:n], row_items, rows, prefill[:k], total, OK, 0
+
+
+@njit(cache=True)
+def _failed(code, seq):  # pragma: no cover
+    empty = np.empty(0, dtype=np.int64)
+    return np.empty((0, 4), dtype=np.int64), empty, empty, empty, 0, code, seq
+
+
+def _token_row(cache, slot, buf):  # pragma: no cover
+    """One token's K or V row as float32: (array [*, num_kv_heads, head_dim], index)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_token_row)
+def _token_row_impl(cache, slot, buf):  # pragma: no cover
+    if cache.dtype == types.uint16:
+        # bfloat16 arrives as its bits: widen into `buf` (bf16 is the top half of a float32).
+        def widen(cache, slot, buf):
+            bits = buf.view(np.uint32)
+            for g in range(cache.shape[1]):
+                for d in range(cache.shape[2]):
+                    bits[0, g, d] = np.uint32(cache[slot, g, d]) << 16
+            return buf, 0
+
+        return widen
+
+    def in_place(cache, slot, buf):
+        return cache, slot
+
+    return in_place
+
+
+@njit(cache=True, fastmath=True)
+def _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc,
+          row_max, row_sum):  # fmt: skip  # pragma: no cover
+    """Attend item i's query row to its key range; leave its partial state.
+
+    query: float32 [num_rows, H, D]; caches: [num_slots, num_kv_heads, D], float32 or
+    bfloat16 bits as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
+    """
+    row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
+    num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[1], query.shape[2]
+    table = block_tables[seq]
+    slots = np.empty(SPAN, dtype=np.int64)
+    scores = np.empty((num_heads, SPAN), dtype=np.float32)
+    buf = np.empty((1, num_kv_heads, head_dim), dtype=np.float32)
+    acc[:] = 0.0
+    row_max[:] = NEG_INIT
+    row_sum[:] = 0.0
+    for t0 in range(start, end, SPAN):
+        n = min(SPAN, end - t0)
+        for t in range(n):
+            pos = t0 + t
+            slots[t] = table[pos // block_size] * block_size + pos % block_size
+        _score_span(query[row], key_cache, slots, n, scale, scores, buf)
+        _softmax_span(scores, n, acc, row_max, row_sum)
+        _accumulate_span(value_cache, slots, n, scores, acc, buf)
+
+
+# The three span steps are separate functions: each one's inner loop then vectorizes (in one
+# large function LLVM left the dot products scalar). One call per span, not per token,
+# keeps Numba's per-call reference counting off the hot path.
+
+
+@njit(cache=True, fastmath=True)
+def _score_span(q, key_cache, slots, n, scale, scores, buf):  # pragma: no cover
+    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n."""
+    group = q.shape[0] // key_cache.shape[1]
+    for t in range(n):
+        k, j = _token_row(key_cache, slots[t], buf)
+        for h in range(q.shape[0]):
+            g = h // group
+            s = np.float32(0.0)
+            for d in range(q.shape[1]):
+                s += q[h, d] * k[j, g, d]
+            scores[h, t] = s * scale
+
+
+@njit(cache=True, fastmath=True)
+def _softmax_span(scores, n, acc, row_max, row_sum):  # pragma: no cover
+    """Online softmax: raise each head's max over the span's n scores, rescale acc and
+    row_sum, and turn the scores into weights exp(score - max)."""
+    for h in range(scores.shape[0]):
+        new_max = row_max[h]
+        for t in range(n):
+            new_max = max(new_max, scores[h, t])
+        total = np.float32(0.0)
+        for t in range(n):
+            p = np.exp(scores[h, t] - new_max)
+            scores[h, t] = p
+            total += p
+        correction = np.exp(row_max[h] - new_max)
+        row_sum[h] = row_sum[h] * correction + total
+        row_max[h] = new_max
+        for d in range(acc.shape[1]):
+            acc[h, d] *= correction
+
+
+@njit(cache=True, fastmath=True)
+def _accumulate_span(value_cache, slots, n, weights, acc, buf):  # pragma: no cover
+    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n."""
+    group = acc.shape[0] // value_cache.shape[1]
+    for t in range(n):
+        v, j = _token_row(value_cache, slots[t], buf)
+        for h in range(acc.shape[0]):
+            g = h // group
+            p = weights[h, t]
+            for d in range(acc.shape[1]):
+                acc[h, d] += p * v[j, g, d]
+
+
+@njit(cache=True, fastmath=True)
+def _merge(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
+    """Combine row r's partial states (items row_items[r]:row_items[r + 1]) into out[r]."""
+    i0, i1 = row_items[r], row_items[r + 1]
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    for h in range(num_heads):
+        new_max = row_max[i0, h]
+        for i in range(i0 + 1, i1):
+            new_max = max(new_max, row_max[i, h])
+        total = np.float32(0.0)
+        for d in range(head_dim):
+            out[r, h, d] = 0.0
+        for i in range(i0, i1):
+            w = np.exp(row_max[i, h] - new_max)
+            total += w * row_sum[i, h]
+            for d in range(head_dim):
+                out[r, h, d] += w * acc[i, h, d]
+        inv = np.float32(1.0) / total
+        for d in range(head_dim):
+            out[r, h, d] *= inv
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def decode_parallel(query, key_cache, value_cache, block_tables, items, row_items,
+                    block_size, scale, out):  # fmt: skip  # pragma: no cover
+    """`decode_serial` with items and rows spread over Numba's threads."""
+    num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
+    acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
+    row_max = np.empty((num_items, num_heads), dtype=np.float32)
+    row_sum = np.empty((num_items, num_heads), dtype=np.float32)
+    for i in prange(num_items):
+        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
+              acc[i], row_max[i], row_sum[i])  # fmt: skip
+    for r in prange(out.shape[0]):
+        _merge(r, row_items, acc, row_max, row_sum, out)
+
+
+@njit(cache=True, fastmath=True)
+def decode_serial(query, key_cache, value_cache, block_tables, items, row_items,
+                  block_size, scale, out):  # fmt: skip  # pragma: no cover
+    """Attention of the plan's kernel rows: out[r] for query row r of `query`.
+
+    query: float32 [num_rows, H, D] (the kernel rows only); out: float32 [num_rows, H, D].
+    """
+    num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
+    acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
+    row_max = np.empty((num_items, num_heads), dtype=np.float32)
+    row_sum = np.empty((num_items, num_heads), dtype=np.float32)
+    for i in range(num_items):
+        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
+              acc[i], row_max[i], row_sum[i])  # fmt: skip
+    for r in range(out.shape[0]):
+        _merge(r, row_items, acc, row_max, row_sum, out)
+
+
+@njit(cache=True)
+def write_rows(key, value, key_cache, value_cache, slots, width):  # pragma: no cover
+    """Copy token t's K and V rows (`width` elements each) to slot slots[t] of the caches.
+
+    All arrays are flat raw-bit views of one element size; negative slots are skipped.
+
+    Returns:
+        -1, or the first token whose slot lies past the caches (nothing after it written).
+    """
+    num_slots = key_cache.shape[0] // width
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        if s < 0:
+            continue
+        if s >= num_slots:
+            return t
+        key_cache[s * width : (s + 1) * width] = key[t * width : (t + 1) * width]
+        value_cache[s * width : (s + 1) * width] = value[t * width : (t + 1) * width]
+    return -1
