@@ -353,3 +353,21 @@ def test_random_arrivals_and_aborts(seed: int) -> None:
                 assert out == exp[: len(out)]
             else:
                 assert out == exp
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_recomputed_n_sample_request_is_readmitted(seed: int, block_size: int) -> None:
+    """A preempted n = 4 request is recomputed sample by sample when it is alone: counted
+    as four separate prompts it would never fit the pool, and the engine would wait for
+    blocks nobody frees."""
+    num_blocks = 60 // block_size + 4
+    scheduler = make_scheduler(num_blocks, block_size, budget=16, max_model_len=60)
+    requests = make_requests(seed, 8, max_prompt=28, n_choices=(1, 4), shared_prefix=3)
+    outputs = run_to_completion(scheduler, ChainRunner(block_size), requests, max_steps=5000)
+    for request in requests:
+        expected = reference_outputs(request.prompt_token_ids, request.params, max_model_len=60)
+        for seq, exp, out in zip(request.seqs, expected, outputs[request.request_id], strict=True):
+            assert out == (exp[: len(out)] if seq.finish_reason == "length" else exp)
+    assert scheduler.num_preemptions > 0
+    assert scheduler.kv.num_free_blocks == num_blocks and len(scheduler.kv) == 0

@@ -382,6 +382,14 @@ class Scheduler(PreemptionMixin):
             plan = self._plan(request, budget)
             watermark = self._watermark if self.running else 0
             if not plan or self._blocks_needed(plan) + watermark > self.kv.num_free_blocks:
+                if plan and not self.running:
+                    # Alone on an idle device, nobody will free blocks for it: run what fits
+                    # sample by sample (a recomputed n > 1 request's samples share their
+                    # prompt once the first is allocated), as a running request would.
+                    self.waiting.popleft()
+                    self._start_running(request)
+                    self._run_alone(request, plan, out, budget)
+                    return
                 self._refund(plan, budget)
                 return
             self.waiting.popleft()
