@@ -82,6 +82,11 @@ class EngineArgs:
     attention_backend: str = _option(
         "auto", 'attention kernels: "auto", "cpu", "triton" or "reference"'
     )
+    pack_weights: bool = _option(
+        True,
+        "hold bfloat16 matmul weights in oneDNN's blocked layout on the CPU (same logits, "
+        "faster small batches; a tied LM head is held twice)",
+    )
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

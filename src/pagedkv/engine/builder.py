@@ -79,7 +79,12 @@ def build_engine_parts(
         device=str(device),
         seed=args.seed,
     )
-    runner = ModelRunner(network, kv_cache, attention_backend=args.attention_backend)
+    runner = ModelRunner(
+        network,
+        kv_cache,
+        attention_backend=args.attention_backend,
+        pack_weights=args.pack_weights,
+    )
     return config, runner, kv_manager, load_tokenizer(model), {"max_model_len": max_model_len}
 
 

@@ -22,7 +22,12 @@ class ModelRunner:
     """Owns the model and its paged KV cache; executes `SchedulerOutput`s."""
 
     def __init__(
-        self, model: CausalLM, kv_cache: PagedKVCache, *, attention_backend: str = "auto"
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        *,
+        attention_backend: str = "auto",
+        pack_weights: bool = False,
     ) -> None:
         """Wrap a loaded model and its KV pools.
 
@@ -30,7 +35,10 @@ class ModelRunner:
             model: forward(input_ids, positions, kv_cache, attn_metadata) + compute_logits.
             kv_cache: the K/V pools the scheduler's block ids index.
             attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
+            pack_weights: `model.pack_weights()` (where it applies: bfloat16 on the CPU).
         """
+        if pack_weights:
+            model.pack_weights()
         self.model = model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend

@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm and rotary position embeddings.
+"""Building blocks of the Llama family: RMSNorm, rotary position embeddings, linear layers.
 
 Both follow Hugging Face transformers' numerics exactly (float32 statistics, `rotate_half`
 layout), so a float32 model here reproduces HF logits to rounding error.
@@ -36,11 +36,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., size] -> same shape and dtype."""
         if x.dtype == torch.float32:
-            # One fused call; in float32 it is the same arithmetic as the steps below.
+            # One fused call; in float32 it is the same arithmetic as HF's steps.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        # HF's order: normalize in float32, cast, then the weight (three calls, not seven).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def compute_inv_freq(
@@ -140,3 +140,51 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     x2.mul_(cos).addcmul_(x1_orig, sin)  # x2 cos + x1 sin
     return x
+
+
+def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `pack_linear_` applies: bfloat16 weights on a CPU where oneDNN runs bfloat16.
+
+    float32 is left alone: oneDNN's blocked kernels sum in another order than MKL's, so the
+    logits would move by rounding, and its float32 matrix-vector products are no faster.
+    """
+    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linear_(linear: nn.Linear) -> None:
+    """Hold `linear.weight` in oneDNN's blocked layout, in place (see `linear`).
+
+    The same kernels Inductor calls for a frozen CPU model: for a batch of a few rows,
+    torch's plain bfloat16 matmul streams the weight at about half the speed, while the
+    packed one gives the same bits. The weight becomes a buffer in `torch._mkldnn` layout,
+    which only `linear` (and oneDNN) reads; the plain copy is released.
+    """
+    weight = linear.weight
+    if weight.is_mkldnn:
+        return
+    # The batch-size hint picks the blocking; decode-sized batches are the ones that are
+    # bound by reading the weight, and every other size gives the same bits.
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    del linear.weight
+    linear.register_buffer("weight", packed)
+
+
+def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    """`x @ layer.weight.T (+ bias)`, packed (`pack_linear_`) or plain.
+
+    `F.linear` on the weights directly: `nn.Module.__call__`'s hook dispatch is paid on each
+    of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
+
+    Args:
+        x: [num_tokens, in_features] in the weight's dtype.
+        layer: an `nn.Linear`, its weight plain or packed.
+
+    Returns:
+        [num_tokens, out_features].
+    """
+    weight = layer.weight
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")
+    return F.linear(x, weight, layer.bias)

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.config import ModelConfig
-from pagedkv.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_, compute_inv_freq
+from pagedkv.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary_,
+    can_pack_linear,
+    compute_inv_freq,
+    linear,
+    pack_linear_,
+)
 from pagedkv.ops import paged_attention_from_metadata, write_kv
 
 if TYPE_CHECKING:
@@ -71,9 +79,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
         num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
-        # F.linear on the weights directly: nn.Module.__call__'s hook dispatch is paid on each
-        # of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
-        qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(hidden, self.qkv_proj)
         # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in
         if self.q_norm is None or self.k_norm is None:
             # q and k heads sit side by side in each row: rotate all of them in one pass.
@@ -101,7 +107,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
         )
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -117,8 +123,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate).mul_(up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -188,6 +194,8 @@ class CausalLM(nn.Module):
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
             )
         )
+        # A tied LM head's packed copy (`pack_weights`): the embedding stays plain for lookups.
+        self.packed_tied_head: nn.Linear | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -235,5 +243,30 @@ class CausalLM(nn.Module):
 
         The matmul runs in the model dtype (as HF does), only the result is upcast.
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.lm_head if self.lm_head is not None else self.packed_tied_head
+        if head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return linear(hidden, head).float()
+
+    def pack_weights(self) -> bool:
+        """Hold every matmul weight in oneDNN's blocked layout (`layers.pack_linear_`).
+
+        Same logits bit for bit, faster small-batch matmuls. A tied LM head gets a packed
+        copy (the embedding table stays plain for lookups), so it costs its size once more.
+
+        Returns:
+            Whether the weights were packed (only bfloat16 on a CPU with oneDNN bfloat16).
+        """
+        if not can_pack_linear(self.dtype, self.device):
+            return False
+        for module in list(self.modules()):
+            if isinstance(module, nn.Linear):
+                pack_linear_(module)
+        if self.lm_head is None and self.packed_tied_head is None:
+            head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                             device="meta")  # fmt: skip
+            del head.weight
+            head.register_buffer("weight", self.model.embed_tokens.weight.detach())
+            pack_linear_(head)
+            self.packed_tied_head = head
+        return True

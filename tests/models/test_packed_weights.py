@@ -1,0 +1,64 @@
+"""Packed (oneDNN blocked) matmul weights: the same logits bit for bit, the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_hf_model
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
+from pagedkv.models.layers import can_pack_linear, linear, pack_linear_
+
+pytestmark = pytest.mark.skipif(
+    not can_pack_linear(torch.bfloat16, torch.device("cpu")),
+    reason="no oneDNN bfloat16 on this CPU",
+)
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_gives_the_same_bits(rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(96, 80, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=generator))
+    x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    pack_linear_(layer)
+    assert layer.weight.is_mkldnn
+    assert "weight" not in dict(layer.named_parameters())
+    assert torch.equal(linear(x, layer), expected)
+
+
+def test_float32_is_left_plain(tmp_path):
+    model = load_model(make_hf_model(tmp_path, "llama"), dtype=torch.float32, device="cpu")
+    assert not model.pack_weights()
+    assert not any(b.is_mkldnn for b in model.buffers())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
+def test_pack_weights_keeps_the_logits(tmp_path, arch):
+    model_dir = make_hf_model(tmp_path, arch, dtype=torch.bfloat16)
+    plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    packed = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    assert packed.pack_weights()
+    hidden = torch.randn(5, plain.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(packed.compute_logits(hidden), plain.compute_logits(hidden))
+    # The tied embedding stays a plain table for lookups.
+    assert not packed.model.embed_tokens.weight.is_mkldnn
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_tokens_match_the_plain_path(tmp_path, arch):
+    model_dir = make_hf_model(tmp_path, arch, dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = {}
+    for pack in (False, True):
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", num_blocks=64,
+                  block_size=8, pack_weights=pack)  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[pack] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens[True] == tokens[False]
