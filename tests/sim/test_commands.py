@@ -232,3 +232,60 @@ def test_simulate_old_workload_name_still_runs(capsys):
     new = cli_json(capsys, *argv, "long-context", *tail)
     assert old["workload"] == new["workload"] == "long-context"
     assert old["policies"][0]["admitted"] == new["policies"][0]["admitted"] == 5
+
+
+def paged_figures(tmp_path, capsys, lines, *flags):
+    """The paged policy's figures for a trace of `lines` under the given engine flags."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    argv = ["simulate", "--model", "llama-3.1-8b", "--kv-memory", "1GiB", "--trace", str(trace)]
+    out = cli_json(capsys, *argv, "--policies", "paged", "--json", *flags)
+    return out["policies"][0]
+
+
+def test_simulate_max_num_seqs_caps_the_batch(tmp_path, capsys):
+    # 40 requests of 100 + 20 tokens, all at step 0: the default budget of 2,048 tokens
+    # takes 20 prompts and the first 48 tokens of a 21st in step 0, the other 19 wait a
+    # step; the last ones admitted decode until step 20.
+    lines = [{"arrival": 0, "prompt_len": 100, "output_len": 20}] * 40
+    free = paged_figures(tmp_path, capsys, lines)
+    assert (free["peak_concurrency"], free["steps"], free["queued"]) == (40, 21, 19)
+    capped = paged_figures(tmp_path, capsys, lines, "--max-num-seqs", "4")
+    # Ten waves of four requests, 20 steps each.
+    assert (capped["peak_concurrency"], capped["steps"], capped["queued"]) == (4, 200, 36)
+    assert capped["mean_wait_steps"] == 90.0 and capped["preemptions"] == 0
+
+
+def test_simulate_max_num_batched_tokens_chunks_the_prefill(tmp_path, capsys):
+    # A 1,000-token prompt and 10 outputs: one prefill step then 9 decode steps; with 256
+    # tokens a step the prefill takes 4 chunks (the last one samples the first output).
+    lines = [{"arrival": 0, "prompt_len": 1000, "output_len": 10}]
+    whole = paged_figures(tmp_path, capsys, lines)
+    assert (whole["engine_steps"], whole["steps"]) == (10, 10)
+    chunked = paged_figures(tmp_path, capsys, lines, "--max-num-batched-tokens", "256")
+    assert (chunked["engine_steps"], chunked["steps"]) == (13, 13)
+
+
+def test_simulate_token_cost_stretches_the_clock_not_the_steps(tmp_path, capsys):
+    # Each step takes 1 + 0.01 x its tokens: 1 + 10 for the prefill, 1.01 per decode;
+    # 20.09 on the clock, rounded up.
+    lines = [{"arrival": 0, "prompt_len": 1000, "output_len": 10}]
+    result = paged_figures(tmp_path, capsys, lines, "--token-cost", "0.01")
+    assert (result["engine_steps"], result["steps"]) == (10, 21)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-num-seqs", "0"], "max_num_seqs: expected > 0, got 0"),
+        (["--max-num-batched-tokens", "-5"], "max_num_batched_tokens: expected > 0, got -5"),
+        (["--token-cost", "-1"], "token-cost: expected a finite number >= 0, got -1.0"),
+        (["--token-cost", "nan"], "token-cost: expected a finite number >= 0, got nan"),
+        (["--token-cost", "inf"], "token-cost: expected a finite number >= 0, got inf"),
+    ],
+)
+def test_simulate_bad_engine_flags_name_the_flag(capsys, flags, message):
+    argv = ["simulate", "--model", "llama-3.1-8b", "--kv-memory", "1GiB", "--workload", "chat"]
+    assert main([*argv, "--num-requests", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

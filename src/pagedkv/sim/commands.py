@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 import time
@@ -187,6 +188,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Request]]:
     model = load_model(args.model)
     if args.block_size <= 0:
         raise ValueError(f"block_size: expected > 0, got {args.block_size}")
+    if not (math.isfinite(args.token_cost) and args.token_cost >= 0):
+        raise ValueError(f"token-cost: expected a finite number >= 0, got {args.token_cost!r}")
     per_token = kv_bytes_per_token(model, args.kv_dtype, args.tp)
     kv_memory = parse_size(args.kv_memory)
     capacity = kv_memory // per_token
