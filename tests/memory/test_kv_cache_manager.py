@@ -100,6 +100,7 @@ def test_fork_shares_blocks_and_copy_on_write_queues_in_order() -> None:
     m.fork("p", "c1")
     m.fork("p", "c2")
     assert m.block_table("c1") == [0, 1] and m._pool.ref_counts()[:2] == [3, 3]
+    assert m.stats()["num_forked_blocks"] == 4  # two forks of two blocks, none copied
     m.check()
     assert m.num_blocks_to_append("c1", 1) == 1  # the copy of block 1
     m.append("c1", [100])

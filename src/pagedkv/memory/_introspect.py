@@ -107,6 +107,7 @@ def manager_stats(manager: KVCacheManager) -> dict[str, int]:
         "num_swapped_seqs": num_swapped,
         "prefix_cache_queries": manager._num_queries,
         "prefix_cache_hits": manager._num_hits,
+        "num_forked_blocks": manager._num_forked,
         "num_cow_copies": manager._num_cow,
         "num_evictions": pool.num_evictions,
         "num_swapped_out_blocks": manager._num_swapped_out,

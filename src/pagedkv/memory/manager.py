@@ -62,6 +62,7 @@ class KVCacheManager:
         self._seqs: dict[SeqId, SeqState] = {}
         self._copies: list[tuple[int, int]] = []
         self._num_queries = self._num_hits = self._num_cow = 0
+        self._num_forked = 0  # block references shared by fork (each a block not copied)
         self._num_swapped_out = self._num_swapped_in = 0
 
     # ----- sizes and membership -------------------------------------------------------------
@@ -284,6 +285,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
         self._pool.share(parent.block_ids)
+        self._num_forked += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
             parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
         )
@@ -440,8 +442,9 @@ class KVCacheManager:
 
         Keys: num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks (free and
         evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
-        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_cow_copies,
-        num_evictions, num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
+        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_forked_blocks
+        (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
+        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
         """
         from pagedkv.memory._introspect import manager_stats
 
