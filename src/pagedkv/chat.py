@@ -1,5 +1,5 @@
 """`pagedkv chat [--model DIR|FILE.gguf]`: a multi-turn chat in the terminal (without
---model, the demo's SmolLM2 when `pagedkv[demo]` is installed).
+--model, the demo's SmolLM2 when installed, see `pagedkv.demo.DEMO_EXTRA_HINT`).
 
 Each turn renders the whole history through the model's chat template and submits it as a
 new request; the earlier turns' KV blocks are still in the prefix cache, so only the new

