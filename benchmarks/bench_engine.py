@@ -401,7 +401,11 @@ def bench_throughput(
         floor = floor_seconds(workload, config, mm_rate)
         runs = {"pagedkv": run_pagedkv(model_dir, dtype, workload, **_engine_kwargs(args))}
         ours = runs["pagedkv"]
-        mm_alone = isolated_mm_seconds(config, torch_dtype, ours["step_tokens"], ours["logit_rows"])
+        mm_alone = (
+            float("nan")
+            if args.skip_bound
+            else isolated_mm_seconds(config, torch_dtype, ours["step_tokens"], ours["logit_rows"])
+        )
         print(
             f"  {dtype:8s} {name:8s} pagedkv's {len(ours['step_tokens'])} steps: matmuls alone "
             f"{mm_alone:.2f} s at their own shapes (floor {floor:.2f} s): efficiency bound "
@@ -484,6 +488,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="pagedkv runs only")
     parser.add_argument("--skip-pressure", action="store_true")
     parser.add_argument("--skip-parallel", action="store_true")
+    parser.add_argument(
+        "--skip-bound", action="store_true", help="skip timing the steps' matmuls alone"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--attention-backend", default="auto", help="pagedkv's attention ops")
     parser.add_argument(
