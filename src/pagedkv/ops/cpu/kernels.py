@@ -147,7 +147,8 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
     table = block_tables[seq]
     slots = np.empty(SPAN, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
-    buf = np.empty((1, num_kv_heads, head_dim), dtype=np.float32)
+    pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
+    buf = np.empty((4, num_kv_heads, head_dim), dtype=np.float32)
     acc[:] = 0.0
     row_max[:] = NEG_INIT
     row_sum[:] = 0.0
@@ -156,43 +157,58 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
         for t in range(n):
             pos = t0 + t
             slots[t] = table[pos // block_size] * block_size + pos % block_size
-        _score_span(query[row], key_cache, slots, n, scale, scores, buf)
-        _softmax_span(scores, n, acc, row_max, row_sum)
+        _score_span(query[row], key_cache, slots, n, np.float32(scale), scores, buf)
+        _softmax_span(scores, n, acc, row_max, row_sum, pow2)
         _accumulate_span(value_cache, slots, n, scores, acc, buf)
 
 
-# The three span steps are separate functions: each one's inner loop then vectorizes (in one
+# The span steps are separate functions: each one's inner loop then vectorizes (in one
 # large function LLVM left the dot products scalar). One call per span, not per token,
-# keeps Numba's per-call reference counting off the hot path.
+# keeps Numba's per-call reference counting off the hot path. Heads of a GQA group are
+# scored four at a time (one K load feeds four dot products) and V rows are added four
+# tokens at a time (one load and store of the accumulator per four rows).
 
 
 @njit(cache=True, fastmath=True)
 def _score_span(q, key_cache, slots, n, scale, scores, buf):  # pragma: no cover
     """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n."""
-    group = q.shape[0] // key_cache.shape[1]
+    num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[1]
+    group = num_heads // num_kv_heads
     for t in range(n):
         k, j = _token_row(key_cache, slots[t], buf)
-        for h in range(q.shape[0]):
-            g = h // group
-            s = np.float32(0.0)
-            for d in range(q.shape[1]):
-                s += q[h, d] * k[j, g, d]
-            scores[h, t] = s * scale
+        for g in range(num_kv_heads):
+            h, end = g * group, (g + 1) * group
+            while h + 4 <= end:
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for d in range(head_dim):
+                    kd = k[j, g, d]
+                    s0 += q[h, d] * kd
+                    s1 += q[h + 1, d] * kd
+                    s2 += q[h + 2, d] * kd
+                    s3 += q[h + 3, d] * kd
+                scores[h, t], scores[h + 1, t] = s0 * scale, s1 * scale
+                scores[h + 2, t], scores[h + 3, t] = s2 * scale, s3 * scale
+                h += 4
+            for rest in range(h, end):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += q[rest, d] * k[j, g, d]
+                scores[rest, t] = s * scale
 
 
 @njit(cache=True, fastmath=True)
-def _softmax_span(scores, n, acc, row_max, row_sum):  # pragma: no cover
+def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
     """Online softmax: raise each head's max over the span's n scores, rescale acc and
     row_sum, and turn the scores into weights exp(score - max)."""
     for h in range(scores.shape[0]):
         new_max = row_max[h]
         for t in range(n):
             new_max = max(new_max, scores[h, t])
+        _exp_span(scores[h], n, new_max, pow2)
         total = np.float32(0.0)
         for t in range(n):
-            p = np.exp(scores[h, t] - new_max)
-            scores[h, t] = p
-            total += p
+            total += scores[h, t]
         correction = np.exp(row_max[h] - new_max)
         row_sum[h] = row_sum[h] * correction + total
         row_max[h] = new_max
@@ -201,15 +217,58 @@ def _softmax_span(scores, n, acc, row_max, row_sum):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _accumulate_span(value_cache, slots, n, weights, acc, buf):  # pragma: no cover
-    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n."""
-    group = acc.shape[0] // value_cache.shape[1]
+def _exp_span(x, n, shift, pow2):  # pragma: no cover
+    """x[t] = exp(x[t] - shift) for t < n, all arguments <= 0; vectorized.
+
+    libm's expf is a scalar call per score. Here exp(y) = 2^k * 2^f with k = round(y /
+    ln 2) and |f| <= 1/2: a degree-7 polynomial gives 2^f to float32 rounding, and 2^k is
+    built from its exponent bits in `pow2` (an int32 buffer read back as float32).
+    Arguments below -87 give about 1e-38 instead of smaller numbers.
+    """
+    scale = pow2.view(np.float32)
     for t in range(n):
-        v, j = _token_row(value_cache, slots[t], buf)
-        for h in range(acc.shape[0]):
+        y = max(x[t] - shift, np.float32(-87.0)) * np.float32(1.4426950408889634)
+        k = np.floor(y + np.float32(0.5))
+        f = (y - k) * np.float32(0.6931471805599453)  # f = ln(2^(y - k)), |f| <= ln2 / 2
+        p = np.float32(1.0 / 5040.0)
+        p = p * f + np.float32(1.0 / 720.0)
+        p = p * f + np.float32(1.0 / 120.0)
+        p = p * f + np.float32(1.0 / 24.0)
+        p = p * f + np.float32(1.0 / 6.0)
+        p = p * f + np.float32(0.5)
+        p = p * f + np.float32(1.0)
+        x[t] = p * f + np.float32(1.0)
+        pow2[t] = (np.int32(k) + 127) << 23
+    for t in range(n):
+        x[t] *= scale[t]
+
+
+@njit(cache=True, fastmath=True)
+def _accumulate_span(value_cache, slots, n, weights, acc, buf):  # pragma: no cover
+    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n; buf: [4, kv_heads, D]."""
+    num_heads, head_dim = acc.shape
+    group = num_heads // value_cache.shape[1]
+    t = 0
+    while t + 4 <= n:
+        v0, j0 = _token_row(value_cache, slots[t], buf[0:1])
+        v1, j1 = _token_row(value_cache, slots[t + 1], buf[1:2])
+        v2, j2 = _token_row(value_cache, slots[t + 2], buf[2:3])
+        v3, j3 = _token_row(value_cache, slots[t + 3], buf[3:4])
+        for h in range(num_heads):
             g = h // group
-            p = weights[h, t]
-            for d in range(acc.shape[1]):
+            p0, p1 = weights[h, t], weights[h, t + 1]
+            p2, p3 = weights[h, t + 2], weights[h, t + 3]
+            for d in range(head_dim):
+                acc[h, d] += (
+                    p0 * v0[j0, g, d] + p1 * v1[j1, g, d] + p2 * v2[j2, g, d] + p3 * v3[j3, g, d]
+                )
+        t += 4
+    for rest in range(t, n):
+        v, j = _token_row(value_cache, slots[rest], buf[0:1])
+        for h in range(num_heads):
+            g = h // group
+            p = weights[h, rest]
+            for d in range(head_dim):
                 acc[h, d] += p * v[j, g, d]
 
 
