@@ -1,0 +1,143 @@
+"""The scheduler and the KV manager's time per step, with many sequences and a large pool.
+
+1,024 sequences run at once (prompts of 256-320 tokens whose first 240 each group of 32
+requests shares through the prefix cache), on pools of 10K to 1M blocks: the same work
+in every pool, sized so that the smallest holds it. A stand-in runner
+(`pagedkv.sim.paged.StandInRunner`) samples each sequence's own next token id, so no model
+runs and the time is that of `Scheduler.schedule()` + `Scheduler.update()` alone: the
+engine's own code, with the `KVCacheManager` under it. Standard library only.
+
+Figures: milliseconds per steady decode step (every sequence admitted, one token each; a
+new block every `block_size` steps), median and 90th percentile over the measured steps,
+and the ratio of the largest pool's median to the smallest's. The bookkeeping a pool of n
+blocks carries is O(n); the work of a step must not be.
+
+    python benchmarks/bench_scheduler.py                    # 10K, 100K, 1M blocks
+    python benchmarks/bench_scheduler.py --pools 1000000 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from typing import Any
+
+from _common import print_table, write_results  # (benchmarks/ is on sys.path)
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.engine.request import Request as EngineRequest
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.memory import KVCacheManager
+from pagedkv.sim.paged import StandInRunner, token_ids
+from pagedkv.sim.policies import StepCost
+from pagedkv.sim.workload import Request
+
+BLOCK_SIZE = 16
+
+
+def make_requests(num: int, seed: int, *, group_size: int = 32) -> list[Request]:
+    """`num` requests of 256-320 prompt tokens; each group of `group_size` shares its first
+    240 (the prefix cache hits on them); outputs long enough to outlast the run."""
+    rng = random.Random(seed)
+    return [
+        Request(
+            arrival=0.0,
+            prompt_len=rng.randint(256, 320),
+            output_len=4096,
+            prefix_group=i // group_size,
+            prefix_len=240,
+        )
+        for i in range(num)
+    ]
+
+
+def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str, Any]:
+    """Admit `num_seqs` requests into a pool of `num_blocks`, then time `steps` decode steps."""
+    manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+    requests = make_requests(num_seqs, seed)
+    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
+    scheduler = Scheduler(
+        config,
+        manager,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_model_len=max(r.total_len for r in requests),
+    )
+    runner = StandInRunner(StepCost())
+    for index, request in enumerate(requests):
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        prompt = token_ids(index, request, 0, request.prompt_len)
+        scheduler.add_request(
+            EngineRequest(str(index), prompt, params, arrival_time=0.0, arrival_index=index)
+        )
+    warm_steps = 0
+    while scheduler.num_waiting or any(
+        r.seqs[0].num_computed < len(r.prompt_token_ids) for r in scheduler.running
+    ):
+        step = scheduler.schedule()
+        scheduler.update(step, runner.execute(step))
+        warm_steps += 1
+    times: list[float] = []
+    gc.collect()
+    gc.disable()  # a collection inside a timed step would be noise, not the step's work
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step = scheduler.schedule()
+            sampled = runner.execute(step)
+            t1 = time.perf_counter()
+            scheduler.update(step, sampled)
+            t2 = time.perf_counter()
+            times.append((t1 - t0) + (t2 - t1))
+            assert len(step.seqs) == num_seqs, f"expected {num_seqs} running, got {len(step.seqs)}"
+    finally:
+        gc.enable()
+    stats = manager.stats()
+    ms = sorted(t * 1e3 for t in times)
+    return {
+        "num_blocks": num_blocks,
+        "num_seqs": num_seqs,
+        "admission_steps": warm_steps,
+        "steps": steps,
+        "median_ms": statistics.median(ms),
+        "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+        "used_blocks": num_blocks - manager.num_free_blocks,
+        "prefix_cache_hits": stats.get("prefix_cache_hits"),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--pools", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--num-seqs", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per pool")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSON path (default: results/)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = [run_pool(n, args.num_seqs, args.steps, args.seed) for n in args.pools]
+    print_table(rows, ["num_blocks", "num_seqs", "steps", "median_ms", "p90_ms", "used_blocks",
+                       "prefix_cache_hits"])  # fmt: skip
+    ratio = rows[-1]["median_ms"] / rows[0]["median_ms"]
+    print(f"largest / smallest pool: {ratio:.2f}x (median ms per step)")
+    from pathlib import Path
+
+    out = Path(args.output) if args.output else None
+    path = write_results(
+        out.stem if out else "bench_scheduler",
+        config=vars(args) | {"block_size": BLOCK_SIZE},
+        results={"pools": rows, "largest_over_smallest": ratio},
+        out_dir=out.parent if out else None,
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
