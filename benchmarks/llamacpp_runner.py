@@ -69,7 +69,8 @@ def batched_bench(
     ]  # fmt: skip
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     runs = []
-    for line in done.stdout.splitlines():
+    # Its log goes to stdout or stderr depending on the build's logger settings: read both.
+    for line in (done.stdout + done.stderr).splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             runs.append({
