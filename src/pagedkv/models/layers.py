@@ -154,7 +154,7 @@ def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linear_(linear: nn.Linear) -> None:
-    """Hold `linear.weight` in oneDNN's blocked layout, in place (see `linear`).
+    """Hold a bias-free `linear.weight` in oneDNN's blocked layout, in place (see `linear`).
 
     The same kernels Inductor calls for a frozen CPU model: for a batch of a few rows,
     torch's plain bfloat16 matmul streams the weight at about half the speed, while the
@@ -162,7 +162,9 @@ def pack_linear_(linear: nn.Linear) -> None:
     which only `linear` (and oneDNN) reads; the plain copy is released.
     """
     weight = linear.weight
-    if weight.is_mkldnn:
+    # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not: the
+    # bits could differ, so biased layers (Qwen2's QKV) stay plain.
+    if weight.is_mkldnn or linear.bias is not None:
         return
     # The batch-size hint picks the blocking; decode-sized batches are the ones that are
     # bound by reading the weight, and every other size gives the same bits.
