@@ -23,7 +23,7 @@ for dtype in (torch.float32, torch.bfloat16):
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 k = cpu._kernels
-for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, k.write_rows):
+for kernel in (k.plan_items, k.decode_serial, k.decode_parallel):
     print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
 """
 
@@ -39,7 +39,7 @@ def _probe(cache_dir: str) -> tuple[dict[str, str], str]:
 
 def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
     """In a fresh process (compiled signatures are per process), warm-up alone readies the
-    planner, both decode kernels and the writes for float32 and bfloat16 caches, saying so
+    planner and both decode kernels for float32 and bfloat16 caches, saying so
     in one line; a second process with the same cache loads them and says nothing."""
     signatures, stderr = _probe(str(tmp_path))
     assert stderr.count("pagedkv: compiling CPU kernels once") == 1, stderr
@@ -48,8 +48,6 @@ def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
     for name in ("decode_serial", "decode_parallel"):
         assert "Array(float32, 3, 'C'" in signatures[name], signatures[name]
         assert "Array(uint16, 3, 'C'" in signatures[name], signatures[name]
-    for raw in ("int32", "int16"):
-        assert f"Array({raw}, 1, 'C'" in signatures["write_rows"], signatures["write_rows"]
     again, stderr = _probe(str(tmp_path))
     assert "compiling" not in stderr, stderr
     assert again == signatures

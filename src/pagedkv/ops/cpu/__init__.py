@@ -194,12 +194,6 @@ def _prefill_seq(
     return out[0].transpose(0, 1)
 
 
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's elements as flat raw bits of the same size."""
-    view = {8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()]
-    return tensor.view(view).numpy().reshape(-1)
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -207,28 +201,31 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """See `AttentionBackend.write_kv`: rows copied as raw bits, one compiled loop."""
+    """See `AttentionBackend.write_kv`: one `index_copy_` per pool, whose rows are the
+    slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``. Checked before anything
+    is written, so a bad batch leaves the cache as it was."""
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_mapping.long()
+    low, high = (int(x) for x in torch.aminmax(slots))
+    if high >= num_slots:
+        first = int(torch.nonzero(slot_mapping >= num_slots)[0])
+        raise checks.slot_past_end(slot_mapping, first, num_slots)
+    if low < 0:  # padding rows are skipped
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         from pagedkv.ops import reference
 
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
-        past = torch.nonzero(slot_mapping >= num_slots)
-        if past.numel():
-            raise checks.slot_past_end(slot_mapping, int(past[0]), num_slots)
-        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.write_kv(key, value, key_cache, value_cache, slots)
         return
-    width = key_cache.shape[2] * key_cache.shape[3]
-    bad = _kernels.write_rows(
-        _raw(key.contiguous()), _raw(value.contiguous()), _raw(key_cache), _raw(value_cache),
-        slot_mapping.numpy(), width,
-    )  # fmt: skip
-    if bad >= 0:
-        raise checks.slot_past_end(slot_mapping, bad, key_cache.shape[0] * key_cache.shape[1])
+    rows = (num_slots, key_cache.shape[2], key_cache.shape[3])
+    key_cache.view(rows).index_copy_(0, slots, key)
+    value_cache.view(rows).index_copy_(0, slots, value)
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
-    """Load or compile every kernel variant: plan, both decode kernels for this cache's
-    dtype, and the writes; say so on stderr when it compiles."""
+    """Load or compile every kernel variant (the plan and both decode kernels, for float32
+    and bfloat16 caches); say so on stderr when it compiles."""
     kernel_cache.announce()
     for dtype in KERNEL_DTYPES:
         _compile(dtype)
@@ -243,5 +240,3 @@ def _compile(dtype: torch.dtype) -> None:
         p = plan(metadata, cache, 1, None)
         p.parallel = parallel
         run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
-    for slots in (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)):
-        write_kv(cache[0], cache[0], cache.clone(), cache.clone(), slots)

@@ -1,5 +1,4 @@
-"""The CPU backend's compiled code: plan a batch, attend decode rows over the paged cache,
-write new K/V rows.
+"""The CPU backend's compiled code: plan a batch, attend decode rows over the paged cache.
 
 NumPy and Numba only (no torch: tensors arrive as NumPy views), and no imports from
 pagedkv: `pagedkv.kernel_cache` imports this file from a copy in the user's cache directory, so that
@@ -325,24 +324,3 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, row_items,
               acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in range(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
-
-
-@njit(cache=True)
-def write_rows(key, value, key_cache, value_cache, slots, width):  # pragma: no cover
-    """Copy token t's K and V rows (`width` elements each) to slot slots[t] of the caches.
-
-    All arrays are flat raw-bit views of one element size; negative slots are skipped.
-
-    Returns:
-        -1, or the first token whose slot lies past the caches (nothing after it written).
-    """
-    num_slots = key_cache.shape[0] // width
-    for t in range(slots.shape[0]):
-        s = slots[t]
-        if s < 0:
-            continue
-        if s >= num_slots:
-            return t
-        key_cache[s * width : (s + 1) * width] = key[t * width : (t + 1) * width]
-        value_cache[s * width : (s + 1) * width] = value[t * width : (t + 1) * width]
-    return -1
