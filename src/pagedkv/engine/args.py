@@ -88,6 +88,11 @@ class EngineArgs:
         "hold bfloat16 matmul weights in oneDNN's blocked layout on the CPU (same logits, "
         "faster small batches; a tied LM head is held twice)",
     )
+    token_buckets: bool = _option(
+        True,
+        "pad each step's matmuls to one of ~4 row counts per doubling (same outputs): "
+        "oneDNN caches a kernel per shape, and unbounded shapes grow the process for good",
+    )
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

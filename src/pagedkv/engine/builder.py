@@ -84,6 +84,7 @@ def build_engine_parts(
         kv_cache,
         attention_backend=args.attention_backend,
         pack_weights=args.pack_weights,
+        token_buckets=args.token_buckets,
     )
     return config, runner, kv_manager, load_tokenizer(model), {"max_model_len": max_model_len}
 

@@ -4,6 +4,7 @@ prompt logprobs of the rows that ask for them."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
@@ -18,6 +19,27 @@ from pagedkv.ops import plan as plan_attention
 _LOGIT_ROWS = 256
 
 
+def bucket_num_tokens(num_tokens: int) -> int:
+    """The row count a matmul over `num_tokens` rows runs at when steps are bucketed.
+
+    Exact up to 8, then rounded up to a multiple of a quarter of the power of two below
+    (9 -> 10, 17 -> 20, 100 -> 112, 1025 -> 1280): four sizes per doubling, at most 25 %
+    padding. oneDNN (bfloat16 on the CPU) builds and caches a primitive per matmul shape;
+    a step's token count is new almost every step, and past its cache's capacity the
+    churn grows the process without bound. Bucketed, a 2048-token budget gives ~40 sizes.
+
+    Args:
+        num_tokens: rows to run, >= 0.
+
+    Returns:
+        The padded row count, >= `num_tokens`.
+    """
+    if num_tokens <= 8:
+        return num_tokens
+    step = 1 << ((num_tokens - 1).bit_length() - 3)
+    return -(-num_tokens // step) * step
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; executes `SchedulerOutput`s."""
 
@@ -28,6 +50,7 @@ class ModelRunner:
         *,
         attention_backend: str = "auto",
         pack_weights: bool = False,
+        token_buckets: bool = False,
     ) -> None:
         """Wrap a loaded model and its KV pools.
 
@@ -36,6 +59,9 @@ class ModelRunner:
             kv_cache: the K/V pools the scheduler's block ids index.
             attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
             pack_weights: `model.pack_weights()` (where it applies: bfloat16 on the CPU).
+            token_buckets: run every matmul at `bucket_num_tokens` rows: the step's padding
+                rows (token 0 at position 0) pass the matmuls and norms but not `write_kv`
+                or attention, and are never sampled.
         """
         if pack_weights:
             model.pack_weights()
@@ -44,6 +70,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.device = kv_cache.device
         self.sampler = Sampler()
+        self.token_buckets = token_buckets
         # Per request id, per sample index: its generator, created on first use and kept
         # across steps (and preemptions) until `release`.
         self._generators: dict[str, dict[int, torch.Generator]] = {}
@@ -85,6 +112,9 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.seq_len))
             slots.extend(seq.slot_mapping)
+        num_padding = self._num_rows(len(input_ids)) - len(input_ids)
+        input_ids.extend([0] * num_padding)
+        positions.extend([0] * num_padding)
         metadata = AttentionMetadata.build(
             [s.block_table for s in step.seqs],
             [s.seq_len for s in step.seqs],
@@ -144,7 +174,7 @@ class ModelRunner:
         for begin in range(0, len(targets), _LOGIT_ROWS):
             ids = targets[begin : begin + _LOGIT_ROWS]
             chunk = hidden[first_row + begin : first_row + begin + len(ids)]
-            logprobs = torch.log_softmax(self.model.compute_logits(chunk).float(), dim=-1)
+            logprobs = torch.log_softmax(self._compute_logits(chunk), dim=-1)
             index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
             chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
             top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
@@ -174,12 +204,24 @@ class ModelRunner:
         if not rows:
             return {}
         row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))
+        logits = self._compute_logits(hidden.index_select(0, row_index))
         generators = [
             None if p.is_greedy else self._generator(seq_id, seed, logits.device)
             for seq_id, p, seed in zip(seq_ids, params, seeds, strict=True)
         ]
         return dict(zip(seq_ids, self.sampler(logits, params, generators), strict=True))
+
+    def _num_rows(self, num_tokens: int) -> int:
+        return bucket_num_tokens(num_tokens) if self.token_buckets else num_tokens
+
+    def _compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [n, hidden_size] -> float32 logits [n, vocab_size]; the LM head's matmul
+        runs at the bucketed row count (zero rows appended, their logits dropped)."""
+        num_rows = rows.shape[0]
+        padded = self._num_rows(num_rows)
+        if padded > num_rows:
+            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
+        return self.model.compute_logits(rows)[:num_rows]
 
     def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
         request_id, index = seq_id

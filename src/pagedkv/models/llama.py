@@ -97,17 +97,22 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
         key_cache = kv_cache.key_caches[self.layer_idx]
         value_cache = kv_cache.value_caches[self.layer_idx]
-        write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
+        num_real = attn_metadata.num_tokens
+        write_kv(k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping)
         # The metadata variant reuses the backend's per-step plan across layers.
         out = paged_attention_from_metadata(
-            q,
+            q[:num_real],
             key_cache,
             value_cache,
             attn_metadata,
             scale=self.scale,
             sliding_window=self.sliding_window,
         )
-        return linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        out = out.reshape(num_real, self.q_size)
+        if num_real < num_tokens:
+            out = F.pad(out, (0, 0, 0, num_tokens - num_real))
+        return linear(out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -216,7 +221,9 @@ class CausalLM(nn.Module):
 
         Args:
             input_ids: [num_tokens] int64, every sequence's new tokens back to back, in the
-                order of `attn_metadata.query_start_loc`.
+                order of `attn_metadata.query_start_loc`; rows past
+                `attn_metadata.num_tokens` are padding (a bucketed matmul shape): they pass
+                the matmuls and norms, never `write_kv` or attention.
             positions: [num_tokens] int64, each token's position in its sequence.
             kv_cache: the paged K/V pools, one pair per layer.
             attn_metadata: block tables, lengths and slot mapping of this step.
@@ -225,12 +232,18 @@ class CausalLM(nn.Module):
             [num_tokens, hidden_size] final-norm hidden states in the model dtype.
 
         Raises:
-            ValueError: `input_ids` and `positions` differ in shape or are not 1-D.
+            ValueError: `input_ids` and `positions` differ in shape, are not 1-D or hold
+                fewer rows than `attn_metadata.num_tokens`.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"expected input_ids and positions of shape [num_tokens], "
                 f"got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        if input_ids.shape[0] < attn_metadata.num_tokens:
+            raise ValueError(
+                f"input_ids: expected at least attn_metadata.num_tokens="
+                f"{attn_metadata.num_tokens} rows, got {input_ids.shape[0]}"
             )
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
