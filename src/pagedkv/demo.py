@@ -5,7 +5,7 @@ With `DEMO_EXTRA_HINT` installed the model is SmolLM2-135M-Instruct (a Q4_1 GGUF
 answers to a few questions. Without it, it writes a small Llama-style checkpoint with random
 weights (and says how to get the real one); `--model DIR|FILE.gguf` takes any model.
 
-Then it runs a seeded mix of requests through the engine: chat turns behind a few shared
+Then it sends a seeded mix of requests through the engine: chat turns behind a few shared
 system prompts (prefix caching), parallel samples (n > 1, forked blocks with copy-on-write)
 and long standalone documents, prompts from tens to about two thousand tokens, on a KV pool
 far smaller than the whole workload would need reserved. The report reads the engine's
@@ -326,7 +326,7 @@ def register(subparsers: Any) -> None:
         "demo",
         help="a real chat model's answers and a mixed workload on the paged KV cache",
         description="Print a small chat model's answers to a few questions (SmolLM2-135M-"
-        f"Instruct, with {DEMO_EXTRA_HINT}; a random-weight model otherwise), then run a "
+        f"Instruct, with {DEMO_EXTRA_HINT}; a random-weight model otherwise), then send a "
         "seeded mixed workload through the engine on a KV pool a sixth the size of what "
         "the workload would reserve, and print what the paged KV cache did.",
     )
