@@ -28,6 +28,10 @@ loads: spinning OpenMP waits stall every 2-thread system whenever another proces
     python benchmarks/bench_engine.py --quick          # tiny model: a smoke run
     python benchmarks/bench_engine.py                  # full: long (tens of minutes)
     python benchmarks/bench_engine.py --dtype float32 --workload fixed --skip-hf
+    python benchmarks/bench_engine.py --tensor-parallel-size 2 --skip-hf   # + 2 processes
+
+With `--tensor-parallel-size N` each workload also runs on pagedkv split over N processes
+(gloo), the machine's threads shared between them, beside the one-process run.
 """
 
 from __future__ import annotations
@@ -256,6 +260,7 @@ def run_pagedkv(
         "prefix_cache_hits",
     )
     model.forward, model.compute_logits = forward, compute_logits
+    llm.close()
     return {
         "seconds": seconds,
         "tokens": tokens,
@@ -401,6 +406,11 @@ def bench_throughput(
         floor = floor_seconds(workload, config, mm_rate)
         runs = {"pagedkv": run_pagedkv(model_dir, dtype, workload, **_engine_kwargs(args))}
         ours = runs["pagedkv"]
+        tp = args.tensor_parallel_size
+        if tp > 1:
+            runs[f"pagedkv tp {tp}"] = run_pagedkv(
+                model_dir, dtype, workload, tensor_parallel_size=tp, **_engine_kwargs(args)
+            )
         mm_alone = (
             float("nan")
             if args.skip_bound
@@ -492,6 +502,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-bound", action="store_true", help="skip timing the steps' matmuls alone"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run pagedkv split over N processes (the threads shared between them)",
+    )
     parser.add_argument("--attention-backend", default="auto", help="pagedkv's attention ops")
     parser.add_argument(
         "--hf-max-batch-tokens",

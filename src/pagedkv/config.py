@@ -172,6 +172,34 @@ class ModelConfig:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
+    def kv_heads_per_rank(self, tp: int, name: str = "tensor_parallel_size") -> int:
+        """KV heads each of `tp` tensor-parallel ranks holds.
+
+        The query heads are split evenly. With tp <= num_kv_heads the KV heads are split
+        too; with more ranks than KV heads each rank still needs the one KV head its query
+        heads read, so every KV head is replicated tp / num_kv_heads times.
+
+        Args:
+            tp: ranks, >= 1.
+            name: the option to name in errors (`tp` for the planner).
+
+        Raises:
+            ValueError: tp < 1, tp does not divide the query heads, or tp and the KV heads
+                do not divide one another.
+        """
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {tp!r}")
+        if self.num_heads % tp:
+            raise ValueError(
+                f"{name}: expected a divisor of the {self.num_heads} attention heads, got {tp}"
+            )
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"{name}: expected a divisor or multiple of the {kv} KV heads, got {tp}"
+            )
+        return max(1, kv // tp)
+
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers: 2 x L x kv_heads x d x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
@@ -321,3 +349,4 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    tensor_parallel_size: int = 1

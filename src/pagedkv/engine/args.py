@@ -57,8 +57,8 @@ class EngineArgs:
     num_blocks: int | None = _option(None, "fix the KV pool size in blocks")
     kv_cache_memory: int | str | None = _option(
         None,
-        "size the KV pool by memory, e.g. 4GiB, when num_blocks is unset (default: a "
-        "share of the memory free after loading the weights)",
+        "size the KV pool by memory, e.g. 4GiB, when num_blocks is unset (per device under "
+        "tensor parallelism; default: a share of the memory free after loading the weights)",
     )
     swap_space: int | str = _option(0, "host memory for swapped-out blocks, e.g. 1GiB")
     max_num_seqs: int = _option(256, "sequences in one step at most")
@@ -83,6 +83,11 @@ class EngineArgs:
     attention_backend: str = _option(
         "auto", 'attention kernels: "auto", "cpu", "triton" or "reference"'
     )
+    tensor_parallel_size: int = _option(
+        1,
+        "split the model over this many processes (the heads, the MLP and the vocabulary; "
+        "gloo on the CPU, NCCL on CUDA, one GPU each); under torchrun, WORLD_SIZE of them",
+    )
     pack_weights: bool = _option(
         True,
         "hold bfloat16 matmul weights in oneDNN's blocked layout on the CPU (same logits, "
@@ -101,6 +106,10 @@ class EngineArgs:
             object.__setattr__(self, spec.name, value)
         if not self.model:
             raise ValueError("model: expected a model directory, got ''")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size: expected an int >= 1, got {self.tensor_parallel_size}"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len: expected > 0, got {self.max_model_len}")
         # The layer configs check their own ranges (block_size > 0, ...).

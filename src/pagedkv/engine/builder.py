@@ -3,6 +3,7 @@ pool, create the manager and runner."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -13,72 +14,126 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.workers import (
+    TensorParallelRunner,
+    rank_device,
+    share_cpu_threads,
+    start_workers,
+)
+from pagedkv.errors import WorkerFailed
 from pagedkv.memory import KVCacheManager
-from pagedkv.models import load_model, resolve_dtype
+from pagedkv.models import CausalLM, load_model, resolve_dtype
+from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
 
 # Without num_blocks or kv_cache_memory the pool takes this share of the memory that is
 # free after loading the weights (CPU: MemAvailable; CUDA: mem_get_info).
 _CPU_MEMORY_SHARE = 0.3
 _GPU_MEMORY_SHARE = 0.8
+logger = logging.getLogger(__name__)
 
 
 def build_engine_parts(
     args: EngineArgs,
-) -> tuple[EngineConfig, ModelRunner, KVCacheManager, Tokenizer | None, dict[str, int]]:
+) -> tuple[
+    EngineConfig,
+    ModelRunner | TensorParallelRunner,
+    KVCacheManager,
+    Tokenizer | None,
+    dict[str, int],
+]:
     """Everything `LLMEngine.__init__` takes, built from the options in `args`.
+
+    With `tensor_parallel_size` N > 1 this process becomes rank 0 of N: it starts the
+    workers (`engine.workers`), loads its share and wraps its runner in a
+    `TensorParallelRunner`; scheduler and KV manager stay here.
 
     Returns:
         (config, runner, kv_manager, tokenizer, {"max_model_len": ...}).
 
     Raises:
-        ValueError: a model directory that cannot be loaded, or a KV pool that holds no block.
+        ValueError: a model directory that cannot be loaded, a model that does not split
+            over `tensor_parallel_size` ranks, or a KV pool that holds no block.
+        WorkerFailed: a tensor-parallel worker failed while starting.
     """
-    model = args.model
-    model_config = ModelConfig.from_hf(model)
+    model_config = ModelConfig.from_hf(args.model)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
+    torch_dtype = resolve_dtype(args.dtype, model_config)
+    cache = args.create_cache_config()
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = resolve_dtype(args.dtype, model_config)
-    block_size = args.block_size
-    cache = args.create_cache_config()
-    scheduler = args.create_scheduler_config()
-    network = load_model(model, dtype=torch_dtype, device=device)
-    shape = (
-        model_config.num_layers,
-        block_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        torch_dtype,
-    )
-    pool_blocks = _num_device_blocks(cache, scheduler, shape, max_model_len, device)
-    host_blocks = PagedKVCache.num_blocks_for_memory(cache.swap_space, *shape)
-    kv_cache = PagedKVCache(
-        model_config.num_layers,
-        pool_blocks,
-        block_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        dtype=torch_dtype,
-        device=device,
-        num_host_blocks=host_blocks,
-    )
+    runner: ModelRunner | TensorParallelRunner
+    if args.tensor_parallel_size > 1:
+        check_split(model_config, args.tensor_parallel_size)  # before any process starts
+        num_threads = torch.get_num_threads()
+        tp, workers, launch = start_workers(args)
+        device = rank_device(device, launch)
+        try:
+            rank_runner = build_rank_runner(args, tp, device)
+            runner = TensorParallelRunner(rank_runner, workers, num_threads)
+        except BaseException as exc:
+            raise _worker_failure(workers) or exc from exc
+    else:
+        runner = build_rank_runner(args, NO_PARALLEL, device)
     kv_manager = KVCacheManager(
-        pool_blocks,
-        block_size,
+        runner.kv_cache.num_blocks,
+        cache.block_size,
         enable_prefix_caching=cache.enable_prefix_caching,
-        num_host_blocks=host_blocks,
+        num_host_blocks=runner.kv_cache.num_host_blocks,
     )
     config = EngineConfig(
         model=model_config,
         cache=cache,
-        scheduler=scheduler,
-        model_path=str(model),
+        scheduler=args.create_scheduler_config(),
+        model_path=str(args.model),
         dtype=str(torch_dtype).removeprefix("torch."),
         device=str(device),
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    tokenizer = load_tokenizer(args.model)
+    return config, runner, kv_manager, tokenizer, {"max_model_len": max_model_len}
+
+
+def build_rank_runner(args: EngineArgs, tp: TensorParallel, device: str) -> ModelRunner:
+    """Load rank `tp.rank`'s share of the model, allocate its KV pool and wrap both.
+
+    Every rank calls this at start-up, in step: rank 0 sizes the pool for all of them (a
+    block id must mean the same block on every rank) and the others receive its sizes.
+    """
+    model_config = ModelConfig.from_hf(args.model)
+    max_model_len = args.max_model_len or model_config.max_position_embeddings
+    torch_dtype = resolve_dtype(args.dtype, model_config)
+    if tp.size > 1 and not device.startswith("cuda"):
+        share_cpu_threads(tp.size)
+    network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
+    shape = (
+        model_config.num_layers,
+        args.block_size,
+        network.num_kv_heads,
+        model_config.head_dim,
+        torch_dtype,
+    )
+    sizes = None
+    if tp.rank == 0:
+        cache, scheduler = args.create_cache_config(), args.create_scheduler_config()
+        sizes = (
+            _num_device_blocks(cache, scheduler, shape, max_model_len, device, tp.size),
+            PagedKVCache.num_blocks_for_memory(cache.swap_space, *shape),
+        )
+    num_blocks, num_host_blocks = tp.broadcast_object(sizes)
+    kv_cache = PagedKVCache(
+        model_config.num_layers,
+        num_blocks,
+        args.block_size,
+        network.num_kv_heads,
+        model_config.head_dim,
+        dtype=torch_dtype,
+        device=device,
+        num_host_blocks=num_host_blocks,
+    )
+    _log_allocation(network, kv_cache)
     runner = ModelRunner(
         network,
         kv_cache,
@@ -86,7 +141,58 @@ def build_engine_parts(
         pack_weights=args.pack_weights,
         token_buckets=args.token_buckets,
     )
-    return config, runner, kv_manager, load_tokenizer(model), {"max_model_len": max_model_len}
+    tp.barrier()  # every rank compiled and allocated: the engine may start
+    return runner
+
+
+def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, int]:
+    """What one rank holds, in `pagedkv plan`'s terms (its figures are per device too).
+
+    Returns:
+        weight_bytes, kv_heads_per_gpu, kv_bytes_per_token, kv_bytes_per_block, num_blocks,
+        max_kv_tokens, kv_cache_bytes.
+    """
+    weight_bytes = sum(t.numel() * t.element_size() for t in network.parameters())
+    weight_bytes += sum(
+        t.numel() * t.element_size()
+        for name, t in network.named_buffers()
+        if "inv_freq" not in name
+    )
+    per_block = kv_cache.bytes_per_block(
+        kv_cache.num_layers, kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.head_dim,
+        kv_cache.dtype,
+    )  # fmt: skip
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_heads_per_gpu": kv_cache.num_kv_heads,
+        "kv_bytes_per_token": per_block // kv_cache.block_size,
+        "kv_bytes_per_block": per_block,
+        "num_blocks": kv_cache.num_blocks,
+        "max_kv_tokens": kv_cache.num_blocks * kv_cache.block_size,
+        "kv_cache_bytes": per_block * kv_cache.num_blocks,
+    }
+
+
+def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
+    figures = allocation_figures(network, kv_cache)
+    tp = network.tp
+    logger.info(
+        "rank %d of %d on %s: weights %.1f MiB; KV pool %d blocks x %d tokens = %d tokens, "
+        "%d KV heads per device, %d bytes per token, %d per block, %.1f MiB",
+        tp.rank, tp.size, kv_cache.device, figures["weight_bytes"] / 2**20,
+        figures["num_blocks"], kv_cache.block_size, figures["max_kv_tokens"],
+        figures["kv_heads_per_gpu"], figures["kv_bytes_per_token"],
+        figures["kv_bytes_per_block"], figures["kv_cache_bytes"] / 2**20,
+    )  # fmt: skip
+
+
+def _worker_failure(workers: list[Any]) -> BaseException | None:
+    """A worker's own error, when one stopped while the ranks were starting."""
+    for worker in workers:
+        reason = worker.failure()
+        if reason is not None:
+            return WorkerFailed(worker.rank, reason)
+    return None
 
 
 def _num_device_blocks(
@@ -95,9 +201,11 @@ def _num_device_blocks(
     shape: tuple[Any, ...],
     max_model_len: int,
     device: str,
+    num_ranks: int = 1,
 ) -> int:
-    """num_blocks if given, else what kv_cache_memory holds, else a share of free memory
-    capped by what `max_num_seqs` sequences of `max_model_len` tokens could ever use."""
+    """num_blocks if given, else what kv_cache_memory holds (per device), else a share of
+    free memory capped by what `max_num_seqs` sequences of `max_model_len` tokens could
+    ever use. On the CPU the ranks of one machine split that share between them."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
@@ -110,7 +218,8 @@ def _num_device_blocks(
             )
         return blocks
     free = _free_memory(device)
-    share = _GPU_MEMORY_SHARE if str(device).startswith("cuda") else _CPU_MEMORY_SHARE
+    on_gpu = str(device).startswith("cuda")
+    share = _GPU_MEMORY_SHARE if on_gpu else _CPU_MEMORY_SHARE / num_ranks
     blocks = PagedKVCache.num_blocks_for_memory(int(free * share), *shape)
     cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size)
     blocks = min(blocks, cap)

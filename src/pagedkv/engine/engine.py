@@ -22,6 +22,7 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.workers import TensorParallelRunner
 from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -34,7 +35,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        runner: ModelRunner,
+        runner: ModelRunner | TensorParallelRunner,
         kv_manager: Any,
         tokenizer: Tokenizer | None,
         *,
@@ -44,7 +45,8 @@ class LLMEngine:
 
         Args:
             config: the engine's configuration (model, cache, scheduler).
-            runner: owns the model and the KV tensors.
+            runner: owns the model and the KV tensors (of every rank, under tensor
+                parallelism).
             kv_manager: the `KVCacheManager` over the same blocks.
             tokenizer: None serves token-id prompts only.
             max_model_len: longest sequence (prompt + output).
@@ -283,6 +285,20 @@ class LLMEngine:
                 list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
             ),
         )
+
+    # ---- life cycle ---------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker died).
+
+        Raises:
+            EngineFailed: naming what failed.
+        """
+        self.runner.check_health()
+
+    def close(self) -> None:
+        """Release what outlives garbage collection (tensor-parallel worker processes)."""
+        self.runner.close()
 
     # ---- observability ------------------------------------------------------------------
 

@@ -44,6 +44,16 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, kwargs))
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 

@@ -82,9 +82,12 @@ class ModelRunner:
         warmup(
             kv_cache.key_caches[0],
             kv_cache.value_caches[0],
-            model.config.num_heads,
+            model.num_heads,
             backend=attention_backend,
         )
+        # Under tensor parallelism every rank runs the whole step (logits are a
+        # collective) and rank 0 alone samples.
+        self.is_driver = model.tp.rank == 0
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[SeqId, SampleResult]:
@@ -128,7 +131,7 @@ class ModelRunner:
                 metadata,
                 self.kv_cache.key_caches[0],
                 self.kv_cache.value_caches[0],
-                self.model.config.num_heads,
+                self.model.num_heads,
                 window,
             )
         hidden = self.model(
@@ -174,7 +177,10 @@ class ModelRunner:
         for begin in range(0, len(targets), _LOGIT_ROWS):
             ids = targets[begin : begin + _LOGIT_ROWS]
             chunk = hidden[first_row + begin : first_row + begin + len(ids)]
-            logprobs = torch.log_softmax(self._compute_logits(chunk), dim=-1)
+            logits = self._compute_logits(chunk)
+            if not self.is_driver:
+                continue
+            logprobs = torch.log_softmax(logits, dim=-1)
             index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
             chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
             top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
@@ -205,6 +211,8 @@ class ModelRunner:
             return {}
         row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         logits = self._compute_logits(hidden.index_select(0, row_index))
+        if not self.is_driver:
+            return {}
         generators = [
             None if p.is_greedy else self._generator(seq_id, seed, logits.device)
             for seq_id, p, seed in zip(seq_ids, params, seeds, strict=True)
@@ -234,3 +242,9 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generators (unknown ids are ignored)."""
         self._generators.pop(request_id, None)
+
+    def check_health(self) -> None:
+        """Nothing to check in one process (`TensorParallelRunner` checks its workers)."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""

@@ -10,6 +10,9 @@ Differences within the family, all from the config:
     head_dim         may differ from hidden_size // num_heads (Qwen3)
     sliding_windows  per-layer attention window (Mistral; Qwen2 layer_types)
     tie_word_embeddings  the LM head reuses the embedding matrix (no `lm_head` weight)
+
+Under tensor parallelism (`tp`, see `pagedkv.models.parallel`) every module holds its rank's
+share and the sizes below (`num_heads`, `q_size`, ...) are that share's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pagedkv.models.layers import (
     linear,
     pack_linear_,
 )
+from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.ops import paged_attention_from_metadata, write_kv
 
 if TYPE_CHECKING:
@@ -43,11 +47,19 @@ class Attention(nn.Module):
     """Fused-QKV grouped-query attention over the paged KV cache of one layer."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype, device: _Device
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.tp = tp
+        self.num_heads = len(tp.heads(config.num_heads))
+        self.num_kv_heads = len(tp.kv_heads(config.num_heads, config.num_kv_heads))
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -61,6 +73,7 @@ class Attention(nn.Module):
             bias=config.attention_bias,
             **factory,
         )
+        # Row-parallel: each rank's product is a partial sum over its heads.
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
         self.q_norm = (
             RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
@@ -112,15 +125,23 @@ class Attention(nn.Module):
         out = out.reshape(num_real, self.q_size)
         if num_real < num_tokens:
             out = F.pad(out, (0, 0, 0, num_tokens - num_real))
-        return linear(out, self.o_proj)
+        return self.tp.all_reduce(linear(out, self.o_proj))
 
 
 class MLP(nn.Module):
     """SiLU-gated MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: _Device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        self.tp = tp
+        size = len(tp.rows(config.intermediate_size))
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * size, bias=False, dtype=dtype, device=device
         )
@@ -129,19 +150,25 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_proj)
+        return self.tp.all_reduce(linear(F.silu(gate).mul_(up), self.down_proj))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype, device: _Device
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, device=device)
-        self.mlp = MLP(config, dtype=dtype, device=device)
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, device=device, tp=tp)
+        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
@@ -164,13 +191,22 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: _Device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
         super().__init__()
+        # Vocabulary-parallel: this rank's rows of the table (all of it with one rank).
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            tp.vocab_part(config.vocab_size), config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_layers)
+            DecoderLayer(config, i, dtype=dtype, device=device, tp=tp)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
@@ -183,11 +219,23 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: _Device = None
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: _Device = None,
+        tp: TensorParallel = NO_PARALLEL,
     ) -> None:
+        """Build the (uninitialized) modules of `config`, or of rank `tp.rank`'s share.
+
+        Raises:
+            ValueError: `config` does not split evenly over `tp.size` ranks.
+        """
         super().__init__()
+        check_split(config, tp.size)
         self.config = config
-        self.model = DecoderModel(config, dtype=dtype, device=device)
+        self.tp = tp
+        self.model = DecoderModel(config, dtype=dtype, device=device, tp=tp)
         inv_freq = compute_inv_freq(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
@@ -196,7 +244,11 @@ class CausalLM(nn.Module):
             None
             if config.tie_word_embeddings
             else nn.Linear(
-                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+                config.hidden_size,
+                tp.vocab_part(config.vocab_size),
+                bias=False,
+                dtype=dtype,
+                device=device,
             )
         )
         # A tied LM head's packed copy (`pack_weights`): the embedding stays plain for lookups.
@@ -209,6 +261,16 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads of this rank (all of them without tensor parallelism)."""
+        return len(self.tp.heads(self.config.num_heads))
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank's KV pool holds."""
+        return len(self.tp.kv_heads(self.config.num_heads, self.config.num_kv_heads))
 
     def forward(
         self,
@@ -245,21 +307,39 @@ class CausalLM(nn.Module):
                 f"input_ids: expected at least attn_metadata.num_tokens="
                 f"{attn_metadata.num_tokens} rows, got {input_ids.shape[0]}"
             )
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm.forward(hidden)
 
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """[T] -> [T, hidden_size]; under tensor parallelism each rank looks up the ids in
+        its rows, zeros the others, and the all-reduce assembles the rows."""
+        table = self.model.embed_tokens.weight
+        if self.tp.size == 1:
+            return F.embedding(input_ids, table)
+        rows = self.tp.vocab_rows(self.config.vocab_size)
+        local = input_ids - rows.start
+        outside = (local < 0) | (local >= len(rows))
+        hidden = F.embedding(local.masked_fill(outside, 0), table)
+        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [n, hidden_size] in the model dtype -> logits [n, vocab_size] float32.
 
-        The matmul runs in the model dtype (as HF does), only the result is upcast.
+        The matmul runs in the model dtype (as HF does), only the result is upcast. Under
+        tensor parallelism every rank computes its vocabulary rows' logits and every rank
+        gets all of them (a collective: each rank must call this with the same rows).
         """
         head = self.lm_head if self.lm_head is not None else self.packed_tied_head
         if head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return linear(hidden, head).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = linear(hidden, head)
+        if self.tp.size > 1:
+            logits = self.tp.gather_columns(logits)[:, : self.config.vocab_size]
+        return logits.float()
 
     def pack_weights(self) -> bool:
         """Hold every matmul weight in oneDNN's blocked layout (`layers.pack_linear_`).
@@ -276,8 +356,8 @@ class CausalLM(nn.Module):
             if isinstance(module, nn.Linear):
                 pack_linear_(module)
         if self.lm_head is None and self.packed_tied_head is None:
-            head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
-                             device="meta")  # fmt: skip
+            rows = self.model.embed_tokens.weight.shape[0]
+            head = nn.Linear(self.config.hidden_size, rows, bias=False, device="meta")
             del head.weight
             head.register_buffer("weight", self.model.embed_tokens.weight.detach())
             pack_linear_(head)

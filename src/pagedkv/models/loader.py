@@ -3,6 +3,7 @@
 Only `safetensors` is needed at run time (no transformers). Every checkpoint tensor is
 validated by name and shape against what the config implies before it is copied into the
 (possibly fused) parameter it belongs to; whatever is missing or extra is reported by name.
+Under tensor parallelism a rank reads only its part of each tensor (`models.sharding`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.layers import compute_inv_freq
 from pagedkv.models.llama import CausalLM
+from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
+from pagedkv.models.sharding import shard_of
 
 _DTYPES = {
     "float32": torch.float32,
@@ -132,16 +135,35 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice): a slice reads only the part it is indexed with."""
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if not name.endswith(_IGNORED_SUFFIXES):
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
+
+
+def _shape(source: Any) -> tuple[int, ...]:
+    """A tensor's or a lazy safetensors slice's shape."""
+    return tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+
+
+def _read(source: Any, shard: tuple[int, range] | None) -> torch.Tensor:
+    """All of `source`, or the part `shard` (dimension, range) names."""
+    if shard is None:
+        return source[...] if isinstance(source, torch.Tensor) else source[:]
+    dim, rows = shard
+    index = (slice(None),) * dim + (slice(rows.start, rows.stop),)
+    return source[index]
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    tp: TensorParallel = NO_PARALLEL,
 ) -> CausalLM:
     """Build the model `model_dir/config.json` describes and load its safetensors weights,
     or the model of a `.gguf` file (dequantized; needs the `gguf` package).
@@ -152,13 +174,15 @@ def load_model(
         dtype: "auto" (the config's dtype, float32 if absent), "float32", "bfloat16",
             "float16" or a torch.dtype; weights are cast to it.
         device: where the parameters live ("auto": CUDA when available, else CPU).
+        tp: load only rank `tp.rank`'s share of a model split over `tp.size` ranks.
 
     Returns:
-        The model in eval mode.
+        The model (or this rank's share) in eval mode.
 
     Raises:
         ValueError: no or broken config.json, an unsupported architecture, no weight files,
-            or a missing, unexpected or misshapen weight (named, with expected/got shape).
+            a missing, unexpected or misshapen weight (named, with expected/got shape), or a
+            model that does not split over `tp.size` ranks.
     """
     model_dir = Path(model_dir)
     gguf_file = read_gguf(model_dir) if is_gguf_path(model_dir) else None
@@ -175,8 +199,14 @@ def load_model(
     # Parameters start on the meta device: no time spent on a random init that the
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
-        model = CausalLM(config, dtype=torch_dtype)
+        model = CausalLM(config, dtype=torch_dtype, tp=tp)
     model.to_empty(device=device)
+    if tp.vocab_part(config.vocab_size) * tp.size != config.vocab_size:
+        # The last rank's vocabulary rows past the real vocabulary: never looked up, and
+        # their logits are cut off, but they must not hold NaN from `to_empty`.
+        model.model.embed_tokens.weight.data.zero_()
+        if model.lm_head is not None:
+            model.lm_head.weight.data.zero_()
     # to_empty left the (non-checkpoint) rotary buffer uninitialized: recompute it.
     model.rotary_emb.inv_freq.copy_(
         compute_inv_freq(
@@ -186,29 +216,33 @@ def load_model(
     divisors = rope_divisors(gguf_file) if gguf_file is not None else None
     if divisors is not None:
         model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))
-    _load_weights(model, config, tensors)
+    _load_weights(model, config, tensors, tp)
     return model.eval()
 
 
 def _load_weights(
-    model: CausalLM, config: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
+    model: CausalLM,
+    config: ModelConfig,
+    tensors: Iterator[tuple[str, Any]],
+    tp: TensorParallel,
 ) -> None:
+    """tensors: (checkpoint name, a tensor or a lazy safetensors slice)."""
     expected = checkpoint_shapes(config)
     seen: set[str] = set()
     with torch.no_grad():
-        for name, tensor in tensors:
+        for name, source in tensors:
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some tied checkpoints still store the (identical) head
+            shape = _shape(source)
             if name not in expected:
                 raise ValueError(
-                    f"unexpected weight {name!r} (shape {tuple(tensor.shape)}) "
-                    f"for {config.architecture}"
+                    f"unexpected weight {name!r} (shape {shape}) for {config.architecture}"
                 )
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(
-                    f"weight {name!r}: expected shape {expected[name]}, got {tuple(tensor.shape)}"
-                )
-            _target(model, name).copy_(tensor)
+            if shape != expected[name]:
+                raise ValueError(f"weight {name!r}: expected shape {expected[name]}, got {shape}")
+            tensor = _read(source, shard_of(name, config, tp))
+            # A vocabulary shard may be cut short (the last rank's padding rows).
+            _target(model, name)[: tensor.shape[0]].copy_(tensor)
             seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:

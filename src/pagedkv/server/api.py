@@ -194,7 +194,9 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         state: ServerState = request.app.state.server
         if not state.engine.is_running:
-            return error_response(503, "the engine is not running or shutting down", "server_error")
+            error = state.engine.error
+            reason = f"the engine failed: {error}" if error is not None else "shutting down"
+            return error_response(503, f"the engine is not running: {reason}", "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get(

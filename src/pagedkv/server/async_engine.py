@@ -28,9 +28,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.errors import EngineFailed
 from pagedkv.server.streaming import DeltaTracker, RequestDelta
 
 logger = logging.getLogger(__name__)
+# An idle engine thread wakes this often to ask whether the engine can still step.
+_HEALTH_CHECK_S = 1.0
 
 
 class EngineOverloaded(RuntimeError):
@@ -96,7 +99,8 @@ class AsyncEngine:
 
     Args:
         engine: an `LLMEngine` (duck-typed: add_request, abort_request, step,
-            has_unfinished_requests, num_waiting, stats, tokenizer, model_config).
+            has_unfinished_requests, num_waiting, stats, check_health, tokenizer,
+            model_config).
         max_waiting_requests: at most this many admitted requests may wait for the engine;
             more raise `EngineOverloaded` instead of queueing without bound. None: no bound.
     """
@@ -158,12 +162,15 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still in flight end with `EngineDead`."""
+        """Stop the engine thread (requests still in flight end with `EngineDead`), then
+        close the engine (its worker processes, if any)."""
         with self._cond:
             self._is_stopping = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # only the engine thread may touch it while it runs
 
     def begin_shutdown(self, timeout: float) -> None:
         """Stop admitting now; abort the requests still running after `timeout` seconds.
@@ -196,7 +203,7 @@ class AsyncEngine:
             if self._drain_deadline is not None:
                 raise EngineShuttingDown("the server is shutting down: retry elsewhere")
             if not self.is_running:
-                raise EngineDead("the engine is not running")
+                raise self._stopped_error()
             num_waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
             if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(
@@ -227,7 +234,9 @@ class AsyncEngine:
                 has_work = self.engine.has_unfinished_requests()
                 with self._cond:
                     while not (self._commands or has_work or self._is_stopping):
-                        self._cond.wait()
+                        # Idle, but a part of the engine may still fail (a worker dies).
+                        if not self._cond.wait(_HEALTH_CHECK_S):
+                            self.engine.check_health()
                     commands, self._commands = self._commands, []
                     if self._is_stopping:
                         break
@@ -242,7 +251,7 @@ class AsyncEngine:
         finally:
             with self._cond:
                 self._is_stopping = True
-            self._fail_all(EngineDead("the engine stopped"))
+            self._fail_all(self._stopped_error())
 
     def _apply(self, commands: list[_Command]) -> None:
         for cmd in commands:
@@ -267,6 +276,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineFailed:
+            raise  # the engine cannot go on: `_run` ends and fails every request with it
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             logger.exception("engine step failed; aborting %d requests", len(self._streams))
             for request_id in list(self._streams):
@@ -302,6 +313,13 @@ class AsyncEngine:
         stats.setdefault("num_requests_running", self.engine.num_running)
         stats.setdefault("num_requests_waiting", self.engine.num_waiting)
         self._stats = stats  # one reference swap: readers see a whole snapshot
+
+    def _stopped_error(self) -> BaseException:
+        """What a request meets once the thread stopped: the failure that stopped it (a 500),
+        else `EngineDead` (a 503: shut down)."""
+        if isinstance(self.error, EngineFailed):
+            return EngineFailed(f"the engine failed: {self.error}")
+        return EngineDead("the engine is not running")
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

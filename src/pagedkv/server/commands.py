@@ -99,12 +99,16 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
     announce_kernel_compile()
     from pagedkv.engine.engine import LLMEngine
+    from pagedkv.engine.workers import launched_rank, run_worker
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
     from pagedkv.server.launch import serve
 
     engine_args = EngineArgs.from_cli_args(args)
     _check_model_dir(engine_args.model)
+    if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not HTTP
+        run_worker(engine_args)
+        return 0
     name = args.served_model_name or Path(engine_args.model).resolve().name
     started = time.perf_counter()
     engine = AsyncEngine(LLMEngine.from_engine_args(engine_args), args.max_waiting_requests)
@@ -127,10 +131,14 @@ def run_generate(args: argparse.Namespace) -> int:
     announce_kernel_compile()
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.engine.workers import launched_rank, run_worker
     from pagedkv.server.streaming import DeltaTracker
 
     engine_args = EngineArgs.from_cli_args(args)
     _check_model_dir(engine_args.model)
+    if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not the prompt
+        run_worker(engine_args)
+        return 0
     engine = LLMEngine.from_engine_args(engine_args)
     prompt = _generate_prompt(args, engine.tokenizer)
     params = SamplingParams(
@@ -160,6 +168,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 num_tokens = sample.num_tokens
                 finish_reason = sample.finish_reason or finish_reason
     elapsed = time.perf_counter() - started
+    engine.close()
     sys.stdout.write("\n")
     print(
         f"[{num_tokens} tokens in {elapsed:.2f}s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s), "

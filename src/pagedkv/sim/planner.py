@@ -76,25 +76,14 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
-    """KV heads each GPU stores under tensor parallelism `tp`.
-
-    With tp <= num_kv_heads the heads are split; with tp > num_kv_heads each GPU still needs
-    one whole KV head for its query heads, so heads are replicated tp / num_kv_heads times.
+    """KV heads each GPU stores under tensor parallelism `tp` (`ModelConfig.kv_heads_per_rank`,
+    the rule the engine shards by).
 
     Raises:
         ValueError: tp < 1, tp does not divide the query heads, or tp and the KV heads do not
             divide one another.
     """
-    if tp < 1:
-        raise ValueError(f"tp: expected >= 1, got {tp}")
-    if model.num_heads % tp:
-        raise ValueError(
-            f"tp: expected a divisor of the {model.num_heads} attention heads, got {tp}"
-        )
-    kv = model.num_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(f"tp: expected a divisor or multiple of the {kv} KV heads, got {tp}")
-    return max(1, kv // tp)
+    return model.kv_heads_per_rank(tp, name="tp")
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) -> int:

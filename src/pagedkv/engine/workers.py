@@ -1,0 +1,313 @@
+"""Tensor parallelism across processes: rank 0 is the engine, ranks 1..N-1 are workers.
+
+One scheduler and one `KVCacheManager`, on rank 0. A block id means the same block on every
+rank (each rank's pool holds its own KV heads of every block), so the step that the
+scheduler hands to rank 0's runner is all any rank needs; it crosses once per step, and
+each layer's collectives run inside the model::
+
+    rank 0 (engine process)                        rank r (worker process)
+    step = scheduler.schedule()
+    broadcast(step) ─────────────────────────────► step
+    runner.execute(step)    ◄── all-reduce x 2 ──► runner.execute(step)    per layer
+    logits (all-gather) ──► sample                 logits (all-gather), not sampled
+    scheduler.update(...)                          wait for the next step
+
+Workers are started with torch.multiprocessing (spawn) on this machine, or by `torchrun`
+on several (ranks > 0 then call `run_worker`). A worker that fails reports its error on a
+pipe and exits; rank 0 sees the broken collective or the exit code and raises
+`WorkerFailed` naming the rank, and the engine stops for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import SampleResult
+from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.errors import WorkerFailed
+from pagedkv.models.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# Workers wait in a collective for the next step for as long as the engine is idle.
+_IDLE_TIMEOUT = timedelta(days=365)
+# How long rank 0 waits for a failed collective's worker to show its exit.
+_EXIT_GRACE_S = 5.0
+
+
+@dataclass
+class Worker:
+    """A spawned worker process and the pipe it reports a failure on."""
+
+    rank: int
+    process: Any
+    errors: Connection
+
+    def failure(self) -> str | None:
+        """Why the worker stopped (its reported error, else its exit code); None if alive."""
+        message = None
+        try:
+            if self.errors.poll():
+                message = self.errors.recv()
+        except (EOFError, OSError):
+            pass  # exited without a report (killed): the exit code tells
+        if message is None and self.process.is_alive():
+            return None
+        return message or f"exited with code {self.process.exitcode}"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process joins the group: its rank, the group size and the rendezvous."""
+
+    rank: int
+    size: int
+    init_method: str
+    local_rank: int
+
+    @classmethod
+    def from_environment(cls, size: int) -> Launch | None:
+        """The rank `torchrun` gave this process (RANK, WORLD_SIZE, MASTER_ADDR, ...), or
+        None when not launched so (rank 0 then spawns its workers).
+
+        Raises:
+            ValueError: WORLD_SIZE differs from `size`.
+        """
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        world = int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise ValueError(
+                f"tensor_parallel_size: expected WORLD_SIZE={world} of the launcher, got {size}"
+            )
+        return cls(int(os.environ["RANK"]), world, "env://", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def launched_rank() -> int:
+    """This process's rank under `torchrun` (0 when not launched by it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], Launch]:
+    """Join (torchrun) or create (spawn) the group of `args.tensor_parallel_size` ranks as
+    rank 0; the spawned workers build their share of the engine meanwhile.
+
+    Raises:
+        WorkerFailed: a worker died before the group formed.
+    """
+    size = args.tensor_parallel_size
+    launch = Launch.from_environment(size)
+    workers: list[Worker] = []
+    if launch is None:
+        launch = Launch(0, size, f"tcp://127.0.0.1:{_free_port()}", 0)
+        context = mp.get_context("spawn")
+        for rank in range(1, size):
+            receiver, sender = context.Pipe(duplex=False)
+            child = Launch(rank, size, launch.init_method, rank)
+            process = context.Process(
+                target=_worker_main, args=(args, child, sender), name=f"pagedkv-tp{rank}"
+            )
+            process.daemon = True  # never outlive the engine's process
+            process.start()
+            sender.close()
+            workers.append(Worker(rank, process, receiver))
+    elif launch.rank != 0:
+        raise ValueError(f"start_workers: expected rank 0, got rank {launch.rank}; call run_worker")
+    tp = _init_group(launch, args.device, workers)
+    return tp, workers, launch
+
+
+def rank_device(device: str, launch: Launch) -> str:
+    """The device of a rank: its own GPU (`cuda:LOCAL_RANK`) or the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{launch.local_rank}" if device.startswith("cuda") else device
+
+
+def share_cpu_threads(size: int) -> None:
+    """Give each of the `size` ranks on this machine its share of the cores."""
+    threads = max(1, (os.cpu_count() or 1) // size)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: sends each step to the workers, then runs its own share.
+
+    The same interface as `ModelRunner` (execute, release, pop_prompt_logprobs, kv_cache),
+    plus `check_health` and `close`.
+    """
+
+    def __init__(self, runner: ModelRunner, workers: list[Worker], num_threads: int) -> None:
+        """Args:
+        runner: rank 0's own runner.
+        workers: the spawned worker processes (none under torchrun).
+        num_threads: torch's thread count before the ranks shared the cores; `close`
+            gives it back.
+        """
+        self.runner = runner
+        self.model = runner.model
+        self.tp = runner.model.tp
+        self.kv_cache = runner.kv_cache
+        self.num_threads = num_threads
+        self.workers = workers
+        self._error: WorkerFailed | None = None
+        self._is_closed = False
+
+    def execute(self, step: SchedulerOutput) -> dict[Any, SampleResult]:
+        """Run `step` on every rank; rank 0 samples.
+
+        Raises:
+            WorkerFailed: a rank died or failed (now or earlier); the engine cannot go on,
+                since the ranks no longer run the same collectives in the same order.
+        """
+        self.check_health()
+        try:
+            self.tp.broadcast_object(step)
+            return self.runner.execute(step)
+        except Exception as exc:
+            self._error = self._failure_after(exc)
+            raise self._error from exc
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+    def pop_prompt_logprobs(self) -> dict[Any, Any]:
+        return self.runner.pop_prompt_logprobs()
+
+    def check_health(self) -> None:
+        """Raise `WorkerFailed` if any worker has stopped (cheap: no collective)."""
+        if self._error is not None:
+            raise self._error
+        for worker in self.workers:
+            reason = worker.failure()
+            if reason is not None:
+                self._error = WorkerFailed(worker.rank, reason)
+                raise self._error
+
+    def close(self) -> None:
+        """Stop the workers (they leave their loop on a None step) and leave the group."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self._error is None and dist.is_initialized():
+            try:
+                self.tp.broadcast_object(None)
+            except RuntimeError:
+                pass  # a worker already gone: nothing left to stop
+        for worker in self.workers:
+            worker.process.join(timeout=_EXIT_GRACE_S)
+            if worker.process.is_alive():
+                worker.process.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self.num_threads)
+
+    def _failure_after(self, exc: Exception) -> WorkerFailed:
+        """The rank behind a failed step: rank 0 itself for its own error, else the first
+        worker to exit within a grace period (a broken collective names no rank)."""
+        if not isinstance(exc, RuntimeError):
+            return WorkerFailed(0, f"{type(exc).__name__}: {exc}")
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            for worker in self.workers:
+                reason = worker.failure()
+                if reason is not None:
+                    return WorkerFailed(worker.rank, reason)
+            time.sleep(0.05)
+        return WorkerFailed(None, f"a collective failed: {exc}")
+
+
+def run_worker(args: EngineArgs) -> None:
+    """Serve as rank RANK of a `torchrun` launch until rank 0 closes the engine.
+
+    Raises:
+        ValueError: not launched by torchrun, or as rank 0.
+    """
+    launch = Launch.from_environment(args.tensor_parallel_size)
+    if launch is None or launch.rank == 0:
+        raise ValueError("run_worker: expected RANK >= 1 and WORLD_SIZE from torchrun")
+    _serve_steps(args, launch, _init_group(launch, args.device, []))
+
+
+def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
+    """A spawned worker: join the group, build this rank's share, run steps until told to
+    stop. Any failure is reported on `errors` before the process exits non-zero."""
+    try:
+        _serve_steps(args, launch, _init_group(launch, args.device, []))
+    except BaseException as exc:  # noqa: BLE001 - rank 0 must learn why, whatever it was
+        errors.send(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def _serve_steps(args: EngineArgs, launch: Launch, tp: TensorParallel) -> None:
+    from pagedkv.engine.builder import build_rank_runner
+
+    runner = build_rank_runner(args, tp, rank_device(args.device, launch))
+    while (step := tp.broadcast_object()) is not None:
+        runner.execute(step)
+    dist.destroy_process_group()
+
+
+def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorParallel:
+    """`init_process_group` on a helper thread, so that rank 0 can give up when a worker
+    dies before the rendezvous completes (the call itself would wait for it)."""
+    if dist.is_initialized():
+        raise ValueError(
+            "tensor_parallel_size: this process is already in a torch.distributed group "
+            "(one tensor-parallel engine per process)"
+        )
+    on_gpu = rank_device(device, launch).startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(launch.local_rank)
+    backend = "nccl" if on_gpu else "gloo"
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=launch.init_method,
+                rank=launch.rank,
+                world_size=launch.size,
+                timeout=_IDLE_TIMEOUT,
+            )
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=init, name="pagedkv-tp-init", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        for worker in workers:
+            reason = worker.failure()
+            if reason is not None:
+                raise WorkerFailed(worker.rank, reason)
+    if errors:
+        raise errors[0]
+    logger.info("tensor parallel: rank %d of %d joined (%s)", launch.rank, launch.size, backend)
+    world = dist.group.WORLD
+    # Steps are Python objects: they cross over gloo even when the tensors use NCCL.
+    cpu_group = dist.new_group(backend="gloo") if on_gpu else world
+    return TensorParallel(launch.rank, launch.size, world, cpu_group)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
