@@ -18,7 +18,7 @@ import time
 import pytest
 from helpers import make_hf_model
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine.builder import allocation_figures
 from pagedkv.errors import WorkerFailed
 from pagedkv.sim.planner import kv_bytes_per_token, kv_heads_per_gpu
@@ -157,3 +157,29 @@ def test_torchrun_launch_matches_one_process(tmp_path):
     assert [process.returncode for process in ranks] == [0, 0], outputs
     assert outputs[1][0] == alone.stdout and alone.stdout.split()
     assert outputs[0][0] == ""  # rank 1 printed nothing: it only ran steps
+
+
+def test_swap_beams_and_forks_match(tmp_path):
+    """Swapped-out blocks (each rank swaps its own heads), beam search (forks that share
+    blocks, copy-on-write of a shared last block) and n = 2 samples: the same with 2 ranks."""
+    model_dir = make_hf_model(tmp_path, "qwen2")
+    prompts = _prompts(512, [9, 14, 19, 23, 27, 31], seed=3)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True)
+    options = {"block_size": 4, "num_blocks": 36, "preemption_mode": "swap", "swap_space": 2**20}
+    expected, stats_1 = _run(model_dir, prompts, greedy, **options)
+    got, stats_2 = _run(model_dir, prompts, greedy, tensor_parallel_size=2, **options)
+    assert stats_1["num_swapped_out"] > 0 and stats_2["num_swapped_out"] > 0
+    assert _compare(expected, got) > 0
+    forks = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=5)
+    one, _ = _run(model_dir, prompts[:2], forks, block_size=4)
+    two, _ = _run(model_dir, prompts[:2], forks, block_size=4, tensor_parallel_size=2)
+    assert [[s.token_ids for s in o.outputs] for o in one] == [
+        [s.token_ids for s in o.outputs] for o in two
+    ]
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        with LLM(model_dir, dtype="float32", block_size=4, tensor_parallel_size=size) as llm:
+            results.append(llm.beam_search(prompts[:2], beams))
+    for a, b in zip(*results, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
