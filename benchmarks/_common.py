@@ -106,3 +106,29 @@ def write_results(name: str, *, config: dict[str, Any], results: Any,
                "results": results}  # fmt: skip
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+def launch_server(serve_args: list[str], port: int, timeout: float = 600.0) -> subprocess.Popen:
+    """`pagedkv serve *serve_args --port PORT` in a child process on 127.0.0.1 (warnings only,
+    `PAGEDKV_DEBUG` off); returns it once /health answers.
+
+    Raises:
+        RuntimeError: the server exited, or did not answer within `timeout` seconds.
+    """
+    import httpx
+
+    cmd = [sys.executable, "-m", "pagedkv.cli", "--log-level", "WARNING", "serve",
+           *serve_args, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    process = subprocess.Popen(cmd, env={**os.environ, "PAGEDKV_DEBUG": "0"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s")

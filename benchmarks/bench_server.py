@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import socket
 import statistics
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import print_table, write_results
+from _common import launch_server, print_table, write_results
 
 MODEL_NAME = "bench"
 
@@ -52,42 +51,12 @@ def free_port() -> int:
 
 def start_server(model_dir: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
     """`pagedkv serve` in a child process; returns once /health answers."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedkv.cli",
-        "--log-level",
-        "WARNING",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL_NAME,
-        "--device",
-        "cpu",
-        "--block-size",
-        str(args.block_size),
-        "--num-blocks",
-        str(args.num_blocks),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-    ]
-    env = {**os.environ, "PAGEDKV_DEBUG": "0"}
-    process = subprocess.Popen(cmd, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not answer /health within 300 s")
+    serve_args = [
+        "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--device", "cpu",
+        "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
+        "--max-num-seqs", str(args.max_num_seqs),
+    ]  # fmt: skip
+    return launch_server(serve_args, port, timeout=300)
 
 
 async def one_request(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import print_table, write_results
+from _common import launch_server, print_table, write_results
 from bench_server import free_port, percentile
 
 MODEL_NAME = "soak"
@@ -256,25 +255,11 @@ def summarize(
 
 def start_server(model: str, dtype: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
     """`pagedkv serve` in a child process on 127.0.0.1; returns once /health answers."""
-    cmd = [
-        sys.executable, "-m", "pagedkv.cli", "--log-level", "WARNING", "serve",
-        "--model", model, "--dtype", dtype, "--device", "cpu",
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+    serve_args = [
+        "--model", model, "--dtype", dtype, "--device", "cpu", "--served-model-name", MODEL_NAME,
         "--max-num-seqs", str(args.max_num_seqs), "--num-blocks", str(args.num_blocks),
     ] + (["--no-token-buckets"] if args.no_token_buckets else [])  # fmt: skip
-    process = subprocess.Popen(cmd, env={**os.environ, "PAGEDKV_DEBUG": "0"})
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("server did not answer /health within 600 s")
+    return launch_server(serve_args, port)
 
 
 def soak(base: str, pid: int, vocab_size: int, args: argparse.Namespace) -> dict[str, Any]:
