@@ -8,6 +8,7 @@ caching hits and seeded sampling included.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import socket
@@ -183,3 +184,15 @@ def test_swap_beams_and_forks_match(tmp_path):
             results.append(llm.beam_search(prompts[:2], beams))
     for a, b in zip(*results, strict=True):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+
+
+def test_an_engine_dropped_without_close_releases_its_workers(tmp_path):
+    model_dir = make_hf_model(tmp_path, "llama")
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2)
+    process = llm.engine.runner.workers[0].process
+    del llm
+    gc.collect()
+    assert not process.is_alive()
+    with LLM(model_dir, dtype="float32", tensor_parallel_size=2) as again:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        assert again.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids

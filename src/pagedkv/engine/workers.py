@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -164,10 +165,14 @@ class TensorParallelRunner:
         self.model = runner.model
         self.tp = runner.model.tp
         self.kv_cache = runner.kv_cache
-        self.num_threads = num_threads
         self.workers = workers
         self._error: WorkerFailed | None = None
-        self._is_closed = False
+        # Shared with the finalizer: an engine dropped without `close` still stops its
+        # workers and leaves the group, so another one can start in this process.
+        self._state = {"failed": False}
+        self._finalizer = weakref.finalize(
+            self, _shut_down, self.tp, workers, num_threads, self._state
+        )
 
     def execute(self, step: SchedulerOutput) -> dict[Any, SampleResult]:
         """Run `step` on every rank; rank 0 samples.
@@ -182,6 +187,7 @@ class TensorParallelRunner:
             return self.runner.execute(step)
         except Exception as exc:
             self._error = self._failure_after(exc)
+            self._state["failed"] = True
             raise self._error from exc
 
     def release(self, request_id: str) -> None:
@@ -198,25 +204,12 @@ class TensorParallelRunner:
             reason = worker.failure()
             if reason is not None:
                 self._error = WorkerFailed(worker.rank, reason)
+                self._state["failed"] = True
                 raise self._error
 
     def close(self) -> None:
-        """Stop the workers (they leave their loop on a None step) and leave the group."""
-        if self._is_closed:
-            return
-        self._is_closed = True
-        if self._error is None and dist.is_initialized():
-            try:
-                self.tp.broadcast_object(None)
-            except RuntimeError:
-                pass  # a worker already gone: nothing left to stop
-        for worker in self.workers:
-            worker.process.join(timeout=_EXIT_GRACE_S)
-            if worker.process.is_alive():
-                worker.process.terminate()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(self.num_threads)
+        """Stop the workers and leave the group (idempotent)."""
+        self._finalizer()
 
     def _failure_after(self, exc: Exception) -> WorkerFailed:
         """The rank behind a failed step: rank 0 itself for its own error, else the first
@@ -231,6 +224,26 @@ class TensorParallelRunner:
                     return WorkerFailed(worker.rank, reason)
             time.sleep(0.05)
         return WorkerFailed(None, f"a collective failed: {exc}")
+
+
+def _shut_down(
+    tp: TensorParallel, workers: list[Worker], num_threads: int, state: dict[str, bool]
+) -> None:
+    """Rank 0's end of the group: a None step ends the workers' loop (unless one failed:
+    the others may be stuck in a collective, and are terminated), then the group goes and
+    torch gets its threads back."""
+    if not state["failed"] and dist.is_initialized():
+        try:
+            tp.broadcast_object(None)
+        except RuntimeError:
+            pass  # a worker already gone: nothing left to stop
+    for worker in workers:
+        worker.process.join(timeout=_EXIT_GRACE_S)
+        if worker.process.is_alive():
+            worker.process.terminate()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(num_threads)
 
 
 def run_worker(args: EngineArgs) -> None:
