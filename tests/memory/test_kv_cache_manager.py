@@ -121,6 +121,29 @@ def test_fork_shares_blocks_and_copy_on_write_queues_in_order() -> None:
     m.check()
 
 
+def test_append_token_is_append_and_hands_out_the_table_until_it_changes() -> None:
+    m, ref = KVCacheManager(6, 4), KVCacheManager(6, 4)
+    for manager in (m, ref):
+        manager.allocate("p", tokens(0, 6))  # [0, 1]: block 1 half full
+        manager.fork("p", "c")
+    first = m.append_token("c", 100)  # copy-on-write of the shared block 1
+    ref.append("c", [100])
+    assert first == ref.block_table("c") == [0, 2] and m.pop_copies() == ref.pop_copies()
+    assert m.append_token("c", 101) is first  # fills block 2 (keyed): the same list
+    ref.append("c", [101])
+    assert m.append_token("c", 102) == [0, 2, 3] and first == [0, 2]  # a new list
+    ref.append("c", [102])
+    assert m.num_cached_tokens(tokens(0, 6) + [100, 101, 7]) == 8
+    assert snapshot(m)["seqs"] == snapshot(ref)["seqs"] and m.stats() == ref.stats()
+    m.check()
+    m.allocate("q", tokens(50, 8))  # [4, 5]: the pool is full
+    before = snapshot(m)
+    assert m.append_token("q", 9) is None and snapshot(m) == before
+    m.free("p")
+    with pytest.raises(KeyError):
+        m.append_token("p", 1)
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_out_of_blocks_changes_nothing(caching: bool) -> None:
     m = KVCacheManager(5, 2, enable_prefix_caching=caching, num_host_blocks=2)

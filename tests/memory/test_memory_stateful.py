@@ -40,6 +40,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[Any, list[int]] = {}  # the engine's own record of each sequence
         self.host_tables: dict[Any, list[int]] = {}  # swapped-out sequences' host blocks
         self.next_id = 0
+        # Block tables `append_token` handed out, with their contents then: never mutated.
+        self.handed: list[tuple[list[int], list[int]]] = []
 
     # ----- engine-side helpers --------------------------------------------------------------
     def _new_id(self) -> Any:
@@ -101,6 +103,22 @@ class ManagerMachine(RuleBasedStateMachine):
         self._compute(seq_id, start)
 
     @precondition(lambda self: self._resident())
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append_token(self, data: st.DataObject, token: int) -> None:
+        seq_id = data.draw(st.sampled_from(self._resident()))
+        m, start = self.m, len(self.tokens[seq_id])
+        need, free, before = m.num_blocks_to_append(seq_id, 1), m.num_free_blocks, snapshot(m)
+        table = m.append_token(seq_id, token)
+        if table is None:
+            assert need > free and snapshot(m) == before, "a refused append_token changed state"
+            return
+        assert need <= free and m.num_free_blocks == free - need
+        assert table == m.block_table(seq_id)
+        self.handed.append((table, list(table)))
+        self.tokens[seq_id].append(token)
+        self._compute(seq_id, start)
+
+    @precondition(lambda self: self._resident())
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self._resident()))
@@ -153,6 +171,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         self.m.check()
+        for table, contents in self.handed:
+            assert table == contents, "a block table handed out was mutated"
         self._apply_copies()
         for seq_id, toks in self.tokens.items():
             if seq_id in self.host_tables:

@@ -22,10 +22,13 @@ class StepBudget:
     reserved, so prefill chunks only take what the decodes leave."""
 
     tokens: int
-    reserved_decodes: int  # decode tokens of running requests not yet visited
+    # Decode tokens of running requests not yet visited; None until first needed (a step
+    # of decodes alone never counts them: see `PlanningMixin._schedule_running_requests`).
+    reserved_decodes: int | None = None
 
     @property
     def prefill_tokens(self) -> int:
+        assert self.reserved_decodes is not None, "reserved decodes read before counted"
         return max(0, self.tokens - self.reserved_decodes)
 
 
@@ -62,6 +65,7 @@ class PreemptionMixin:
         self.running.remove(request)
         if not visited:
             decodes = sum(1 for s in request.seqs if s.is_decode and not s.is_finished)
+            assert budget.reserved_decodes is not None, "preempting before decodes counted"
             budget.reserved_decodes = max(0, budget.reserved_decodes - decodes)
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1

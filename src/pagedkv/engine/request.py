@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     """One sample of a request: its tokens and where its KV stands."""
 
@@ -74,11 +74,20 @@ class Sequence:
     @property
     def is_decode(self) -> bool:
         """True when the next step computes exactly its newest token (a decode step)."""
-        return self.is_allocated and self.num_output_tokens > 0 and self.num_uncomputed == 1
+        # Spelled out (no nested properties): the scheduler asks once per sequence per step.
+        num_tokens = len(self.token_ids)
+        return (
+            self.is_allocated
+            and num_tokens > self.prompt_len
+            and num_tokens - self.num_computed == 1
+        )
 
 
 class Request:
     """One prompt with its sampling parameters and its sequences."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "n", "arrival_index",
+                 "seed", "status", "metrics", "seqs", "stop_bounds", "prompt_logprobs")  # fmt: skip
 
     def __init__(
         self,
@@ -106,6 +115,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.n = params.n  # samples (sequences once forked)
         self.arrival_index = arrival_index
         self.seed = seed
         self.status = RequestStatus.WAITING
@@ -113,15 +123,14 @@ class Request:
         self.seqs: list[Sequence] = [
             Sequence((request_id, 0), list(prompt_token_ids), len(prompt_token_ids))
         ]
+        # Set by `Scheduler.add_request` (`pagedkv.engine.stop.stop_bounds`): which tokens
+        # and length may end a sample; None: ask `check_stop` on every token.
+        self.stop_bounds: tuple[frozenset[int], int] | None = None
         # Filled by the engine when asked: entry i holds prompt token i's logprobs (see
         # `RequestOutput.prompt_logprobs`); the first token has none.
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
-
-    @property
-    def n(self) -> int:
-        return self.params.n
 
     @property
     def num_preemptions(self) -> int:

@@ -32,6 +32,10 @@ block whose KV was never written must not stay in the prefix cache.
 The output is a plain `SchedulerOutput` (token ids, positions, slots and block tables from
 the `KVCacheManager`, sampling parameters and seeds; never tensors), so the runner needs
 nothing else and the simulator can drive this scheduler without a model.
+
+Per-request planning, with the decode fast path that keeps a step of 1,024 decoding
+sequences cheap, lives in `pagedkv.engine.planning`; preemption and swapping in
+`pagedkv.engine.preemption`.
 """
 
 from __future__ import annotations
@@ -42,18 +46,17 @@ from typing import Any
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
-from pagedkv.engine.preemption import Plan as _Plan
+from pagedkv.engine.planning import PlanningMixin
 from pagedkv.engine.preemption import PreemptionMixin
 from pagedkv.engine.preemption import StepBudget as _Budget
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from pagedkv.engine.stop import check_stop
-from pagedkv.errors import OutOfBlocks
+from pagedkv.engine.stop import check_stop, stop_bounds
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler(PlanningMixin, PreemptionMixin):
     """Decides, step by step, which tokens run and which blocks they use."""
 
     def __init__(
@@ -84,7 +87,7 @@ class Scheduler(PreemptionMixin):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -126,8 +129,28 @@ class Scheduler(PreemptionMixin):
             raise ValueError(
                 f"expected n <= max_num_seqs ({self.config.max_num_seqs}), got n={request.n}"
             )
+        self._set_stop_bounds(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end a completion unless `ignore_eos` (settable: live requests follow)."""
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: Iterable[int]) -> None:
+        self._eos_token_ids = frozenset(token_ids)
+        for request in self.requests.values():
+            self._set_stop_bounds(request)
+
+    def _set_stop_bounds(self, request: Request) -> None:
+        request.stop_bounds = stop_bounds(
+            request.params,
+            eos_token_ids=self._eos_token_ids,
+            max_model_len=self.max_model_len,
+            prompt_len=len(request.prompt_token_ids),
+        )
 
     def abort_request(self, request_id: str) -> Request | None:
         """End a request now and give its blocks back; None for an unknown id."""
@@ -173,14 +196,8 @@ class Scheduler(PreemptionMixin):
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the order)."""
         out = SchedulerOutput()
-        budget = _Budget(
-            self.config.max_num_batched_tokens,
-            sum(1 for r in self.running for s in r.seqs if s.is_decode and not s.is_finished),
-        )
-        i = 0
-        while i < len(self.running):
-            if self._schedule_running(i, out, budget):
-                i += 1
+        budget = _Budget(self.config.max_num_batched_tokens)
+        self._schedule_running_requests(out, budget)
         budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
             self._resume_swapped(out, budget)
@@ -202,177 +219,53 @@ class Scheduler(PreemptionMixin):
             The requests that got new tokens, in step order.
         """
         touched: list[Request] = []
+        requests, detokenize = self.requests, self.detokenize
         for scheduled in output.seqs:
-            if not scheduled.sample_seq_ids:
+            sample_ids = scheduled.sample_seq_ids
+            if not sample_ids:
                 continue
-            request = self.requests[scheduled.seq_id[0]]
-            parent = request.seq(scheduled.seq_id[1])
-            if not request.is_forked:
-                self._fork(request, parent)
+            request = requests[scheduled.seq_id[0]]
+            if len(request.seqs) != request.params.n:  # not forked yet
+                self._fork(request, request.seq(scheduled.seq_id[1]))
+            if len(sample_ids) == 1:  # the common case, without the lists below
+                seq_id = sample_ids[0]
+                seq = request.seqs[0]
+                if seq.seq_id != seq_id:
+                    seq = request.seq(seq_id[1])
+                token = int(sampled[seq_id])
+                seq.token_ids.append(token)
+                text_start = len(seq.text)
+                if detokenize is not None:
+                    seq.text += detokenize(seq)
+                bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
+                if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
+                    self._check_stop(request, seq, text_start)
+                touched.append(request)
+                continue
+            # Every sample's token and text first, then the stops (which free blocks).
+            seqs = [request.seq(seq_id[1]) for seq_id in sample_ids]
             text_starts = []
-            for seq_id in scheduled.sample_seq_ids:
-                seq = request.seq(seq_id[1])
+            for seq, seq_id in zip(seqs, sample_ids, strict=True):
                 seq.token_ids.append(int(sampled[seq_id]))
                 text_starts.append(len(seq.text))
-                if self.detokenize is not None:
-                    seq.text += self.detokenize(seq)
-            for seq_id, text_start in zip(scheduled.sample_seq_ids, text_starts, strict=True):
-                seq = request.seq(seq_id[1])
-                stop = check_stop(
-                    seq,
-                    request.params,
-                    eos_token_ids=self.eos_token_ids,
-                    max_model_len=self.max_model_len,
-                    text_start=text_start,
-                )
-                if stop is not None:
-                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
+                if detokenize is not None:
+                    seq.text += detokenize(seq)
+            for seq, text_start in zip(seqs, text_starts, strict=True):
+                self._check_stop(request, seq, text_start)
             touched.append(request)
         return touched
 
-    # ---- running requests ---------------------------------------------------------------
-
-    def _schedule_running(self, index: int, out: SchedulerOutput, budget: _Budget) -> bool:
-        """Schedule running[index]; False when it left `running` (preempted or ended)."""
-        request = self.running[index]
-        plan = self._plan(request, budget)
-        if not plan:
-            return True
-        need = self._blocks_needed(plan)
-        while need > self.kv.num_free_blocks:
-            victim = self.running[-1]
-            if victim is not request:
-                self._preempt(victim, out, budget)
-                continue
-            if index > 0:
-                self._refund(plan, budget)
-                self._preempt(request, out, budget, visited=True)
-                return False
-            # Alone in the pool: what does not fit now never will (see _run_alone).
-            return self._run_alone(request, plan, out, budget)
-        self._run_plan(request, plan, out, budget)
-        return True
-
-    def _run_alone(
-        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
-    ) -> bool:
-        """Run what fits now of a request that is alone on the device.
-
-        Chunks that do not fit wait for its other samples to finish. If nothing fits at
-        all, the pool is smaller than the request: its newest blocked sample ends with
-        "length", so every step makes progress.
-        """
-        blocked: list[Sequence] = []
-        for seq, start, num in plan:
-            if self._blocks_needed([(seq, start, num)]) <= self.kv.num_free_blocks:
-                self._run_plan(request, [(seq, start, num)], out, budget)
-            else:
-                budget.tokens += num
-                blocked.append(seq)
-        if blocked and len(blocked) == len(plan):
-            self.finish_sequence(blocked[-1], "length")
-        if request.is_finished:
-            out.finished_request_ids.append(request.request_id)
-            return False
-        return True
-
-    def _plan(self, request: Request, budget: _Budget) -> _Plan:
-        """Pick each unfinished sequence's tokens for this step and charge the budget."""
-        plan: _Plan = []
-        for seq in request.unfinished_seqs():
-            if seq.is_decode:
-                budget.reserved_decodes = max(0, budget.reserved_decodes - 1)
-                if budget.tokens >= 1:
-                    plan.append((seq, seq.num_computed, 1))
-                    budget.tokens -= 1
-                continue
-            if seq.is_allocated:
-                start = seq.num_computed
-            elif _skips_prefix_cache(request):
-                start = 0
-            else:
-                start = self.kv.num_cached_tokens(seq.token_ids)
-            num = min(len(seq.token_ids) - start, budget.prefill_tokens)
-            if num > 0:
-                plan.append((seq, start, num))
-                budget.tokens -= num
-        return plan
-
-    def _refund(self, plan: _Plan, budget: _Budget) -> None:
-        """Give back the tokens of a plan that will not run (its decodes stay unreserved:
-        its request has been visited)."""
-        budget.tokens += sum(num for _, _, num in plan)
-
-    def _blocks_needed(self, plan: _Plan) -> int:
-        """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
-        need = 0
-        for seq, start, num in plan:
-            if seq.is_allocated:
-                need += self.kv.num_blocks_to_append(seq.seq_id, num)
-            elif _skips_prefix_cache(self.requests[seq.seq_id[0]]):
-                need += -(-(start + num) // self.block_size)
-            else:
-                need += self.kv.num_blocks_to_allocate(seq.token_ids[: start + num])
-        return need
-
-    def _run_plan(
-        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
-    ) -> None:
-        """Allocate or append each planned chunk and emit it. A chunk that no longer fits
-        (the conservative count was not enough) waits for the next step."""
-        for seq, start, num in plan:
-            end = start + num
-            try:
-                if seq.is_allocated:
-                    self.kv.append(seq.seq_id, seq.token_ids[start:end])
-                else:
-                    start = self._allocate(request, seq, end)
-                    seq.is_allocated = True
-                    if request.metrics.num_computed_tokens == 0 and seq.index == 0:
-                        request.metrics.num_cached_tokens = start
-            except OutOfBlocks:
-                budget.tokens += num
-                continue
-            seq.num_computed = end
-            request.metrics.num_computed_tokens += end - start
-            sample_ids: list[SeqId] = []
-            if end == len(seq.token_ids):
-                sample_ids = (
-                    [seq.seq_id]
-                    if request.is_forked
-                    else [(request.request_id, i) for i in range(request.n)]
-                )
-            out.seqs.append(
-                ScheduledSequence(
-                    seq.seq_id,
-                    seq.token_ids[start:end],
-                    start,
-                    self.kv.block_table(seq.seq_id),
-                    self.kv.slot_mapping(seq.seq_id, start, end),
-                    sample_ids,
-                    request.params,
-                    request.seed,
-                    _prompt_logprob_targets(request, seq, start, end),
-                )
-            )
-
-    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
-        """Allocate `seq`'s first `end` tokens; returns how many were found cached.
-
-        A request asking for prompt logprobs takes no prefix-cache hit (a cached block has no
-        logits): its first token alone is allocated (too short to look up), then the rest is
-        appended. Its full blocks still enter the prefix cache for others.
-        """
-        if not _skips_prefix_cache(request):
-            return int(self.kv.allocate(seq.seq_id, seq.token_ids[:end]))
-        self.kv.allocate(seq.seq_id, seq.token_ids[:1])
-        if end > 1:
-            try:
-                self.kv.append(seq.seq_id, seq.token_ids[1:end])
-            except OutOfBlocks:
-                self.kv.free(seq.seq_id)
-                raise
-        return 0
+    def _check_stop(self, request: Request, seq: Sequence, text_start: int) -> None:
+        """Finish `seq` if its newest token ends it (`check_stop`)."""
+        stop = check_stop(
+            seq,
+            request.params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            text_start=text_start,
+        )
+        if stop is not None:
+            self.finish_sequence(seq, stop.reason, stop.stop_reason)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
@@ -433,16 +326,3 @@ class Scheduler(PreemptionMixin):
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
-
-
-def _skips_prefix_cache(request: Request) -> bool:
-    """Prompt logprobs need every prompt position's logits, so the prompt is computed."""
-    return request.params.prompt_logprobs is not None
-
-
-def _prompt_logprob_targets(request: Request, seq: Sequence, start: int, end: int) -> list[int]:
-    """The prompt tokens that follow rows start..end-1, while prompt logprobs are missing."""
-    logprobs = request.prompt_logprobs
-    if logprobs is None or seq.index != 0 or len(logprobs) >= seq.prompt_len:
-        return []
-    return seq.token_ids[start + 1 : min(end, seq.prompt_len - 1) + 1]

@@ -13,7 +13,7 @@ from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """Tokens of one sequence computed in this step.
 

@@ -68,6 +68,28 @@ def check_stop(
     return None
 
 
+def stop_bounds(
+    params: SamplingParams, *, eos_token_ids: Set[int], max_model_len: int, prompt_len: int
+) -> tuple[frozenset[int], int] | None:
+    """What lets a caller skip `check_stop` for a token that cannot end the sample.
+
+    Args:
+        params, eos_token_ids, max_model_len: as for `check_stop`.
+        prompt_len: the sample's prompt length.
+
+    Returns:
+        ``(token_ids, max_len)``: `check_stop` returns None for a newest token not in
+        `token_ids` when the sample holds fewer than `max_len` tokens. None when stop
+        strings are set (the text must be searched): always call `check_stop` then.
+    """
+    if params.stop_strings:
+        return None
+    token_ids = frozenset(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        token_ids |= eos_token_ids
+    return token_ids, min(prompt_len + params.max_tokens, max_model_len)
+
+
 def _find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
     """The earliest stop string in `text` that ends after `start` (index, string)."""
     hits = []

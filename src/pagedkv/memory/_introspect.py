@@ -33,6 +33,8 @@ def check_manager(manager: KVCacheManager) -> None:
         num_blocks = -(-num_tokens // block_size)
         if seq.host_block_ids is not None:
             assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
+            assert seq.table is None, f"swapped-out {seq_id!r} still hands out a block table"
+            assert not seq.is_tail_own, f"swapped-out {seq_id!r} is marked as owning its tail"
             assert len(seq.host_block_ids) == num_blocks, (
                 f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for "
                 f"{num_tokens} tokens"
@@ -44,6 +46,14 @@ def check_manager(manager: KVCacheManager) -> None:
             f"(block_size {block_size})"
         )
         _count(holders, seq.block_ids, seq_id)
+        assert seq.table is None or seq.table == seq.block_ids.tolist(), (
+            f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
+        )
+        if seq.is_tail_own:
+            assert isinstance(seq.token_ids, list), f"{seq_id!r}: tail own but tokens a tuple"
+            assert not num_tokens % block_size or not pool.is_shared(seq.block_ids[-1]), (
+                f"{seq_id!r}: its partial last block is shared but marked its own"
+            )
         if index is not None:
             assert seq.num_keyed == num_tokens // block_size, (
                 f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"

@@ -21,9 +21,10 @@ from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list, token_tuple
+from pagedkv.memory.swap import SwapMixin
 
 
-class KVCacheManager:
+class KVCacheManager(SwapMixin):
     """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
 
     Args:
@@ -254,11 +255,47 @@ class KVCacheManager:
                 self._copies.append((src, dst))
                 self._num_cow += 1
             seq.block_ids += new_block_ids
+            seq.table = None
         if isinstance(seq.token_ids, tuple):  # the prompt, kept as allocate got it
             seq.token_ids = list(seq.token_ids)
         seq.token_ids += tokens
+        if tokens:
+            seq.is_tail_own = True
         if len(seq.token_ids) // self._block_size > seq.num_keyed:
             self._key_full_blocks(seq)
+
+    def append_token(self, seq_id: SeqId, token_id: Any) -> list[int] | None:
+        """A decode step's append: `append(seq_id, [token_id])` if the blocks it takes are
+        free, returning the block table; else None and nothing changed.
+
+        The common case (room in an unshared last block) allocates nothing and copies no
+        table: the same list comes back until the blocks change, then a new one (so a list
+        handed out earlier still describes the step it was handed to). Never mutate it.
+
+        Returns:
+            The sequence's block ids (the new token's slot is ``table[p // B] * B + p % B``
+            at its position p), or None when `num_blocks_to_append(seq_id, 1)` blocks are
+            not free.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.is_tail_own and len(seq.token_ids) % self._block_size:
+            # Into the last block, this sequence's alone (`is_tail_own`: resident, and its
+            # tokens are a list).
+            seq.token_ids.append(token_id)  # type: ignore[union-attr]
+            if len(seq.token_ids) // self._block_size > seq.num_keyed:
+                self._key_full_blocks(seq)
+        else:  # a new block, a copy-on-write, or the prompt's tuple: the general path
+            seq = self._resident(seq_id, "append_token")
+            if self._append_cost(seq, 1)[0] > self._pool.num_free_blocks:
+                return None
+            self.append(seq_id, [token_id])
+        table = seq.table
+        if table is None:
+            table = seq.table = seq.block_ids.tolist()
+        return table
 
     def _key_full_blocks(self, seq: SeqState) -> None:
         """Offer the sequence's newly full blocks to the prefix index (chained keys)."""
@@ -285,6 +322,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
         self._pool.share(parent.block_ids)
+        parent.is_tail_own = False
         self._num_forked += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
             parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
@@ -352,60 +390,6 @@ class KVCacheManager:
         """
         copies, self._copies = self._copies, []
         return copies
-
-    # ----- swap -----------------------------------------------------------------------------
-    def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]]:
-        """Move a sequence to the host pool.
-
-        Returns:
-            ``(device_block, host_block)`` pairs, one per block, in table order. The engine
-            copies them (after the copies queued before this call, before anything written
-            later) since the device blocks are free for reuse from now on.
-
-        Raises:
-            KeyError: unknown `seq_id`.  ValueError: already swapped out.
-            OutOfBlocks: not enough free host blocks; nothing changed.
-        """
-        seq = self._resident(seq_id, "swap_out")
-        host_block_ids = self._host.allocate(len(seq.block_ids))
-        pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
-        self._pool.free(seq.block_ids)
-        seq.block_ids, seq.host_block_ids = array("i"), host_block_ids
-        self._num_swapped_out += len(pairs)
-        return pairs
-
-    def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
-        """Bring a swapped-out sequence back to fresh device blocks.
-
-        Its full blocks are offered to the prefix index again.
-
-        Returns:
-            ``(host_block, device_block)`` pairs in table order, to copy before the sequence's
-            next step.
-
-        Raises:
-            KeyError: unknown `seq_id`.  ValueError: not swapped out.
-            OutOfBlocks: not enough free device blocks; nothing changed.
-        """
-        seq = self._get(seq_id)
-        if seq.host_block_ids is None:
-            raise ValueError(f"swap_in: expected a swapped-out sequence, got {seq_id!r} resident")
-        block_ids = self._pool.allocate(len(seq.host_block_ids))
-        pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
-        self._host.free(seq.host_block_ids)
-        seq.block_ids, seq.host_block_ids = block_ids, None
-        seq.num_keyed, seq.chain_uid = 0, ROOT_UID
-        self._key_full_blocks(seq)
-        self._num_swapped_in += len(pairs)
-        return pairs
-
-    def num_blocks_to_swap_in(self, seq_id: SeqId) -> int:
-        """Device blocks `swap_in(seq_id)` needs. Raises KeyError if unknown, ValueError if
-        resident."""
-        seq = self._get(seq_id)
-        if seq.host_block_ids is None:
-            raise ValueError(f"expected a swapped-out sequence, got {seq_id!r} resident")
-        return len(seq.host_block_ids)
 
     # ----- cache control, checks, stats -----------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -160,6 +160,8 @@ class PrefixIndex:
         packed = self._pack(token_ids[start * block_size : stop * block_size])
         if packed is None:  # some block holds a non-int32 token: block by block
             blocks = iter_full_blocks(token_ids, block_size, start, stop)
+            if stop - start == 1:  # that block, whose packing just failed (a decode step's)
+                return list(blocks)
             return [self.block_tokens(block) for block in blocks]
         return self._split(packed, 4 * block_size, 0, stop - start)
 

@@ -12,7 +12,8 @@ SeqId = Hashable
 class SeqState:
     """One sequence's state: its blocks (device or host, ``array('i')``) and its tokens."""
 
-    __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids")
+    __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids", "table",
+                 "is_tail_own")  # fmt: skip
 
     def __init__(
         self,
@@ -31,6 +32,15 @@ class SeqState:
         self.chain_uid = chain_uid
         # Host blocks while swapped out (block_ids is then empty), else None.
         self.host_block_ids: array[int] | None = None
+        # `block_ids` as the list handed out by `KVCacheManager.append_token`, or None once
+        # the blocks changed: replaced, never mutated, since a step may still read the old one.
+        self.table: list[int] | None = None
+        # True when resident, `token_ids` is a list and a partially filled last block is
+        # this sequence's alone, so `append_token` writes into it without asking the pool.
+        # Only a fork shares a partial block (prefix hits are on full blocks), and a
+        # non-empty `append` leaves the last block unshared (written in place, fresh, or
+        # copied).
+        self.is_tail_own = False
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:

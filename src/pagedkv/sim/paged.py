@@ -60,8 +60,9 @@ class StandInRunner:
         """Per sampled id, the request's own token id at the new token's position."""
         sampled: dict[SeqId, int] = {}
         for seq in step.seqs:
+            seq_len = seq.start_pos + len(seq.token_ids)
             for seq_id in seq.sample_seq_ids:
-                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << _ID_SHIFT) + seq.seq_len
+                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << _ID_SHIFT) + seq_len
         return sampled
 
     def step_time(self, step: SchedulerOutput) -> float:

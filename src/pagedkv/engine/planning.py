@@ -1,0 +1,276 @@
+"""Planning and running one request's work in a step: the half of `Scheduler` that turns
+a running (or newly admitted) request into scheduled chunks.
+
+`_schedule_decodes` takes the step's common case with a handful of operations per
+sequence: a request with one sequence whose decode token fits without a
+preemption (`KVCacheManager.append_token`: no new block but every `block_size` tokens,
+and the block table handed out as the same list until it changes). It makes exactly the
+decisions and the `ScheduledSequence` of the general path (`_plan`, `_blocks_needed`,
+`_run_plan`), which handles everything else: prefill chunks, n > 1 samples, a block
+that is not free.
+
+Standard library only (no torch), like the scheduler it is part of.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from typing import Any
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.engine.preemption import Plan as _Plan
+from pagedkv.engine.preemption import StepBudget as _Budget
+from pagedkv.engine.request import Request, SeqId, Sequence
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedkv.errors import OutOfBlocks
+
+
+class PlanningMixin:
+    """Per-request planning for `Scheduler` (which provides the queues and preemption)."""
+
+    config: SchedulerConfig
+    kv: Any
+    block_size: int
+    running: list[Request]
+    waiting: deque[Request]
+    requests: dict[str, Request]
+
+    # Preemption and finishing live elsewhere in Scheduler; declared for type checking only.
+    _preempt: Callable[..., None]
+    finish_sequence: Callable[..., None]
+
+    # Tests turn the decode fast path off to compare it with the general path.
+    decode_fast_path = True
+
+    def _schedule_running_requests(self, out: SchedulerOutput, budget: _Budget) -> None:
+        """Visit every running request in order; some may be preempted (see `Scheduler`).
+
+        Runs of requests the decode fast path takes (`_schedule_decodes`) alternate with
+        single requests for the general path (`_schedule_running`).
+        """
+        running = self.running
+        i = 0
+        while True:
+            if self.decode_fast_path:
+                i = self._schedule_decodes(i, out, budget)
+            if i >= len(running):
+                return
+            if budget.reserved_decodes is None:
+                # Counted when the general path first needs them: every request before i
+                # has been visited, so they are exactly those of running[i:] (a victim
+                # leaves from the end).
+                budget.reserved_decodes = sum(
+                    1
+                    for r in islice(running, i, None)
+                    for s in r.seqs
+                    if s.is_decode and s.finish_reason is None
+                )
+            if self._schedule_running(i, out, budget):
+                i += 1
+
+    def _schedule_decodes(self, first: int, out: SchedulerOutput, budget: _Budget) -> int:
+        """Schedule running[first:] while each is the step's common case: one sequence whose
+        decode token fits without a preemption (`KVCacheManager.append_token`).
+
+        Each gets exactly what `_schedule_running` would give it (budget, blocks, the same
+        `ScheduledSequence`), without planning objects: a handful of operations per
+        sequence. Nothing is preempted here, so `running` does not change.
+
+        Returns:
+            The index of the first request left to the general path (it is unchanged), or
+            ``len(running)``.
+        """
+        running, index = self.running, first
+        num_tokens, reserved = budget.tokens, budget.reserved_decodes
+        block_size, append_token, emit = self.kv.block_size, self.kv.append_token, out.seqs.append
+        for request in islice(running, first, None):
+            seqs = request.seqs
+            if num_tokens <= 0 or request.n != 1 or len(seqs) != 1:
+                break
+            seq = seqs[0]
+            tokens, start = seq.token_ids, seq.num_computed
+            # `is_decode` and unfinished, spelled out.
+            if (
+                len(tokens) - start != 1
+                or start < seq.prompt_len
+                or not seq.is_allocated
+                or seq.finish_reason is not None
+            ):
+                break
+            seq_id = seq.seq_id
+            table = append_token(seq_id, tokens[start])
+            if table is None:  # a block is needed and not free: the general path preempts
+                break
+            num_tokens -= 1
+            if reserved:  # counted (not None) and positive
+                reserved -= 1
+            seq.num_computed = start + 1
+            request.metrics.num_computed_tokens += 1
+            slot = table[start // block_size] * block_size + start % block_size
+            # Past the prompt: no prompt logprob targets.
+            emit(
+                ScheduledSequence(
+                    seq_id, [tokens[start]], start, table, [slot], [seq_id], request.params,
+                    request.seed, [],
+                )
+            )  # fmt: skip
+            index += 1
+        budget.tokens, budget.reserved_decodes = num_tokens, reserved
+        return index
+
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: _Budget) -> bool:
+        """Schedule running[index]; False when it left `running` (preempted or ended)."""
+        request = self.running[index]
+        plan = self._plan(request, budget)
+        if not plan:
+            return True
+        need = self._blocks_needed(plan)
+        while need > self.kv.num_free_blocks:
+            victim = self.running[-1]
+            if victim is not request:
+                self._preempt(victim, out, budget)
+                continue
+            if index > 0:
+                self._refund(plan, budget)
+                self._preempt(request, out, budget, visited=True)
+                return False
+            # Alone in the pool: what does not fit now never will (see _run_alone).
+            return self._run_alone(request, plan, out, budget)
+        self._run_plan(request, plan, out, budget)
+        return True
+
+    def _run_alone(
+        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+    ) -> bool:
+        """Run what fits now of a request that is alone on the device.
+
+        Chunks that do not fit wait for its other samples to finish. If nothing fits at
+        all, the pool is smaller than the request: its newest blocked sample ends with
+        "length", so every step makes progress.
+        """
+        blocked: list[Sequence] = []
+        for seq, start, num in plan:
+            if self._blocks_needed([(seq, start, num)]) <= self.kv.num_free_blocks:
+                self._run_plan(request, [(seq, start, num)], out, budget)
+            else:
+                budget.tokens += num
+                blocked.append(seq)
+        if blocked and len(blocked) == len(plan):
+            self.finish_sequence(blocked[-1], "length")
+        if request.is_finished:
+            out.finished_request_ids.append(request.request_id)
+            return False
+        return True
+
+    def _plan(self, request: Request, budget: _Budget) -> _Plan:
+        """Pick each unfinished sequence's tokens for this step and charge the budget."""
+        plan: _Plan = []
+        for seq in request.unfinished_seqs():
+            if seq.is_decode:
+                budget.reserved_decodes = max(0, (budget.reserved_decodes or 0) - 1)
+                if budget.tokens >= 1:
+                    plan.append((seq, seq.num_computed, 1))
+                    budget.tokens -= 1
+                continue
+            if seq.is_allocated:
+                start = seq.num_computed
+            elif _skips_prefix_cache(request):
+                start = 0
+            else:
+                start = self.kv.num_cached_tokens(seq.token_ids)
+            num = min(len(seq.token_ids) - start, budget.prefill_tokens)
+            if num > 0:
+                plan.append((seq, start, num))
+                budget.tokens -= num
+        return plan
+
+    def _refund(self, plan: _Plan, budget: _Budget) -> None:
+        """Give back the tokens of a plan that will not run (its decodes stay unreserved:
+        its request has been visited)."""
+        budget.tokens += sum(num for _, _, num in plan)
+
+    def _blocks_needed(self, plan: _Plan) -> int:
+        """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
+        need = 0
+        for seq, start, num in plan:
+            if seq.is_allocated:
+                need += self.kv.num_blocks_to_append(seq.seq_id, num)
+            elif _skips_prefix_cache(self.requests[seq.seq_id[0]]):
+                need += -(-(start + num) // self.block_size)
+            else:
+                need += self.kv.num_blocks_to_allocate(seq.token_ids[: start + num])
+        return need
+
+    def _run_plan(
+        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+    ) -> None:
+        """Allocate or append each planned chunk and emit it. A chunk that no longer fits
+        (the conservative count was not enough) waits for the next step."""
+        for seq, start, num in plan:
+            end = start + num
+            try:
+                if seq.is_allocated:
+                    self.kv.append(seq.seq_id, seq.token_ids[start:end])
+                else:
+                    start = self._allocate(request, seq, end)
+                    seq.is_allocated = True
+                    if request.metrics.num_computed_tokens == 0 and seq.index == 0:
+                        request.metrics.num_cached_tokens = start
+            except OutOfBlocks:
+                budget.tokens += num
+                continue
+            seq.num_computed = end
+            request.metrics.num_computed_tokens += end - start
+            sample_ids: list[SeqId] = []
+            if end == len(seq.token_ids):
+                sample_ids = (
+                    [seq.seq_id]
+                    if request.is_forked
+                    else [(request.request_id, i) for i in range(request.n)]
+                )
+            out.seqs.append(
+                ScheduledSequence(
+                    seq.seq_id,
+                    seq.token_ids[start:end],
+                    start,
+                    self.kv.block_table(seq.seq_id),
+                    self.kv.slot_mapping(seq.seq_id, start, end),
+                    sample_ids,
+                    request.params,
+                    request.seed,
+                    _prompt_logprob_targets(request, seq, start, end),
+                )
+            )
+
+    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
+        """Allocate `seq`'s first `end` tokens; returns how many were found cached.
+
+        A request asking for prompt logprobs takes no prefix-cache hit (a cached block has no
+        logits): its first token alone is allocated (too short to look up), then the rest is
+        appended. Its full blocks still enter the prefix cache for others.
+        """
+        if not _skips_prefix_cache(request):
+            return int(self.kv.allocate(seq.seq_id, seq.token_ids[:end]))
+        self.kv.allocate(seq.seq_id, seq.token_ids[:1])
+        if end > 1:
+            try:
+                self.kv.append(seq.seq_id, seq.token_ids[1:end])
+            except OutOfBlocks:
+                self.kv.free(seq.seq_id)
+                raise
+        return 0
+
+
+def _skips_prefix_cache(request: Request) -> bool:
+    """Prompt logprobs need every prompt position's logits, so the prompt is computed."""
+    return request.params.prompt_logprobs is not None
+
+
+def _prompt_logprob_targets(request: Request, seq: Sequence, start: int, end: int) -> list[int]:
+    """The prompt tokens that follow rows start..end-1, while prompt logprobs are missing."""
+    logprobs = request.prompt_logprobs
+    if logprobs is None or seq.index != 0 or len(logprobs) >= seq.prompt_len:
+        return []
+    return seq.token_ids[start + 1 : min(end, seq.prompt_len - 1) + 1]
