@@ -25,13 +25,23 @@ from _common import print_table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_engine.py"
+_SHIM = """
+import runpy, sys
+from pagedkv import LLM
+if not hasattr(LLM, "close"):  # older commits free the engine when it is collected
+    LLM.close = lambda self: None
+sys.argv = sys.argv[1:]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""Runs this tree's bench_engine.py on either side, adapted to older commits' LLM."""
 
 
 def _run(src: Path, args: list[str], out: Path) -> dict[tuple[str, str], float]:
     """One bench_engine run against the pagedkv in `src`: (dtype, workload) -> seconds."""
     env = os.environ | {"PYTHONPATH": str(src)}
-    cmd = [sys.executable, str(BENCH), "--skip-hf", "--skip-pressure", "--skip-parallel",
-           "--skip-bound", "--output", str(out), *args]  # fmt: skip
+    cmd = [sys.executable, "-c", _SHIM, str(BENCH), "--skip-hf", "--skip-pressure",
+           "--skip-parallel", "--skip-bound", "--output", str(out), *args]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["results"]["throughput"]
     return {(r["dtype"], r["workload"]): r["seconds"] for r in rows if r["system"] == "pagedkv"}

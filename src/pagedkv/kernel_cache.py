@@ -27,6 +27,8 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCE = Path(__file__).parent / "ops" / "cpu" / "kernels.py"
+_IMPORTED = (Path(__file__).parent / "ops" / "cpu" / "bf16.py",)
+"""Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"
 COMPILE_SECONDS = 30
 """About how long building every kernel takes once on a small machine (said to the user)."""
@@ -49,6 +51,8 @@ def kernel_dir() -> Path:
     except importlib.metadata.PackageNotFoundError:
         numba_version = "none"
     key = hashlib.sha256(_SOURCE.read_bytes())
+    for path in _IMPORTED:
+        key.update(path.read_bytes())
     key.update(f"{sys.version_info[:2]} {numba_version}".encode())
     return cache_root() / "cpu-kernels" / key.hexdigest()[:16]
 

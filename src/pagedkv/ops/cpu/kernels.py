@@ -1,8 +1,9 @@
 """The CPU backend's compiled code: plan a batch, attend decode rows over the paged cache.
 
-NumPy and Numba only (no torch: tensors arrive as NumPy views), and no imports from
-pagedkv: `pagedkv.kernel_cache` imports this file from a copy in the user's cache directory, so that
-every checkout and venv of one pagedkv version shares the compiled code.
+NumPy and Numba only (no torch: tensors arrive as NumPy views), and from pagedkv only the
+bfloat16 helpers of `bf16.py`: `pagedkv.kernel_cache` imports this file from a copy in the
+user's cache directory, keyed by both files' source, so that every checkout and venv of one
+pagedkv version shares the compiled code.
 
 Work split (flash-decoding on the CPU). A decode row attends to key positions
 ``[lo, pos]`` of its sequence; the plan cuts that range at multiples of `chunk` into
@@ -22,8 +23,10 @@ softmax update per head, so small blocks do not pay a rescale each.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
+
+from pagedkv.ops.cpu import bf16
+from pagedkv.ops.cpu.bf16 import as_float32
 
 OK, BAD_BOUNDS, BAD_QUERY_LEN, BAD_SEQ_LEN, BAD_BLOCK = range(5)
 MIN_CHUNK = 256
@@ -109,45 +112,22 @@ def _failed(code, seq):  # pragma: no cover
     return np.empty((0, 4), dtype=np.int64), empty, empty, empty, 0, code, seq
 
 
-def _token_row(cache, slot, buf):  # pragma: no cover
-    """One token's K or V row as float32: (array [*, num_kv_heads, head_dim], index)."""
-    raise NotImplementedError("compiled only")
-
-
-@overload(_token_row)
-def _token_row_impl(cache, slot, buf):  # pragma: no cover
-    if cache.dtype == types.uint16:
-        # bfloat16 arrives as its bits: widen into `buf` (bf16 is the top half of a float32).
-        def widen(cache, slot, buf):
-            bits = buf.view(np.uint32)
-            for g in range(cache.shape[1]):
-                for d in range(cache.shape[2]):
-                    bits[0, g, d] = np.uint32(cache[slot, g, d]) << 16
-            return buf, 0
-
-        return widen
-
-    def in_place(cache, slot, buf):
-        return cache, slot
-
-    return in_place
-
-
 @njit(cache=True, fastmath=True)
-def _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc,
-          row_max, row_sum):  # fmt: skip  # pragma: no cover
+def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
+          scale, use_dot, acc, row_max, row_sum):  # fmt: skip  # pragma: no cover
     """Attend item i's query row to its key range; leave its partial state.
 
-    query: float32 [num_rows, H, D]; caches: [num_slots, num_kv_heads, D], float32 or
-    bfloat16 bits as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
+    query: float32 [num_rows, H, D]; query_bits: its bfloat16 bits (uint16, same shape) when
+    `use_dot`, else unused; caches: [num_slots, num_kv_heads, D], float32 or bfloat16 bits
+    as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
     """
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
-    num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     table = block_tables[seq]
     slots = np.empty(SPAN, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
     pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
-    buf = np.empty((4, num_kv_heads, head_dim), dtype=np.float32)
+    weight_bits = np.empty((num_heads, SPAN), dtype=np.uint16)  # `bf16.accumulate_span`
     acc[:] = 0.0
     row_max[:] = NEG_INIT
     row_sum[:] = 0.0
@@ -156,9 +136,15 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
         for t in range(n):
             pos = t0 + t
             slots[t] = table[pos // block_size] * block_size + pos % block_size
-        _score_span(query[row], key_cache, slots, n, np.float32(scale), scores, buf)
-        _softmax_span(scores, n, acc, row_max, row_sum, pow2)
-        _accumulate_span(value_cache, slots, n, scores, acc, buf)
+        if use_dot:
+            key_bits, value_bits = bf16.as_bits(key_cache), bf16.as_bits(value_cache)
+            bf16.score_span(query_bits[row], key_bits, slots, n, np.float32(scale), scores)
+            _softmax_span(scores, n, acc, row_max, row_sum, pow2)
+            bf16.accumulate_span(value_bits, slots, n, scores, acc, weight_bits)
+        else:
+            _score_span(query[row], key_cache, slots, n, np.float32(scale), scores)
+            _softmax_span(scores, n, acc, row_max, row_sum, pow2)
+            _accumulate_span(value_cache, slots, n, scores, acc)
 
 
 # The span steps are separate functions: each one's inner loop then vectorizes (in one
@@ -169,19 +155,19 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
 
 
 @njit(cache=True, fastmath=True)
-def _score_span(q, key_cache, slots, n, scale, scores, buf):  # pragma: no cover
+def _score_span(q, key_cache, slots, n, scale, scores):  # pragma: no cover
     """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     for t in range(n):
-        k, j = _token_row(key_cache, slots[t], buf)
+        k, j = key_cache, slots[t]
         for g in range(num_kv_heads):
             h, end = g * group, (g + 1) * group
             while h + 4 <= end:
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
-                    kd = k[j, g, d]
+                    kd = as_float32(k[j, g, d])
                     s0 += q[h, d] * kd
                     s1 += q[h + 1, d] * kd
                     s2 += q[h + 2, d] * kd
@@ -192,7 +178,7 @@ def _score_span(q, key_cache, slots, n, scale, scores, buf):  # pragma: no cover
             for rest in range(h, end):
                 s = np.float32(0.0)
                 for d in range(head_dim):
-                    s += q[rest, d] * k[j, g, d]
+                    s += q[rest, d] * as_float32(k[j, g, d])
                 scores[rest, t] = s * scale
 
 
@@ -243,32 +229,31 @@ def _exp_span(x, n, shift, pow2):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _accumulate_span(value_cache, slots, n, weights, acc, buf):  # pragma: no cover
-    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n; buf: [4, kv_heads, D]."""
+def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
+    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n."""
     num_heads, head_dim = acc.shape
     group = num_heads // value_cache.shape[1]
+    v = value_cache
     t = 0
     while t + 4 <= n:
-        v0, j0 = _token_row(value_cache, slots[t], buf[0:1])
-        v1, j1 = _token_row(value_cache, slots[t + 1], buf[1:2])
-        v2, j2 = _token_row(value_cache, slots[t + 2], buf[2:3])
-        v3, j3 = _token_row(value_cache, slots[t + 3], buf[3:4])
+        j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
         for h in range(num_heads):
             g = h // group
             p0, p1 = weights[h, t], weights[h, t + 1]
             p2, p3 = weights[h, t + 2], weights[h, t + 3]
             for d in range(head_dim):
                 acc[h, d] += (
-                    p0 * v0[j0, g, d] + p1 * v1[j1, g, d] + p2 * v2[j2, g, d] + p3 * v3[j3, g, d]
-                )
+                    p0 * as_float32(v[j0, g, d]) + p1 * as_float32(v[j1, g, d])
+                    + p2 * as_float32(v[j2, g, d]) + p3 * as_float32(v[j3, g, d])
+                )  # fmt: skip
         t += 4
     for rest in range(t, n):
-        v, j = _token_row(value_cache, slots[rest], buf[0:1])
+        j = slots[rest]
         for h in range(num_heads):
             g = h // group
             p = weights[h, rest]
             for d in range(head_dim):
-                acc[h, d] += p * v[j, g, d]
+                acc[h, d] += p * as_float32(v[j, g, d])
 
 
 @njit(cache=True, fastmath=True)
@@ -294,33 +279,36 @@ def _merge(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def decode_parallel(query, key_cache, value_cache, block_tables, items, row_items,
-                    block_size, scale, out):  # fmt: skip  # pragma: no cover
+def decode_parallel(query, query_bits, key_cache, value_cache, block_tables, items, row_items,
+                    block_size, scale, use_dot, out):  # fmt: skip  # pragma: no cover
     """`decode_serial` with items and rows spread over Numba's threads."""
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
-        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
-              acc[i], row_max[i], row_sum[i])  # fmt: skip
+        _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
+              scale, use_dot, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
 
 
 @njit(cache=True, fastmath=True)
-def decode_serial(query, key_cache, value_cache, block_tables, items, row_items,
-                  block_size, scale, out):  # fmt: skip  # pragma: no cover
+def decode_serial(query, query_bits, key_cache, value_cache, block_tables, items, row_items,
+                  block_size, scale, use_dot, out):  # fmt: skip  # pragma: no cover
     """Attention of the plan's kernel rows: out[r] for query row r of `query`.
 
-    query: float32 [num_rows, H, D] (the kernel rows only); out: float32 [num_rows, H, D].
+    query: float32 [num_rows, H, D] (the kernel rows only); query_bits: the same rows'
+    bfloat16 bits (uint16) when `use_dot` (a bfloat16 cache through `bf16.score_span` and
+    `bf16.accumulate_span`, head_dim a multiple of `bf16.STEP`), else any uint16 array;
+    out: float32 [num_rows, H, D].
     """
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in range(num_items):
-        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
-              acc[i], row_max[i], row_sum[i])  # fmt: skip
+        _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
+              scale, use_dot, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in range(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
