@@ -13,6 +13,7 @@ import torch
 from numba import njit
 from paged_cases import expected, make_case
 
+from pagedkv import kernel_cache
 from pagedkv.ops import cpu, paged_attention
 from pagedkv.ops.cpu import bf16
 
@@ -119,3 +120,13 @@ def test_kernels_compiled_for_a_cpu_without_avx512(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", _WITHOUT_AVX512, here], capture_output=True,
                             text=True, timeout=900, env=env)  # fmt: skip
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_kernel_cache_key_covers_the_bf16_source(tmp_path, monkeypatch) -> None:
+    """The kernels import bf16.py, whose changes Numba's cache cannot see: they change the
+    shared copy's directory instead."""
+    here = kernel_cache.kernel_dir()
+    copy = tmp_path / "bf16.py"
+    copy.write_text(bf16.__loader__.get_source(bf16.__name__) + "\n# changed\n")
+    monkeypatch.setattr(kernel_cache, "_IMPORTED", (copy,))
+    assert kernel_cache.kernel_dir() != here
