@@ -225,7 +225,7 @@ class Scheduler(PlanningMixin, PreemptionMixin):
             if not sample_ids:
                 continue
             request = requests[scheduled.seq_id[0]]
-            if len(request.seqs) != request.params.n:  # not forked yet
+            if len(request.seqs) != request.n:  # not forked yet
                 self._fork(request, request.seq(scheduled.seq_id[1]))
             if len(sample_ids) == 1:  # the common case, without the lists below
                 seq_id = sample_ids[0]

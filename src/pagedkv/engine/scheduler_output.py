@@ -24,7 +24,9 @@ class ScheduledSequence:
     the fork of n > 1) with `sampling_params`; sample `(request_id, index)` draws from the
     generator of `(seed, index)`. `prompt_logprob_token_ids[i]` is the prompt token after
     row i: the runner returns its logprob (and the top `sampling_params.prompt_logprobs`)
-    from row i's logits; empty unless the request asks for prompt logprobs.
+    from row i's logits; empty unless the request asks for prompt logprobs. `block_table` may
+    be the very list a later step hands out again (replaced, not changed, when the blocks
+    change): read it, never mutate it.
 
     Raises:
         ValueError: `slot_mapping` does not have one slot per token, or a sampling
