@@ -1,4 +1,4 @@
-"""The engine under memory pressure and with sharing (issue 5), on a tiny random Llama.
+"""The engine under memory pressure and with sharing, on a tiny random Llama.
 
 PAGEDKV_DEBUG=1 (tests/conftest.py) runs `KVCacheManager.check()` after every step.
 """
