@@ -1,6 +1,7 @@
 """Paged attention vs scaled_dot_product_attention on the same KV held contiguously.
 
-Decode (one new token per sequence) and prefill over GQA 32/8 heads, head_dim 128: time per
+Decode (one new token per sequence) and prefill over GQA 32/8 heads, head_dim 128 (else
+`--heads 12 4 --head-dim 64`, the engine model's geometry): time per
 call (median), achieved GB/s of KV read, the ratio to the contiguous SDPA baseline measured
 in the same run, and the machine's read bandwidth measured here. Also times `write_kv` for
 one decode step (32 tokens).
@@ -280,12 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+")
     p.add_argument("--block-size", type=int, nargs="+")
     p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
-    p.add_argument(
-        "--max-kv-gib",
-        type=float,
-        default=None,
-        help="skip shapes whose KV (one copy) exceeds this",
-    )
+    p.add_argument("--max-kv-gib", type=float, help="skip shapes whose KV (one copy) exceeds this")
+    p.add_argument("--heads", type=int, nargs=2, default=[32, 8], help="query and KV heads")
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-prefill-context", type=int, default=None)
     p.add_argument("--min-time", type=float, default=None, help="seconds of repeats per timing")
     p.add_argument("--no-prefill", action="store_true")
@@ -319,7 +317,9 @@ def _row(r: dict, bandwidth: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM  # the geometry every bench function reads
     args = parse_args(argv)
+    (NUM_HEADS, NUM_KV_HEADS), HEAD_DIM = args.heads, args.head_dim
     torch.set_num_threads(args.threads)
     os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
     if args.device == "cpu":
@@ -366,24 +366,17 @@ def main(argv: list[str] | None = None) -> None:
             results.append(r)
             print(_row(r, bandwidth), flush=True)
         if not args.no_prefill:
-            r = bench_mixed(
-                16 if args.quick else 32,
-                2048,
-                512,
-                args.block_size[0],
-                dtype,
-                args.device,
-                backend,
-                args.min_time,
-                gen,
-            )
+            batch = 16 if args.quick else 32
+            r = bench_mixed(batch, 2048, 512, args.block_size[0], dtype, args.device, backend,
+                            args.min_time, gen)  # fmt: skip
             results.append(r)
             print(_row(r, bandwidth), flush=True)
     writes = {
         name: bench_write(DTYPES[name], args.device, args.min_time, gen) for name in args.dtype
     }
     for name, seconds in writes.items():
-        print(f"write_kv {name}, 32 tokens x 8 heads x 128: {seconds * 1e6:.1f} us")
+        shape = f"32 tokens x {NUM_KV_HEADS} heads x {HEAD_DIM}"
+        print(f"write_kv {name}, {shape}: {seconds * 1e6:.1f} us")
     name = f"attention_{args.device}" + ("_quick" if args.quick else "")
     extra = dict(threads=args.threads, backend=backend, read_bandwidth_bytes_per_s=bandwidth)
     if args.device == "cuda":

@@ -11,7 +11,8 @@ instruction and no widening. LLVM never emits it from plain loops (its rounding 
 from two FMAs), so two loops are written here in LLVM IR with it as inline assembly:
 `dot_bf16` (query rows . key rows, pairs along head_dim) and `accumulate_bf16` (weights x
 V rows, pairs along tokens: two tokens' V values interleaved, their weights rounded to
-bfloat16 as torch rounds them). `score_span` and `accumulate_span` walk a span with them.
+bfloat16 as torch rounds them). `score_span` and `accumulate_span` walk a span with them;
+`prefetch_rows` (both dtypes) asks for the rows ahead of the score loops.
 
 Whether the target has the instruction is decided when the kernels compile
 (`HAS_DOT_INSTRUCTION`, for the CPU Numba compiles for, which is in Numba's cache key);
@@ -87,15 +88,18 @@ def _pairs_dot(builder: ir.IRBuilder, acc: ir.Value, a: ir.Value, b: ir.Value) -
         # AT&T operand order: $0 is the result, tied to $1 (acc); $2, $3 the pairs.
         fn = ir.FunctionType(_F32X16, [_F32X16, _I32X16, _I32X16])
         return builder.asm(fn, "vdpbf16ps $3, $2, $0", "=v,0,v,v", [acc, a, b], False)
-    fma = builder.module.globals.get("llvm.fma.v16f32") or ir.Function(
-        builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32"
-    )
+    fma = _declare(builder.module, "llvm.fma.v16f32", _F32X16, [_F32X16] * 3)
     high = ir.Constant(_I32X16, [-65536] * LANES)  # 0xFFFF0000: the odd element in place
     sixteen = ir.Constant(_I32X16, [16] * LANES)
     for part in (lambda x: builder.shl(x, sixteen), lambda x: builder.and_(x, high)):
         wide_a, wide_b = (builder.bitcast(part(x), _F32X16) for x in (a, b))
         acc = builder.call(fma, [wide_a, wide_b, acc])
     return acc
+
+
+def _declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
+    """The LLVM intrinsic `name` in `module`, declared on first use."""
+    return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
 
 
 def _lane_sums(builder: ir.IRBuilder, accs: list[ir.Value]) -> list[ir.Value]:
@@ -299,21 +303,42 @@ def round_to_bf16(x):  # pragma: no cover
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-def as_bits(cache):  # pragma: no cover
-    """`cache` when it holds bfloat16 bits (uint16), else an empty uint16 array: the kernels
-    compiled for float32 caches then type the dot path too (the plan never runs it there)."""
-    raise NotImplementedError("compiled only")
+AHEAD = 2
+"""Tokens between a K row's prefetch and its first read."""
 
 
-@overload(as_bits)
-def _as_bits_impl(cache):  # pragma: no cover
-    if cache.dtype == types.uint16:
-        return lambda cache: cache
-    return lambda cache: np.empty((0, 0, 0), dtype=np.uint16)
+@intrinsic
+def _prefetch(typingctx, cache, offset):  # pragma: no cover
+    """Load the line of cache.flat[offset] (C-contiguous) into L2: a hint, it never faults."""
+    if not (isinstance(cache, types.Array) and cache.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        byte = ir.IntType(8)
+        at = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], byte)
+        fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
+                      [byte.as_pointer()] + [_I32] * 3)  # fmt: skip
+        builder.call(fn, [at] + [ir.Constant(_I32, x) for x in (0, 2, 1)])  # read, L2, data
+        return context.get_dummy_value()
+
+    return types.none(cache, offset), codegen
+
+
+@njit(inline="always")
+def prefetch_rows(key_cache, value_cache, slots, t, known):  # pragma: no cover
+    """Before token t of a span is scored, prefetch the K row `AHEAD` tokens on (if before
+    `known`) and token t's V row (read after the span's softmax): blocks are scattered, so the
+    hardware prefetcher does not run across them. Caches [slots, kv heads, D], C-contiguous."""
+    row = key_cache.shape[1] * key_cache.shape[2]
+    line = 64 // key_cache.itemsize
+    for c in range(0, row, line):
+        if t + AHEAD < known:
+            _prefetch(key_cache, slots[t + AHEAD] * row + c)
+        _prefetch(value_cache, slots[t] * row + c)
 
 
 @njit(fastmath=True)
-def score_span(q_bits, key_cache, slots, n, scale, scores):  # pragma: no cover
+def score_span(q_bits, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
     """`kernels._score_span` for a bfloat16 cache through `dot_bf16`: q_bits [H, D] uint16, the
     query row's bfloat16 bits; head_dim a multiple of `STEP`. Tiles of two tokens x four
     heads of a group (a group's last tile may hold fewer)."""
@@ -321,6 +346,8 @@ def score_span(q_bits, key_cache, slots, n, scale, scores):  # pragma: no cover
     num_kv_heads = key_cache.shape[1]
     group, row = num_heads // num_kv_heads, num_kv_heads * head_dim
     for t in range(0, n, 2):
+        prefetch_rows(key_cache, value_cache, slots, t, known)
+        prefetch_rows(key_cache, value_cache, slots, min(t + 1, n - 1), known)
         r0, r1 = slots[t] * row, slots[min(t + 1, n - 1)] * row
         for g in range(num_kv_heads):
             k = (r0 + g * head_dim, r1 + g * head_dim)

@@ -23,7 +23,8 @@ softmax update per head, so small blocks do not pay a rescale each.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from pagedkv.ops.cpu import bf16
 from pagedkv.ops.cpu.bf16 import as_float32
@@ -124,7 +125,7 @@ def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, blo
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
     table = block_tables[seq]
-    slots = np.empty(SPAN, dtype=np.int64)
+    slots = np.empty(SPAN + bf16.AHEAD, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
     pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
     weight_bits = np.empty((num_heads, SPAN), dtype=np.uint16)  # `bf16.accumulate_span`
@@ -133,18 +134,34 @@ def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, blo
     row_sum[:] = 0.0
     for t0 in range(start, end, SPAN):
         n = min(SPAN, end - t0)
-        for t in range(n):
+        known = min(n + bf16.AHEAD, end - t0)  # and the next span's first, to prefetch
+        for t in range(known):
             pos = t0 + t
             slots[t] = table[pos // block_size] * block_size + pos % block_size
         if use_dot:
-            key_bits, value_bits = bf16.as_bits(key_cache), bf16.as_bits(value_cache)
-            bf16.score_span(query_bits[row], key_bits, slots, n, np.float32(scale), scores)
+            key_bits, value_bits = _as_bits(key_cache), _as_bits(value_cache)
+            bf16.score_span(query_bits[row], key_bits, value_bits, slots, n, known,
+                            np.float32(scale), scores)  # fmt: skip
             _softmax_span(scores, n, acc, row_max, row_sum, pow2)
             bf16.accumulate_span(value_bits, slots, n, scores, acc, weight_bits)
         else:
-            _score_span(query[row], key_cache, slots, n, np.float32(scale), scores)
+            _score_span(query[row], key_cache, value_cache, slots, n, known, np.float32(scale),
+                        scores)  # fmt: skip
             _softmax_span(scores, n, acc, row_max, row_sum, pow2)
             _accumulate_span(value_cache, slots, n, scores, acc)
+
+
+def _as_bits(cache):  # pragma: no cover
+    """`cache` when it holds bfloat16 bits (uint16), else an empty uint16 array: the kernels
+    compiled for float32 caches then type the dot path too (the plan never runs it there)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_as_bits)
+def _as_bits_impl(cache):  # pragma: no cover
+    if cache.dtype == types.uint16:
+        return lambda cache: cache
+    return lambda cache: np.empty((0, 0, 0), dtype=np.uint16)
 
 
 # The span steps are separate functions: each one's inner loop then vectorizes (in one
@@ -155,12 +172,14 @@ def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, blo
 
 
 @njit(cache=True, fastmath=True)
-def _score_span(q, key_cache, slots, n, scale, scores):  # pragma: no cover
-    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n."""
+def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
+    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches as it goes
+    (`bf16.prefetch_rows`; slots[n:known] are the next span's first)."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     for t in range(n):
+        bf16.prefetch_rows(key_cache, value_cache, slots, t, known)
         k, j = key_cache, slots[t]
         for g in range(num_kv_heads):
             h, end = g * group, (g + 1) * group
