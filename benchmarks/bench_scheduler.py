@@ -5,7 +5,9 @@ requests shares through the prefix cache), on pools of 10K to 1M blocks: the sam
 in every pool, sized so that the smallest holds it. A stand-in runner
 (`pagedkv.sim.paged.StandInRunner`) samples each sequence's own next token id, so no model
 runs and the time is that of `Scheduler.schedule()` + `Scheduler.update()` alone: the
-engine's own code, with the `KVCacheManager` under it. Standard library only.
+engine's own code, with the `KVCacheManager` under it. Standard library only. Token ids
+are int32, as a tokenizer's are (`int32_id_shift`): the prefix index keys a block of
+int32 ids as packed bytes and other ids on a slower path the engine never takes.
 
 Figures: milliseconds per steady decode step (every sequence admitted, one token each; a
 new block every `block_size` steps), median and 90th percentile over the measured steps
@@ -56,10 +58,20 @@ def make_requests(num: int, seed: int, *, group_size: int = 32) -> list[Request]
     ]
 
 
+def int32_id_shift(num_requests: int, max_len: int) -> int:
+    """The position bits of the stand-in's token ids (`pagedkv.sim.paged.token_ids`): as
+    few as hold every position below `max_len`, so ids fit in int32; 32 (the simulator's)
+    when even those do not fit."""
+    shift = max_len.bit_length()
+    largest = ((2 * num_requests - 1) << shift) + max_len  # request n - 1's own ids
+    return shift if largest < 2**31 else 32
+
+
 def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str, Any]:
     """Admit `num_seqs` requests into a pool of `num_blocks`, then time `steps` decode steps."""
     manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
     requests = make_requests(num_seqs, seed)
+    id_shift = int32_id_shift(num_seqs, max(r.total_len for r in requests))
     config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
     scheduler = Scheduler(
         config,
@@ -68,10 +80,10 @@ def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str,
         block_size=BLOCK_SIZE,
         max_model_len=max(r.total_len for r in requests),
     )
-    runner = StandInRunner(StepCost())
+    runner = StandInRunner(StepCost(), id_shift=id_shift)
     for index, request in enumerate(requests):
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-        prompt = token_ids(index, request, 0, request.prompt_len)
+        prompt = token_ids(index, request, 0, request.prompt_len, id_shift=id_shift)
         scheduler.add_request(
             EngineRequest(str(index), prompt, params, arrival_time=0.0, arrival_index=index)
         )
@@ -111,6 +123,7 @@ def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str,
         "update_ms": statistics.median(b * 1e3 for _, b in times),
         "used_blocks": num_blocks - manager.num_free_blocks,
         "prefix_cache_hits": stats.get("prefix_cache_hits"),
+        "id_shift": id_shift,
     }
 
 

@@ -20,7 +20,9 @@ One iteration:
 When nothing is running or waiting, the clock jumps to the next arrival. Token ids live
 in disjoint ranges: request i's own tokens at (2i + 1) << 32 | position, prefix group g's
 shared ones at (2g + 2) << 32 | position, so blocks are shared only through the prefix
-cache, and only within a prefix group (or a request's own recomputed tokens).
+cache, and only within a prefix group (or a request's own recomputed tokens). A caller
+whose positions and indices allow may pass a smaller `id_shift` (e.g. for int32 ids, as a
+tokenizer's are).
 """
 
 from __future__ import annotations
@@ -39,30 +41,38 @@ from pagedkv.sim.workload import Request
 _ID_SHIFT = 32
 
 
-def token_ids(index: int, request: Request, lo: int, hi: int) -> list[int]:
-    """Request `index`'s token ids at positions [lo, hi) (prompt and generated alike)."""
-    own = ((2 * index + 1) << _ID_SHIFT) + lo
+def token_ids(
+    index: int, request: Request, lo: int, hi: int, *, id_shift: int = _ID_SHIFT
+) -> list[int]:
+    """Request `index`'s token ids at positions [lo, hi) (prompt and generated alike).
+
+    `id_shift`: the bits that hold the position; ids stay distinct while every position is
+    below ``2 ** id_shift``.
+    """
+    own = ((2 * index + 1) << id_shift) + lo
     shared = min(hi, request.prefix_len) - lo
     if shared <= 0:
         return list(range(own, own + hi - lo))
     assert request.prefix_group is not None, "a prefix_len needs a prefix_group"
-    group = ((2 * request.prefix_group + 2) << _ID_SHIFT) + lo
+    group = ((2 * request.prefix_group + 2) << id_shift) + lo
     return list(range(group, group + shared)) + list(range(own + shared, own + hi - lo))
 
 
 class StandInRunner:
     """Executes a `SchedulerOutput` without a model (the request id is the workload index)."""
 
-    def __init__(self, cost: StepCost) -> None:
+    def __init__(self, cost: StepCost, *, id_shift: int = _ID_SHIFT) -> None:
         self.cost = cost
+        self.id_shift = id_shift  # as given to `token_ids` for the prompts
 
     def execute(self, step: SchedulerOutput) -> dict[SeqId, int]:
         """Per sampled id, the request's own token id at the new token's position."""
         sampled: dict[SeqId, int] = {}
+        shift = self.id_shift
         for seq in step.seqs:
             seq_len = seq.start_pos + len(seq.token_ids)
             for seq_id in seq.sample_seq_ids:
-                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << _ID_SHIFT) + seq_len
+                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << shift) + seq_len
         return sampled
 
     def step_time(self, step: SchedulerOutput) -> float:
