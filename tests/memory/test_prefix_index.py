@@ -84,7 +84,7 @@ def test_check_catches_a_forgotten_decrement() -> None:
     m.allocate("a", tokens(0, 5))
     m.fork("a", "b")
     m.check()
-    # Dropping b's table without releasing its references: the seed's forgotten decrement.
+    # Dropping b's table without releasing its references: a forgotten decrement.
     del m._seqs["b"]
     with pytest.raises(AssertionError, match="ref_count 2 != 1 holders"):
         m.check()
