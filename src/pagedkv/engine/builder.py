@@ -16,13 +16,13 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.workers import (
     TensorParallelRunner,
+    first_failure,
     rank_device,
     share_cpu_threads,
     start_workers,
 )
-from pagedkv.errors import WorkerFailed
 from pagedkv.memory import KVCacheManager
-from pagedkv.models import CausalLM, load_model, resolve_dtype
+from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,9 +60,7 @@ def build_engine_parts(
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     torch_dtype = resolve_dtype(args.dtype, model_config)
     cache = args.create_cache_config()
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device)
     runner: ModelRunner | TensorParallelRunner
     if args.tensor_parallel_size > 1:
         check_split(model_config, args.tensor_parallel_size)  # before any process starts
@@ -70,12 +68,12 @@ def build_engine_parts(
         tp, workers, launch = start_workers(args)
         device = rank_device(device, launch)
         try:
-            rank_runner = build_rank_runner(args, tp, device)
+            rank_runner = build_rank_runner(args, model_config, tp, device)
             runner = TensorParallelRunner(rank_runner, workers, num_threads)
         except BaseException as exc:
-            raise _worker_failure(workers) or exc from exc
+            raise first_failure(workers) or exc from exc
     else:
-        runner = build_rank_runner(args, NO_PARALLEL, device)
+        runner = build_rank_runner(args, model_config, NO_PARALLEL, device)
     kv_manager = KVCacheManager(
         runner.kv_cache.num_blocks,
         cache.block_size,
@@ -96,13 +94,14 @@ def build_engine_parts(
     return config, runner, kv_manager, tokenizer, {"max_model_len": max_model_len}
 
 
-def build_rank_runner(args: EngineArgs, tp: TensorParallel, device: str) -> ModelRunner:
+def build_rank_runner(
+    args: EngineArgs, model_config: ModelConfig, tp: TensorParallel, device: str
+) -> ModelRunner:
     """Load rank `tp.rank`'s share of the model, allocate its KV pool and wrap both.
 
     Every rank calls this at start-up, in step: rank 0 sizes the pool for all of them (a
     block id must mean the same block on every rank) and the others receive its sizes.
     """
-    model_config = ModelConfig.from_hf(args.model)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     torch_dtype = resolve_dtype(args.dtype, model_config)
     if tp.size > 1 and not device.startswith("cuda"):
@@ -184,15 +183,6 @@ def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
         figures["kv_heads_per_gpu"], figures["kv_bytes_per_token"],
         figures["kv_bytes_per_block"], figures["kv_cache_bytes"] / 2**20,
     )  # fmt: skip
-
-
-def _worker_failure(workers: list[Any]) -> BaseException | None:
-    """A worker's own error, when one stopped while the ranks were starting."""
-    for worker in workers:
-        reason = worker.failure()
-        if reason is not None:
-            return WorkerFailed(worker.rank, reason)
-    return None
 
 
 def _num_device_blocks(

@@ -36,11 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedkv.config import ModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
 from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.errors import WorkerFailed
+from pagedkv.models import resolve_device
 from pagedkv.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,15 @@ class Worker:
         if message is None and self.process.is_alive():
             return None
         return message or f"exited with code {self.process.exitcode}"
+
+
+def first_failure(workers: list[Worker]) -> WorkerFailed | None:
+    """The first worker that has stopped, as the error to raise; None if all are alive."""
+    for worker in workers:
+        reason = worker.failure()
+        if reason is not None:
+            return WorkerFailed(worker.rank, reason)
+    return None
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,7 @@ def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], Launc
 
 def rank_device(device: str, launch: Launch) -> str:
     """The device of a rank: its own GPU (`cuda:LOCAL_RANK`) or the CPU."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     return f"cuda:{launch.local_rank}" if device.startswith("cuda") else device
 
 
@@ -166,10 +176,10 @@ class TensorParallelRunner:
         self.tp = runner.model.tp
         self.kv_cache = runner.kv_cache
         self.workers = workers
-        self._error: WorkerFailed | None = None
-        # Shared with the finalizer: an engine dropped without `close` still stops its
-        # workers and leaves the group, so another one can start in this process.
-        self._state = {"failed": False}
+        # The failure that ended the group, if any; shared with the finalizer, so that an
+        # engine dropped without `close` still stops its workers and leaves the group (and
+        # another one can start in this process).
+        self._state: dict[str, WorkerFailed | None] = {"error": None}
         self._finalizer = weakref.finalize(
             self, _shut_down, self.tp, workers, num_threads, self._state
         )
@@ -186,9 +196,8 @@ class TensorParallelRunner:
             self.tp.broadcast_object(step)
             return self.runner.execute(step)
         except Exception as exc:
-            self._error = self._failure_after(exc)
-            self._state["failed"] = True
-            raise self._error from exc
+            error = self._state["error"] = self._failure_after(exc)
+            raise error from exc
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
@@ -198,14 +207,10 @@ class TensorParallelRunner:
 
     def check_health(self) -> None:
         """Raise `WorkerFailed` if any worker has stopped (cheap: no collective)."""
-        if self._error is not None:
-            raise self._error
-        for worker in self.workers:
-            reason = worker.failure()
-            if reason is not None:
-                self._error = WorkerFailed(worker.rank, reason)
-                self._state["failed"] = True
-                raise self._error
+        error = self._state["error"] or first_failure(self.workers)
+        if error is not None:
+            self._state["error"] = error
+            raise error
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
@@ -218,21 +223,23 @@ class TensorParallelRunner:
             return WorkerFailed(0, f"{type(exc).__name__}: {exc}")
         deadline = time.monotonic() + _EXIT_GRACE_S
         while time.monotonic() < deadline:
-            for worker in self.workers:
-                reason = worker.failure()
-                if reason is not None:
-                    return WorkerFailed(worker.rank, reason)
+            error = first_failure(self.workers)
+            if error is not None:
+                return error
             time.sleep(0.05)
         return WorkerFailed(None, f"a collective failed: {exc}")
 
 
 def _shut_down(
-    tp: TensorParallel, workers: list[Worker], num_threads: int, state: dict[str, bool]
+    tp: TensorParallel,
+    workers: list[Worker],
+    num_threads: int,
+    state: dict[str, WorkerFailed | None],
 ) -> None:
     """Rank 0's end of the group: a None step ends the workers' loop (unless one failed:
     the others may be stuck in a collective, and are terminated), then the group goes and
     torch gets its threads back."""
-    if not state["failed"] and dist.is_initialized():
+    if state["error"] is None and dist.is_initialized():
         try:
             tp.broadcast_object(None)
         except RuntimeError:
@@ -271,7 +278,8 @@ def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
 def _serve_steps(args: EngineArgs, launch: Launch, tp: TensorParallel) -> None:
     from pagedkv.engine.builder import build_rank_runner
 
-    runner = build_rank_runner(args, tp, rank_device(args.device, launch))
+    model_config = ModelConfig.from_hf(args.model)
+    runner = build_rank_runner(args, model_config, tp, rank_device(args.device, launch))
     while (step := tp.broadcast_object()) is not None:
         runner.execute(step)
     dist.destroy_process_group()
@@ -307,10 +315,9 @@ def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorPar
     thread.start()
     while thread.is_alive():
         thread.join(0.1)
-        for worker in workers:
-            reason = worker.failure()
-            if reason is not None:
-                raise WorkerFailed(worker.rank, reason)
+        error = first_failure(workers)
+        if error is not None:
+            raise error
     if errors:
         raise errors[0]
     logger.info("tensor parallel: rank %d of %d joined (%s)", launch.rank, launch.size, backend)

@@ -10,8 +10,16 @@ from pagedkv.models.llama import CausalLM
 from pagedkv.models.loader import (
     checkpoint_shapes,
     load_model,
+    resolve_device,
     resolve_dtype,
     save_random_checkpoint,
 )
 
-__all__ = ["CausalLM", "checkpoint_shapes", "load_model", "resolve_dtype", "save_random_checkpoint"]
+__all__ = [
+    "CausalLM",
+    "checkpoint_shapes",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "save_random_checkpoint",
+]

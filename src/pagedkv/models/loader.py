@@ -67,6 +67,13 @@ def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -
     return _DTYPES[name]
 
 
+def resolve_device(device: torch.device | str) -> str:
+    """The device's name, with `auto` as CUDA when available, else the CPU."""
+    if str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF-layout checkpoint of `config` holds, with its shape.
 
@@ -152,7 +159,7 @@ def _shape(source: Any) -> tuple[int, ...]:
 def _read(source: Any, shard: tuple[int, range] | None) -> torch.Tensor:
     """All of `source`, or the part `shard` (dimension, range) names."""
     if shard is None:
-        return source[...] if isinstance(source, torch.Tensor) else source[:]
+        return source if isinstance(source, torch.Tensor) else source[:]
     dim, rows = shard
     index = (slice(None),) * dim + (slice(rows.start, rows.stop),)
     return source[index]
@@ -190,8 +197,7 @@ def load_model(
         raise ValueError(f"model dir: expected a directory or a .gguf file, got {str(model_dir)!r}")
     config = ModelConfig.from_hf(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if gguf_file is None:
         tensors = _iter_tensors(_checkpoint_files(model_dir))
     else:
