@@ -164,3 +164,31 @@ def test_bookkeeping_stays_within_20_bytes_per_block_under_churn() -> None:
             held.append(blocks)
         assert pool.nbytes() <= 20 * n + 4 * 2048, f"step {step}: {pool.nbytes()} bytes"
     pool.check(_holders(pool, *held))
+
+
+def test_allocate_one_takes_the_block_allocate_would() -> None:
+    """From the free stack, then never-used blocks, then the cached ones (evicted)."""
+    rng = random.Random(3)
+    pools = [_pool(12), _pool(12)]
+    held: list[list[int]] = [[], []]
+    for step in range(400):
+        if held[0] and (rng.random() < 0.4 or not pools[0].num_free_blocks):
+            i, cache = rng.randrange(len(held[0])), rng.random() < 0.5
+            for pool, blocks in zip(pools, held, strict=True):
+                b = blocks.pop(i)
+                if cache:  # indexed, so freed as cached (evicted when nothing else is free)
+                    assert pool.index is not None
+                    pool.index.insert(0, (step,), b)
+                pool.free([b])
+            continue
+        one = pools[0].allocate_one()
+        assert [one] == _alloc(pools[1], 1)
+        held[0].append(one)
+        held[1].append(one)
+    assert pools[0].num_evictions == pools[1].num_evictions > 0
+    for pool, blocks in zip(pools, held, strict=True):
+        pool.check(_holders(pool, blocks))
+    with pytest.raises(OutOfBlocks):
+        full = _pool(1)
+        full.allocate_one()
+        full.allocate_one()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -283,3 +284,41 @@ def test_memory_layer_imports_without_torch() -> None:
         "m = KVCacheManager(4, 2); m.allocate('a', [1, 2, 3]); m.check()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_append_token_takes_the_block_append_would() -> None:
+    """Across full blocks (fresh, reused and evicted ones), forks and frees, `append_token`
+    leaves exactly the state `append` leaves, and refuses exactly when it would not fit."""
+    rng = random.Random(5)
+    m, ref = KVCacheManager(12, 2), KVCacheManager(12, 2)
+    live: list[str] = []
+    for step in range(600):
+        op = rng.random()
+        if live and m.num_free_blocks < 4 and op < 0.3:
+            op = 0.7  # make room: free one
+        if live and op < 0.6:
+            seq_id, token = rng.choice(live), rng.randrange(4)
+            fits = ref.num_blocks_to_append(seq_id, 1) <= ref.num_free_blocks
+            table = m.append_token(seq_id, token)
+            assert (table is not None) == fits
+            if fits:
+                ref.append(seq_id, [token])
+                assert table == ref.block_table(seq_id)
+        elif live and op < 0.72:
+            seq_id = live.pop(rng.randrange(len(live)))
+            m.free(seq_id)
+            ref.free(seq_id)
+        elif live and op < 0.85:
+            parent, child = rng.choice(live), f"s{step}"
+            m.fork(parent, child)
+            ref.fork(parent, child)
+            live.append(child)
+        else:
+            prompt = [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+            if m.num_blocks_to_allocate(prompt) <= m.num_free_blocks:
+                m.allocate(f"s{step}", prompt)
+                ref.allocate(f"s{step}", prompt)
+                live.append(f"s{step}")
+        assert snapshot(m) == snapshot(ref) and m.pop_copies() == ref.pop_copies()
+    m.check()
+    assert m.stats()["num_evictions"] > 0

@@ -1,4 +1,5 @@
-"""`KVCacheManager.check()` and `stats()`: read-only views of the whole state.
+"""`KVCacheManager`'s read-only views: `block_table`, `num_tokens`, `slot_mapping` of one
+sequence, and `check()` and `stats()` of the whole state.
 
 `check` rebuilds the counts from the sequences' block tables, never reading them from the
 pool, so a forgotten decrement (a block whose count exceeds its holders) or a leak (a block
@@ -7,14 +8,14 @@ neither free nor held) cannot hide. O(num_blocks + tokens held): for tests and d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pagedkv.memory.prefix import ROOT_UID
+from pagedkv.memory.sequence import SeqId, SeqState
 
 if TYPE_CHECKING:
     from pagedkv.memory.manager import KVCacheManager
-    from pagedkv.memory.sequence import SeqState
 
 
 def check_manager(manager: KVCacheManager) -> None:
@@ -124,3 +125,73 @@ def manager_stats(manager: KVCacheManager) -> dict[str, int]:
         "num_swapped_in_blocks": manager._num_swapped_in,
         "num_pending_copies": len(manager._copies),
     }
+
+
+class ViewsMixin:
+    """Read-only views for `KVCacheManager`: one sequence's blocks, tokens and slots, and
+    the whole state's `check` and `stats`."""
+
+    _block_size: int
+    # Provided by KVCacheManager; declared for type checking only.
+    _resident: Callable[[SeqId, str], SeqState]
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's block ids, logical block order. Raises as `num_tokens`."""
+        return self._resident(seq_id, "block_table").block_ids.tolist()
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens the sequence holds.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out.
+        """
+        return len(self._resident(seq_id, "num_tokens").token_ids)
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
+
+        Raises:
+            KeyError: unknown `seq_id`.
+            ValueError: swapped out, or not ``0 <= start <= end <= num_tokens``.
+        """
+        seq = self._resident(seq_id, "slot_mapping")
+        if not (
+            isinstance(start, int)
+            and isinstance(end, int)
+            and 0 <= start <= end <= len(seq.token_ids)
+        ):
+            raise ValueError(
+                f"slot_mapping: expected 0 <= start <= end <= "
+                f"{len(seq.token_ids)}, got start={start!r}, end={end!r}"
+            )
+        block_size, slots = self._block_size, list[int]()
+        # One range per block touched, not one Python step per token.
+        for i in range(start // block_size, -(-end // block_size)):
+            base = seq.block_ids[i] * block_size
+            first = max(start - i * block_size, 0)
+            last = min(end - i * block_size, block_size)
+            slots += range(base + first, base + last)
+        return slots
+
+    def check(self) -> None:
+        """Prove the state consistent, or raise AssertionError naming what is wrong.
+
+        Every block's count equals its number of holders; no block is both free and held;
+        free + cached + held = num_blocks (device and host); every indexed block held by a
+        sequence holds exactly its key's tokens after its key's parent.
+
+        Raises:
+            AssertionError: the first inconsistency found.
+        """
+        check_manager(self)  # type: ignore[arg-type]
+
+    def stats(self) -> dict[str, int]:
+        """Counts of blocks and events since construction (prefix counts in tokens).
+
+        Keys: num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks (free and
+        evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
+        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_forked_blocks
+        (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
+        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
+        """
+        return manager_stats(self)  # type: ignore[arg-type]

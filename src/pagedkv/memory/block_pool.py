@@ -127,6 +127,19 @@ class BlockPool:
                 block_ids.extend(self._evict(num - take - fresh))
         return block_ids
 
+    def allocate_one(self) -> int:
+        """`allocate(1)`'s block, as an int (a decode step's new block: no array).
+
+        Raises:
+            OutOfBlocks: no block is free; nothing changed.
+        """
+        if self._stack:
+            return self._stack.pop()
+        if self._next_fresh < self.num_blocks:
+            self._next_fresh += 1
+            return self._next_fresh - 1
+        return self.allocate(1)[0]  # a cached block, evicted (or OutOfBlocks)
+
     def _evict(self, num: int) -> list[int]:
         """Take the `num` least recently freed cached blocks and forget their keys."""
         queue, extra, stamp = self._queue, self._extra, self._stamp

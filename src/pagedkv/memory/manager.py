@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
+from pagedkv.memory._introspect import ViewsMixin
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list, token_tuple
 from pagedkv.memory.swap import SwapMixin
 
 
-class KVCacheManager(SwapMixin):
+class KVCacheManager(SwapMixin, ViewsMixin):
     """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
 
     Args:
@@ -281,13 +282,19 @@ class KVCacheManager(SwapMixin):
             KeyError: unknown `seq_id`.  ValueError: swapped out.
         """
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.is_tail_own and len(seq.token_ids) % self._block_size:
-            # Into the last block, this sequence's alone (`is_tail_own`: resident, and its
-            # tokens are a list).
-            seq.token_ids.append(token_id)  # type: ignore[union-attr]
-            if len(seq.token_ids) // self._block_size > seq.num_keyed:
+        if seq is not None and seq.is_tail_own:
+            # `is_tail_own`: resident, its tokens a list, a partial last block its own. So
+            # the token goes into that block, or, when it is full, into one fresh block.
+            tokens = seq.token_ids
+            if not len(tokens) % self._block_size:
+                if not self._pool.num_free_blocks:
+                    return None
+                seq.block_ids.append(self._pool.allocate_one())
+                seq.table = None
+            tokens.append(token_id)  # type: ignore[union-attr]
+            if len(tokens) // self._block_size > seq.num_keyed:
                 self._key_full_blocks(seq)
-        else:  # a new block, a copy-on-write, or the prompt's tuple: the general path
+        else:  # a copy-on-write, or the prompt's tuple: the general path
             seq = self._resident(seq_id, "append_token")
             if self._append_cost(seq, 1)[0] > self._pool.num_free_blocks:
                 return None
@@ -344,45 +351,6 @@ class KVCacheManager(SwapMixin):
         else:
             self._pool.free(seq.block_ids)
 
-    # ----- reading a sequence ---------------------------------------------------------------
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        """A copy of the sequence's block ids, logical block order. Raises as `num_tokens`."""
-        return self._resident(seq_id, "block_table").block_ids.tolist()
-
-    def num_tokens(self, seq_id: SeqId) -> int:
-        """Tokens the sequence holds.
-
-        Raises:
-            KeyError: unknown `seq_id`.  ValueError: swapped out.
-        """
-        return len(self._resident(seq_id, "num_tokens").token_ids)
-
-    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
-        """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
-
-        Raises:
-            KeyError: unknown `seq_id`.
-            ValueError: swapped out, or not ``0 <= start <= end <= num_tokens``.
-        """
-        seq = self._resident(seq_id, "slot_mapping")
-        if not (
-            isinstance(start, int)
-            and isinstance(end, int)
-            and 0 <= start <= end <= len(seq.token_ids)
-        ):
-            raise ValueError(
-                f"slot_mapping: expected 0 <= start <= end <= "
-                f"{len(seq.token_ids)}, got start={start!r}, end={end!r}"
-            )
-        block_size, slots = self._block_size, list[int]()
-        # One range per block touched, not one Python step per token.
-        for i in range(start // block_size, -(-end // block_size)):
-            base = seq.block_ids[i] * block_size
-            first = max(start - i * block_size, 0)
-            last = min(end - i * block_size, block_size)
-            slots += range(base + first, base + last)
-        return slots
-
     def pop_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies ``(src, dst)`` queued since the last call, in order.
 
@@ -391,7 +359,7 @@ class KVCacheManager(SwapMixin):
         copies, self._copies = self._copies, []
         return copies
 
-    # ----- cache control, checks, stats -----------------------------------------------------
+    # ----- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights), if no device block is held.
 
@@ -406,30 +374,3 @@ class KVCacheManager(SwapMixin):
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
             seq.num_keyed, seq.chain_uid = 0, ROOT_UID
         return True
-
-    def check(self) -> None:
-        """Prove the state consistent, or raise AssertionError naming what is wrong.
-
-        Every block's count equals its number of holders; no block is both free and held;
-        free + cached + held = num_blocks (device and host); every indexed block held by a
-        sequence holds exactly its key's tokens after its key's parent.
-
-        Raises:
-            AssertionError: the first inconsistency found.
-        """
-        from pagedkv.memory._introspect import check_manager
-
-        check_manager(self)
-
-    def stats(self) -> dict[str, int]:
-        """Counts of blocks and events since construction (prefix counts in tokens).
-
-        Keys: num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks (free and
-        evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
-        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_forked_blocks
-        (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
-        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
-        """
-        from pagedkv.memory._introspect import manager_stats
-
-        return manager_stats(self)

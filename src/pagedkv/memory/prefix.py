@@ -163,6 +163,8 @@ class PrefixIndex:
             if stop - start == 1:  # that block, whose packing just failed (a decode step's)
                 return list(blocks)
             return [self.block_tokens(block) for block in blocks]
+        if stop - start == 1:  # a decode step's newly full block: nothing to cut
+            return (packed,)
         return self._split(packed, 4 * block_size, 0, stop - start)
 
     # ----- lookups and updates --------------------------------------------------------------

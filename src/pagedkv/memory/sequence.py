@@ -36,7 +36,8 @@ class SeqState:
         # the blocks changed: replaced, never mutated, since a step may still read the old one.
         self.table: list[int] | None = None
         # True when resident, `token_ids` is a list and a partially filled last block is
-        # this sequence's alone, so `append_token` writes into it without asking the pool.
+        # this sequence's alone, so `append_token` writes into it without asking the pool
+        # (or, when the last block is full, takes one fresh block).
         # Only a fork shares a partial block (prefix hits are on full blocks), and a
         # non-empty `append` leaves the last block unshared (written in place, fresh, or
         # copied).
