@@ -47,7 +47,8 @@ class ChainRunner:
         for src, dst in step.copies:
             self.device[dst] = dict(self.device[src])
         sampled: dict[SeqId, int] = {}
-        for seq in step.seqs:
+        # rows(): the step left as scheduled (its decode rows stay compact for update).
+        for seq in step.rows():
             table = seq.block_table
             assert len(table) * bs >= seq.seq_len, "block table shorter than the sequence"
             # Every cached position must have been written (KeyError otherwise).

@@ -1,9 +1,10 @@
 """The scheduler's decode fast path decides exactly what the general path decides.
 
 Two schedulers run the same requests in lockstep, one with the fast path and one without;
-every `SchedulerOutput`, every sampled token and the managers' state must agree at every
-step, through admissions, chunked prefill, preemption (recompute and swap), n > 1 forks,
-prompt logprobs, EOS, aborts and late arrivals.
+every `SchedulerOutput` (the fast path's plain decodes as compact rows, the general path's
+as objects), every sampled token and the managers' state must agree at every step, through
+admissions, chunked prefill, preemption (recompute and swap), n > 1 forks, prompt
+logprobs, EOS, aborts and late arrivals.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_fast_path_outputs_match_the_general_path(seed: int, mode: str) -> None:
     fast_kv.append_token = counting_append_token
     arrivals = [_requests(seed, 30) for _ in pair]
     rng = random.Random(seed)
-    steps = 0
+    steps = num_decode_rows = 0
     while any(s.has_unfinished_requests() for s in pair) or arrivals[0]:
         num_new = rng.randint(0, 3)
         for scheduler, pending in zip(pair, arrivals, strict=True):
@@ -80,6 +81,15 @@ def test_fast_path_outputs_match_the_general_path(seed: int, mode: str) -> None:
                 scheduler.abort_request(victim)
         outputs = [s.schedule() for s in pair]
         assert outputs[0] == outputs[1], f"step {steps}: the fast path decided otherwise"
+        # The fast path's rows stay compact `DecodeRow`s (the runner and `update` take
+        # them so), and every view of them matches the general path's objects.
+        fast, general = outputs
+        assert not general.decode_rows
+        num_decode_rows += len(fast.decode_rows)
+        assert fast.model_inputs() == general.model_inputs()
+        assert fast.sample_rows() == general.sample_rows()
+        assert fast.seq_ids() == general.seq_ids()
+        assert fast.num_batched_tokens == general.num_batched_tokens
         sampled = [r.execute(o) for r, o in zip(runners, outputs, strict=True)]
         assert sampled[0] == sampled[1]
         for scheduler, out, tokens in zip(pair, outputs, sampled, strict=True):
@@ -90,6 +100,7 @@ def test_fast_path_outputs_match_the_general_path(seed: int, mode: str) -> None:
         steps += 1
         assert steps < 5000, "no progress"
     assert sum(appended) > 100, "the fast path never ran"
+    assert num_decode_rows == sum(appended), "a fast-path row left the compact form"
     assert seed % 2 or pair[0].num_preemptions > 0, "the small pool never preempted"
 
 

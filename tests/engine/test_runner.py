@@ -116,3 +116,38 @@ def test_scheduled_sequence_checks_its_fields() -> None:
         ScheduledSequence(("a", 0), [1, 2], 0, [0], [0])
     with pytest.raises(ValueError, match="sampling_params"):
         ScheduledSequence(("a", 0), [1], 0, [0], [0], [("a", 0)])
+
+
+def test_decode_rows_run_as_the_same_rows_as_objects(model_dir) -> None:
+    """A step whose plain decodes are compact `DecodeRow`s (between and after other rows)
+    samples exactly what the same step made of `ScheduledSequence`s samples."""
+    prompt_c, table_c = [3, 8, 14], [11]
+    a, b, c = ("a", 0), ("b", 0), ("c", 0)
+    first = [
+        chunk(a, PROMPT_A[:7], 0, TABLE_A),
+        chunk(b, PROMPT_B, 0, TABLE_B, True),
+        chunk(c, prompt_c, 0, table_c, True),
+    ]
+    results = []
+    for compact in (True, False):
+        runner = new_engine(model_dir).runner
+        tokens = runner.execute(SchedulerOutput(list(first)))
+        decodes = [
+            (seq_id, tokens[seq_id].token_id, len(prompt), table, table[len(prompt) // 4] * 4
+             + len(prompt) % 4, GREEDY, 0)
+            for seq_id, prompt, table in ((b, PROMPT_B, TABLE_B), (c, prompt_c, table_c))
+        ]  # fmt: skip
+        step = SchedulerOutput()
+        if compact:
+            step.decode_rows.append(decodes[0])
+            step.add(chunk(a, PROMPT_A[7:], 7, TABLE_A, True))
+            step.decode_rows.append(decodes[1])
+            assert [s.seq_id for s in step.rows()] == [b, a, c]
+        else:
+            step.add(chunk(b, [decodes[0][1]], len(PROMPT_B), TABLE_B, True))
+            step.add(chunk(a, PROMPT_A[7:], 7, TABLE_A, True))
+            step.add(chunk(c, [decodes[1][1]], len(prompt_c), table_c, True))
+        out = runner.execute(step)
+        results.append({k: (r.token_id, r.logprob) for k, r in out.items()})
+    assert results[0] == results[1]
+    assert set(results[0]) == {a, b, c}

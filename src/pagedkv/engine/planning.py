@@ -5,9 +5,9 @@ a running (or newly admitted) request into scheduled chunks.
 sequence: a request with one sequence whose decode token fits without a
 preemption (`KVCacheManager.append_token`: no new block but every `block_size` tokens,
 and the block table handed out as the same list until it changes). It makes exactly the
-decisions and the `ScheduledSequence` of the general path (`_plan`, `_blocks_needed`,
-`_run_plan`), which handles everything else: prefill chunks, n > 1 samples, a block
-that is not free.
+decisions and the rows of the general path (`_plan`, `_blocks_needed`, `_run_plan`), each
+as a compact `DecodeRow` tuple instead of a `ScheduledSequence`; the general path handles
+everything else: prefill chunks, n > 1 samples, a block that is not free.
 
 Standard library only (no torch), like the scheduler it is part of.
 """
@@ -75,19 +75,20 @@ class PlanningMixin:
         decode token fits without a preemption (`KVCacheManager.append_token`).
 
         Each gets exactly what `_schedule_running` would give it (budget, blocks, the same
-        `ScheduledSequence`), without planning objects: a handful of operations per
+        row, as a compact `DecodeRow`), without planning objects: a handful of operations per
         sequence. Nothing is preempted here, so `running` does not change.
 
         Returns:
             The index of the first request left to the general path (it is unchanged), or
             ``len(running)``.
         """
-        running, index = self.running, first
-        num_tokens, reserved = budget.tokens, budget.reserved_decodes
-        block_size, append_token, emit = self.kv.block_size, self.kv.append_token, out.seqs.append
-        for request in islice(running, first, None):
+        rows = out.decode_rows
+        block_size, append_token, emit = self.kv.block_size, self.kv.append_token, rows.append
+        num_before = len(rows)
+        # One token each, so the budget bounds the run (what is left sees it spent).
+        for request in islice(self.running, first, first + max(budget.tokens, 0)):
             seqs = request.seqs
-            if num_tokens <= 0 or request.n != 1 or len(seqs) != 1:
+            if request.n != 1 or len(seqs) != 1:
                 break
             seq = seqs[0]
             tokens, start = seq.token_ids, seq.num_computed
@@ -99,26 +100,20 @@ class PlanningMixin:
                 or seq.finish_reason is not None
             ):
                 break
-            seq_id = seq.seq_id
-            table = append_token(seq_id, tokens[start])
+            seq_id, token = seq.seq_id, tokens[start]
+            table = append_token(seq_id, token)
             if table is None:  # a block is needed and not free: the general path preempts
                 break
-            num_tokens -= 1
-            if reserved:  # counted (not None) and positive
-                reserved -= 1
             seq.num_computed = start + 1
             request.metrics.num_computed_tokens += 1
             slot = table[start // block_size] * block_size + start % block_size
-            # Past the prompt: no prompt logprob targets.
-            emit(
-                ScheduledSequence(
-                    seq_id, [tokens[start]], start, table, [slot], [seq_id], request.params,
-                    request.seed, [],
-                )
-            )  # fmt: skip
-            index += 1
-        budget.tokens, budget.reserved_decodes = num_tokens, reserved
-        return index
+            # A `DecodeRow`: past the prompt, so no prompt logprob targets.
+            emit((seq_id, token, start, table, slot, request.params, request.seed))
+        num_rows = len(rows) - num_before
+        budget.tokens -= num_rows
+        if budget.reserved_decodes:  # counted (not None) and positive: one per row
+            budget.reserved_decodes = max(0, budget.reserved_decodes - num_rows)
+        return first + num_rows
 
     def _schedule_running(self, index: int, out: SchedulerOutput, budget: _Budget) -> bool:
         """Schedule running[index]; False when it left `running` (preempted or ended)."""
@@ -230,7 +225,7 @@ class PlanningMixin:
                     if request.is_forked
                     else [(request.request_id, i) for i in range(request.n)]
                 )
-            out.seqs.append(
+            out.add(
                 ScheduledSequence(
                     seq.seq_id,
                     seq.token_ids[start:end],

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
@@ -106,22 +105,16 @@ class ModelRunner:
         self.kv_cache.swap_out(step.swap_out)
         self.kv_cache.swap_in(step.swap_in)
         self.kv_cache.copy_blocks(step.copies)
-        if not step.seqs:
+        if not step.num_rows:
             return {}
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq in step.seqs:
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.seq_len))
-            slots.extend(seq.slot_mapping)
+        input_ids, positions, slots, tables, seq_lens, query_lens = step.model_inputs()
         num_padding = self._num_rows(len(input_ids)) - len(input_ids)
         input_ids.extend([0] * num_padding)
         positions.extend([0] * num_padding)
         metadata = AttentionMetadata.build(
-            [s.block_table for s in step.seqs],
-            [s.seq_len for s in step.seqs],
-            [len(s.token_ids) for s in step.seqs],
+            tables,
+            seq_lens,
+            query_lens,
             slots,
             device=self.device,
             backend=self.attention_backend,
@@ -160,11 +153,9 @@ class ModelRunner:
         """hidden: [num_tokens, hidden_size]. Logits in slices of rows: a whole prompt's
         [rows, vocab] at once could take gigabytes."""
         out: dict[SeqId, tuple[int, list[dict[int, float]]]] = {}
-        first_row = 0
-        for seq in step.seqs:
+        for first_row, seq in step.first_rows():  # decode rows take no prompt logprobs
             if seq.prompt_logprob_token_ids:
                 out[seq.seq_id] = (seq.start_pos, self._prompt_rows(seq, hidden, first_row))
-            first_row += len(seq.token_ids)
         return out
 
     def _prompt_rows(
@@ -194,21 +185,10 @@ class ModelRunner:
 
     def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:
         """hidden: [num_tokens, hidden_size]; logits only for the rows that sample."""
-        rows: list[int] = []
-        seq_ids: list[SeqId] = []
-        params: list[SamplingParams] = []
-        seeds: list[int] = []
-        end = 0
-        for seq in step.seqs:
-            end += len(seq.token_ids)
-            for seq_id in seq.sample_seq_ids:
-                assert seq.sampling_params is not None, "checked by ScheduledSequence"
-                rows.append(end - 1)  # an n > 1 fork samples the same row n times
-                seq_ids.append(seq_id)
-                params.append(seq.sampling_params)
-                seeds.append(seq.seed)
-        if not rows:
+        samples = step.sample_rows()  # (row, seq_id, params, seed) per sample
+        if not samples:
             return {}
+        rows, seq_ids, params, seeds = map(list, zip(*samples, strict=True))
         row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         logits = self._compute_logits(hidden.index_select(0, row_index))
         if not self.is_driver:

@@ -219,41 +219,58 @@ class Scheduler(PlanningMixin, PreemptionMixin):
             The requests that got new tokens, in step order.
         """
         touched: list[Request] = []
+        rows = output.decode_rows
+        for lo, hi, scheduled in output.segments():
+            if hi > lo:  # plain decodes: one sample each, the row's own sequence
+                self._update_single([row[0] for row in rows[lo:hi]], sampled, touched)
+            if scheduled is not None and scheduled.sample_seq_ids:
+                self._update_scheduled(scheduled, sampled, touched)
+        return touched
+
+    def _update_scheduled(
+        self, scheduled: ScheduledSequence, sampled: Mapping[SeqId, int], touched: list[Request]
+    ) -> None:
+        """`update` of one `ScheduledSequence` that samples."""
+        sample_ids = scheduled.sample_seq_ids
+        request = self.requests[scheduled.seq_id[0]]
+        if len(request.seqs) != request.n:  # not forked yet
+            self._fork(request, request.seq(scheduled.seq_id[1]))
+        if len(sample_ids) == 1:  # the common case, without the lists below
+            self._update_single(sample_ids, sampled, touched)
+            return
+        # Every sample's token and text first, then the stops (which free blocks).
+        seqs = [request.seq(seq_id[1]) for seq_id in sample_ids]
+        text_starts = []
+        detokenize = self.detokenize
+        for seq, seq_id in zip(seqs, sample_ids, strict=True):
+            seq.token_ids.append(int(sampled[seq_id]))
+            text_starts.append(len(seq.text))
+            if detokenize is not None:
+                seq.text += detokenize(seq)
+        for seq, text_start in zip(seqs, text_starts, strict=True):
+            self._check_stop(request, seq, text_start)
+        touched.append(request)
+
+    def _update_single(
+        self, seq_ids: list[SeqId], sampled: Mapping[SeqId, int], touched: list[Request]
+    ) -> None:
+        """`update` of rows that sample once each, one row per id in `seq_ids` (each the
+        only sample of its row, in step order)."""
         requests, detokenize = self.requests, self.detokenize
-        for scheduled in output.seqs:
-            sample_ids = scheduled.sample_seq_ids
-            if not sample_ids:
-                continue
-            request = requests[scheduled.seq_id[0]]
-            if len(request.seqs) != request.n:  # not forked yet
-                self._fork(request, request.seq(scheduled.seq_id[1]))
-            if len(sample_ids) == 1:  # the common case, without the lists below
-                seq_id = sample_ids[0]
-                seq = request.seqs[0]
-                if seq.seq_id != seq_id:
-                    seq = request.seq(seq_id[1])
-                token = int(sampled[seq_id])
-                seq.token_ids.append(token)
-                text_start = len(seq.text)
-                if detokenize is not None:
-                    seq.text += detokenize(seq)
-                bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
-                if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
-                    self._check_stop(request, seq, text_start)
-                touched.append(request)
-                continue
-            # Every sample's token and text first, then the stops (which free blocks).
-            seqs = [request.seq(seq_id[1]) for seq_id in sample_ids]
-            text_starts = []
-            for seq, seq_id in zip(seqs, sample_ids, strict=True):
-                seq.token_ids.append(int(sampled[seq_id]))
-                text_starts.append(len(seq.text))
-                if detokenize is not None:
-                    seq.text += detokenize(seq)
-            for seq, text_start in zip(seqs, text_starts, strict=True):
+        for seq_id in seq_ids:
+            request = requests[seq_id[0]]
+            seq = request.seqs[0]
+            if seq.seq_id != seq_id:
+                seq = request.seq(seq_id[1])
+            token = int(sampled[seq_id])
+            seq.token_ids.append(token)
+            text_start = len(seq.text)
+            if detokenize is not None:
+                seq.text += detokenize(seq)
+            bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
+            if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
                 self._check_stop(request, seq, text_start)
             touched.append(request)
-        return touched
 
     def _check_stop(self, request: Request, seq: Sequence, text_start: int) -> None:
         """Finish `seq` if its newest token ends it (`check_stop`)."""

@@ -67,9 +67,13 @@ class StandInRunner:
 
     def execute(self, step: SchedulerOutput) -> dict[SeqId, int]:
         """Per sampled id, the request's own token id at the new token's position."""
-        sampled: dict[SeqId, int] = {}
         shift = self.id_shift
-        for seq in step.seqs:
+        # A decode row's new token is at its position + 1 (see `DecodeRow`).
+        sampled = {
+            seq_id: ((2 * int(seq_id[0]) + 1) << shift) + pos + 1
+            for seq_id, _, pos, *_ in step.decode_rows
+        }
+        for seq in step.scheduled:
             seq_len = seq.start_pos + len(seq.token_ids)
             for seq_id in seq.sample_seq_ids:
                 sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << shift) + seq_len
@@ -138,8 +142,8 @@ class _Replay:
         step = self.scheduler.schedule()
         if step.is_empty and not step.finished_request_ids:
             raise AssertionError(f"{self.policy.name}: the scheduler made no progress")
-        for scheduled in step.seqs:
-            self.first_run.setdefault(scheduled.seq_id[0], (self.num_steps, self.clock))
+        for seq_id in step.seq_ids():
+            self.first_run.setdefault(seq_id[0], (self.num_steps, self.clock))
         sampled = self.runner.execute(step)
         if on_step is not None:
             on_step(step)
