@@ -15,6 +15,11 @@ new block every `block_size` steps), median and 90th percentile over the measure
 is not timed), and the ratio of the largest pool's median to the smallest's. The
 bookkeeping a pool of n blocks carries is O(n); the work of a step must not be.
 
+Every pool is built first, then timed `--turn` steps at a time in turn: on a shared VM
+whose speed drifts by 2-3x within seconds, pools timed one after the other would each get
+a different machine, and the ratio between them would measure the drift. Taking turns
+gives every pool the same mix of slow and fast moments.
+
     python benchmarks/bench_scheduler.py                    # 10K, 100K, 1M blocks
     python benchmarks/bench_scheduler.py --pools 1000000 --steps 100
 """
@@ -67,37 +72,42 @@ def int32_id_shift(num_requests: int, max_len: int) -> int:
     return shift if largest < 2**31 else 32
 
 
-def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str, Any]:
-    """Admit `num_seqs` requests into a pool of `num_blocks`, then time `steps` decode steps."""
-    manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
-    requests = make_requests(num_seqs, seed)
-    id_shift = int32_id_shift(num_seqs, max(r.total_len for r in requests))
-    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
-    scheduler = Scheduler(
-        config,
-        manager,
-        num_blocks=num_blocks,
-        block_size=BLOCK_SIZE,
-        max_model_len=max(r.total_len for r in requests),
-    )
-    runner = StandInRunner(StepCost(), id_shift=id_shift)
-    for index, request in enumerate(requests):
-        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-        prompt = token_ids(index, request, 0, request.prompt_len, id_shift=id_shift)
-        scheduler.add_request(
-            EngineRequest(str(index), prompt, params, arrival_time=0.0, arrival_index=index)
+class Pool:
+    """One pool's scheduler with every request admitted, timed a few steps at a time."""
+
+    def __init__(self, num_blocks: int, num_seqs: int, seed: int) -> None:
+        """Admit `num_seqs` requests into a pool of `num_blocks` (every prompt computed)."""
+        self.num_blocks, self.num_seqs = num_blocks, num_seqs
+        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+        requests = make_requests(num_seqs, seed)
+        self.id_shift = int32_id_shift(num_seqs, max(r.total_len for r in requests))
+        config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
+        self.scheduler = scheduler = Scheduler(
+            config,
+            self.manager,
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_model_len=max(r.total_len for r in requests),
         )
-    warm_steps = 0
-    while scheduler.num_waiting or any(
-        r.seqs[0].num_computed < len(r.prompt_token_ids) for r in scheduler.running
-    ):
-        step = scheduler.schedule()
-        scheduler.update(step, runner.execute(step))
-        warm_steps += 1
-    times: list[tuple[float, float]] = []  # (schedule, update) per step
-    gc.collect()
-    gc.disable()  # a collection inside a timed step would be noise, not the step's work
-    try:
+        self.runner = StandInRunner(StepCost(), id_shift=self.id_shift)
+        for index, request in enumerate(requests):
+            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+            prompt = token_ids(index, request, 0, request.prompt_len, id_shift=self.id_shift)
+            scheduler.add_request(
+                EngineRequest(str(index), prompt, params, arrival_time=0.0, arrival_index=index)
+            )
+        self.admission_steps = 0
+        while scheduler.num_waiting or any(
+            r.seqs[0].num_computed < len(r.prompt_token_ids) for r in scheduler.running
+        ):
+            step = scheduler.schedule()
+            scheduler.update(step, self.runner.execute(step))
+            self.admission_steps += 1
+        self.times: list[tuple[float, float]] = []  # (schedule, update) per timed step
+
+    def time_steps(self, steps: int) -> None:
+        """Time `steps` decode steps (the caller turns the garbage collector off)."""
+        scheduler, runner, num_seqs = self.scheduler, self.runner, self.num_seqs
         for _ in range(steps):
             t0 = time.perf_counter()
             step = scheduler.schedule()
@@ -106,25 +116,43 @@ def run_pool(num_blocks: int, num_seqs: int, steps: int, seed: int) -> dict[str,
             t2 = time.perf_counter()
             scheduler.update(step, sampled)
             t3 = time.perf_counter()
-            times.append((t1 - t0, t3 - t2))
-            assert len(step.seqs) == num_seqs, f"expected {num_seqs} running, got {len(step.seqs)}"
+            self.times.append((t1 - t0, t3 - t2))
+            assert step.num_rows == num_seqs, f"expected {num_seqs} running, got {step.num_rows}"
+
+    def result(self) -> dict[str, Any]:
+        times, stats = self.times, self.manager.stats()
+        ms = sorted((a + b) * 1e3 for a, b in times)
+        return {
+            "num_blocks": self.num_blocks,
+            "num_seqs": self.num_seqs,
+            "admission_steps": self.admission_steps,
+            "steps": len(times),
+            "median_ms": statistics.median(ms),
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+            "schedule_ms": statistics.median(a * 1e3 for a, _ in times),
+            "update_ms": statistics.median(b * 1e3 for _, b in times),
+            "used_blocks": self.num_blocks - self.manager.num_free_blocks,
+            "prefix_cache_hits": stats.get("prefix_cache_hits"),
+            "id_shift": self.id_shift,
+        }
+
+
+def run_pools(
+    pool_sizes: list[int], num_seqs: int, steps: int, seed: int, turn: int
+) -> list[dict[str, Any]]:
+    """Build every pool, then time `steps` decode steps of each, `turn` steps at a time
+    in turn (forward, then backward), so that a machine slower for a while slows every
+    pool alike."""
+    pools = [Pool(n, num_seqs, seed) for n in pool_sizes]
+    gc.collect()
+    gc.disable()  # a collection inside a timed step would be noise, not the step's work
+    try:
+        for round_index in range(-(-steps // turn)):
+            for pool in pools if round_index % 2 == 0 else pools[::-1]:
+                pool.time_steps(min(turn, steps - len(pool.times)))
     finally:
         gc.enable()
-    stats = manager.stats()
-    ms = sorted((a + b) * 1e3 for a, b in times)
-    return {
-        "num_blocks": num_blocks,
-        "num_seqs": num_seqs,
-        "admission_steps": warm_steps,
-        "steps": steps,
-        "median_ms": statistics.median(ms),
-        "p90_ms": ms[int(0.9 * (len(ms) - 1))],
-        "schedule_ms": statistics.median(a * 1e3 for a, _ in times),
-        "update_ms": statistics.median(b * 1e3 for _, b in times),
-        "used_blocks": num_blocks - manager.num_free_blocks,
-        "prefix_cache_hits": stats.get("prefix_cache_hits"),
-        "id_shift": id_shift,
-    }
+    return [pool.result() for pool in pools]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pools", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--num-seqs", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per pool")
+    parser.add_argument("--turn", type=int, default=8, help="steps per pool per turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON path (default: results/)")
     return parser.parse_args(argv)
@@ -139,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rows = [run_pool(n, args.num_seqs, args.steps, args.seed) for n in args.pools]
+    rows = run_pools(args.pools, args.num_seqs, args.steps, args.seed, args.turn)
     print_table(rows, ["num_blocks", "num_seqs", "steps", "median_ms", "p90_ms", "schedule_ms",
                        "update_ms", "used_blocks", "prefix_cache_hits"])  # fmt: skip
     ratio = rows[-1]["median_ms"] / rows[0]["median_ms"]
