@@ -1,15 +1,17 @@
-"""Where the CPU attention kernels' compiled code lives, and the line that says it is made.
+"""Where the CPU kernels' compiled code lives, and the line that says it is made.
 
 Numba caches a function's machine code next to its source file, keyed by that file's path
 and modification time, so two checkouts or two venvs of the same pagedkv would each compile
 the kernels again (tens of seconds). Instead the kernels' source is copied once into
 
     $PAGEDKV_CACHE_DIR (default: $XDG_CACHE_HOME/pagedkv or ~/.cache/pagedkv)
-        /cpu-kernels/<hash of source + Python + Numba versions>/kernels.py
+        /cpu-kernels/<hash of sources + Python + Numba versions>/kernels.py, matvec.py
 
 and imported from there: every install whose kernels are byte-identical shares one copy
-and so one Numba cache (`__pycache__/` beside it). A `compiled` marker records that every
-kernel variant was built; until it exists, `announce()` prints one line on stderr.
+and so one Numba cache (`__pycache__/` beside it); the files of `_SOURCES` (the attention
+kernels, the matrix-vector kernel) share one directory and one key. A `compiled` marker
+records that every kernel variant was built; until it exists, `announce()` prints one line
+on stderr.
 
 Standard library only (and outside `pagedkv.ops`, which imports torch): the CLI calls
 `announce()` before importing torch or Numba, so the line comes at once.
@@ -26,8 +28,10 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).parent / "ops" / "cpu" / "kernels.py"
-_IMPORTED = (Path(__file__).parent / "ops" / "cpu" / "bf16.py",)
+_KERNELS = Path(__file__).parent / "ops" / "cpu"
+_SOURCES = (_KERNELS / "kernels.py", _KERNELS / "matvec.py")
+"""The compiled-code files; each imports only NumPy, Numba and `_IMPORTED`."""
+_IMPORTED = (_KERNELS / "bf16.py",)
 """Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"
 COMPILE_SECONDS = 30
@@ -50,8 +54,8 @@ def kernel_dir() -> Path:
         numba_version = importlib.metadata.version("numba")
     except importlib.metadata.PackageNotFoundError:
         numba_version = "none"
-    key = hashlib.sha256(_SOURCE.read_bytes())
-    for path in _IMPORTED:
+    key = hashlib.sha256()
+    for path in (*_SOURCES, *_IMPORTED):
         key.update(path.read_bytes())
     key.update(f"{sys.version_info[:2]} {numba_version}".encode())
     return cache_root() / "cpu-kernels" / key.hexdigest()[:16]
@@ -83,10 +87,12 @@ def mark_compiled() -> None:
         pass  # a read-only cache: the line is printed again next time, nothing else
 
 
-def load_kernels() -> ModuleType:
-    """Import the kernels from their shared copy (the packaged file if that cannot be made)."""
+def load_kernels(stem: str = "kernels") -> ModuleType:
+    """Import `stem`.py of `_SOURCES` from its shared copy (the packaged file if that cannot
+    be made)."""
+    source = next(path for path in _SOURCES if path.stem == stem)
     directory = kernel_dir()
-    path = directory / "kernels.py"
+    path = directory / source.name
     try:
         if not path.exists():
             directory.mkdir(parents=True, exist_ok=True)
@@ -95,11 +101,11 @@ def load_kernels() -> ModuleType:
             # Numba's cache key) never changes afterwards.
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                f.write(_SOURCE.read_bytes())
+                f.write(source.read_bytes())
             os.replace(tmp, path)
     except OSError:
-        path = _SOURCE
-    name = f"pagedkv_cpu_kernels_{directory.name}"
+        path = source
+    name = f"pagedkv_cpu_{stem}_{directory.name}"
     module = sys.modules.get(name)
     if module is None:
         spec = importlib.util.spec_from_file_location(name, path)

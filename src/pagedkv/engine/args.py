@@ -93,6 +93,12 @@ class EngineArgs:
         "hold bfloat16 matmul weights in oneDNN's blocked layout on the CPU (same logits, "
         "faster small batches; a tied LM head is held twice)",
     )
+    cpu_matvec: bool = _option(
+        True,
+        "multiply 1-4 rows (a decode step of one to four sequences) on one thread in "
+        "pagedkv's matrix-vector kernel, not torch's threads (float32 and bfloat16 on the "
+        "CPU; with pack_weights the bfloat16 weights are held twice)",
+    )
     token_buckets: bool = _option(
         True,
         "pad each step's matmuls to one of ~4 row counts per doubling (same outputs): "

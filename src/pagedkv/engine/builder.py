@@ -133,6 +133,8 @@ def build_rank_runner(
         num_host_blocks=num_host_blocks,
     )
     _log_allocation(network, kv_cache)
+    if args.cpu_matvec:
+        network.use_matvec()  # before the runner packs the weights: it reads them plain
     runner = ModelRunner(
         network,
         kv_cache,

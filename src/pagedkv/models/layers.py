@@ -7,6 +7,8 @@ layout), so a float32 model here reproduces HF logits to rounding error.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -173,8 +175,24 @@ def pack_linear_(linear: nn.Linear) -> None:
     linear.register_buffer("weight", packed)
 
 
+MATVEC_ROWS = 4
+"""Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
+past it the one-thread kernel is bound by arithmetic, not by reading the weight, and
+torch's threaded matmul is faster."""
+
+
+def use_matvec_(linear: nn.Linear, kernel: Callable[..., Tensor]) -> None:
+    """Give `linear` a product for a few rows: `kernel(x, weight=, bias=)` on its weight as
+    it is now (plain), which `linear()` calls for at most `MATVEC_ROWS` rows.
+
+    The kernel keeps that weight: a later `pack_linear_` then holds the layer twice.
+    """
+    linear.matvec = partial(kernel, weight=linear.weight.detach(), bias=linear.bias)
+
+
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    """`x @ layer.weight.T (+ bias)`, packed (`pack_linear_`) or plain.
+    """`x @ layer.weight.T (+ bias)`: the layer's matrix-vector kernel for a few rows
+    (`use_matvec_`), else torch on the weight, packed (`pack_linear_`) or plain.
 
     `F.linear` on the weights directly: `nn.Module.__call__`'s hook dispatch is paid on each
     of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
@@ -186,6 +204,10 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     Returns:
         [num_tokens, out_features].
     """
+    if x.shape[0] <= MATVEC_ROWS:
+        matvec = layer.__dict__.get("matvec")
+        if matvec is not None:
+            return matvec(x)
     weight = layer.weight
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")

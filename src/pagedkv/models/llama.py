@@ -32,6 +32,7 @@ from pagedkv.models.layers import (
     compute_inv_freq,
     linear,
     pack_linear_,
+    use_matvec_,
 )
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.ops import paged_attention_from_metadata, write_kv
@@ -251,8 +252,8 @@ class CausalLM(nn.Module):
                 device=device,
             )
         )
-        # A tied LM head's packed copy (`pack_weights`): the embedding stays plain for lookups.
-        self.packed_tied_head: nn.Linear | None = None
+        # A tied LM head as a layer of its own (`use_matvec`, `pack_weights`), made on demand.
+        self.tied_head: nn.Linear | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -332,7 +333,7 @@ class CausalLM(nn.Module):
         tensor parallelism every rank computes its vocabulary rows' logits and every rank
         gets all of them (a collective: each rank must call this with the same rows).
         """
-        head = self.lm_head if self.lm_head is not None else self.packed_tied_head
+        head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is None:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
@@ -352,14 +353,36 @@ class CausalLM(nn.Module):
         """
         if not can_pack_linear(self.dtype, self.device):
             return False
+        self._make_tied_head()
         for module in list(self.modules()):
             if isinstance(module, nn.Linear):
                 pack_linear_(module)
-        if self.lm_head is None and self.packed_tied_head is None:
+        return True
+
+    def use_matvec(self) -> bool:
+        """Multiply at most `MATVEC_ROWS` rows (a decode step of one to a few sequences) on
+        one thread with the CPU's matrix-vector kernel (`ops.cpu.linear_rows`), every other
+        batch through torch. Call it before `pack_weights`, which then holds a second,
+        packed copy of each weight.
+
+        Returns:
+            Whether it applies (float32 or bfloat16 weights on the CPU).
+        """
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        from pagedkv.ops.cpu import linear_rows  # Numba: loaded only where it runs
+
+        self._make_tied_head()
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and not module.weight.is_mkldnn:
+                use_matvec_(module, linear_rows)
+        return True
+
+    def _make_tied_head(self) -> None:
+        """A tied LM head as a layer whose weight is the embedding table (the same tensor)."""
+        if self.lm_head is None and self.tied_head is None:
             rows = self.model.embed_tokens.weight.shape[0]
             head = nn.Linear(self.config.hidden_size, rows, bias=False, device="meta")
             del head.weight
             head.register_buffer("weight", self.model.embed_tokens.weight.detach())
-            pack_linear_(head)
-            self.packed_tied_head = head
-        return True
+            self.tied_head = head

@@ -13,6 +13,8 @@ layer) converts the query and calls one compiled function.
 bfloat16 decode rows use the CPU's bfloat16 dot instruction where it has one (`bf16.py`),
 for the scores and for the weighted sum of V rows; the debug switch PAGEDKV_CPU_ISA=generic
 turns that off, giving the path of other CPUs (bfloat16 widened to float32, then FMAs).
+
+`linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ ISA_ENV = "PAGEDKV_CPU_ISA"
 _NO_BITS = np.zeros((0, 0, 0), dtype=np.uint16)
 
 _kernels = kernel_cache.load_kernels()
+_matvec = kernel_cache.load_kernels("matvec")
 
 
 @dataclass
@@ -254,12 +257,34 @@ def write_kv(
     value_cache.view(rows).index_copy_(0, slots, value)
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows on this thread (`matvec.matvec`): each
+    weight row is read once, sums in float32, the result rounded once to x's dtype.
+
+    Args:
+        x: [rows, in_features], float32 or bfloat16 (the weight's dtype).
+        weight: [out_features, in_features], C-contiguous, on the CPU.
+        bias: [out_features] or None.
+    """
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    flat = (
+        weight.view(torch.int16).numpy().view(np.uint16)
+        if weight.dtype == torch.bfloat16
+        else weight.numpy()
+    )
+    _matvec.matvec(x.to(torch.float32).contiguous().numpy(), flat, out.numpy())
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Load or compile every kernel variant (the plan and both decode kernels, for float32
-    and bfloat16 caches); say so on stderr when it compiles."""
+    and bfloat16 caches, and `linear_rows`); say so on stderr when it compiles."""
     kernel_cache.announce()
     for dtype in KERNEL_DTYPES:
         _compile(dtype)
+        linear_rows(torch.zeros(1, 2, dtype=dtype), torch.zeros(1, 2, dtype=dtype), None)
     kernel_cache.mark_compiled()
 
 

@@ -1,0 +1,106 @@
+"""The matrix-vector kernel for a few rows: torch's products to rounding, the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_hf_model
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
+from pagedkv.models.layers import MATVEC_ROWS, can_pack_linear, linear, use_matvec_
+from pagedkv.ops.cpu import linear_rows
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(80, 96), (7, 33), (1, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_matches_torch_float32(rows, shape, bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(*shape, generator=generator)
+    x = torch.randn(rows, shape[1], generator=generator)
+    b = torch.randn(shape[0], generator=generator) if bias else None
+    out = linear_rows(x, weight, b)
+    assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows):
+    """Products of bfloat16 values are exact in float32; the sum is rounded once at the end,
+    so the result is within half a bfloat16 step of the float64 product."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(64, 200, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 200, generator=generator).to(torch.bfloat16)
+    out = linear_rows(x, weight, None)
+    assert out.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    step = exact.abs().clamp_min(1e-30) * 2.0**-8
+    assert ((out.double() - exact).abs() <= step * 1.01 + 1e-5).all()
+
+
+def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
+    layer = torch.nn.Linear(24, 10)
+    calls = []
+
+    def kernel(x, weight, bias):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    use_matvec_(layer, kernel)
+    for rows in (1, MATVEC_ROWS, MATVEC_ROWS + 1):
+        linear(torch.randn(rows, 24), layer)
+    assert calls == [1, MATVEC_ROWS]
+
+
+@pytest.mark.skipif(
+    not can_pack_linear(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16"
+)
+def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
+    model_dir = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
+    plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    both = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    assert both.use_matvec() and both.pack_weights()
+    layer, reference = both.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.is_mkldnn
+    for rows in (1, MATVEC_ROWS + 4):
+        x = torch.randn(rows, plain.config.hidden_size).to(torch.bfloat16)
+        expected = (
+            linear_rows(x, reference.weight, None)
+            if rows <= MATVEC_ROWS
+            else F.linear(x, reference.weight)  # the packed product gives the same bits
+        )
+        assert torch.equal(linear(x, layer), expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
+def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch):
+    model_dir = make_hf_model(tmp_path, arch)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = {}
+    for matvec in (False, True):
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
+                  cpu_matvec=matvec)  # fmt: skip
+        assert (llm.engine.runner.model.model.layers[0].mlp.down_proj.__dict__.get("matvec")
+                is not None) == matvec  # fmt: skip
+        # One at a time (the kernel's rows) and all together (torch's, past MATVEC_ROWS).
+        single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        together = llm.generate(prompts, params, use_tqdm=False)
+        tokens[matvec] = [o.outputs[0].token_ids for o in single + together]
+    assert tokens[True] == tokens[False]
+
+
+def test_engine_logits_match_torch_matmuls_bfloat16(tmp_path):
+    """bfloat16 sums in another order round differently now and then: the logits agree to
+    bfloat16 precision, not bit for bit (tokens may differ where two logits nearly tie)."""
+    model_dir = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
+    plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    fast = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    assert fast.use_matvec()
+    hidden = torch.randn(2, plain.config.hidden_size).to(torch.bfloat16)
+    torch.testing.assert_close(fast.compute_logits(hidden), plain.compute_logits(hidden),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
