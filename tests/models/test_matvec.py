@@ -23,7 +23,7 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
     weight = torch.randn(*shape, generator=generator)
     x = torch.randn(rows, shape[1], generator=generator)
     b = torch.randn(shape[0], generator=generator) if bias else None
-    out = linear_rows(x, weight, b)
+    out = linear_rows(weight, b)(x)
     assert out.dtype == torch.float32 and out.shape == (rows, shape[0])
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
@@ -35,7 +35,7 @@ def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(64, 200, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 200, generator=generator).to(torch.bfloat16)
-    out = linear_rows(x, weight, None)
+    out = linear_rows(weight, None)(x)
     assert out.dtype == torch.bfloat16
     exact = x.double() @ weight.double().T
     step = exact.abs().clamp_min(1e-30) * 2.0**-8
@@ -46,9 +46,12 @@ def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
     layer = torch.nn.Linear(24, 10)
     calls = []
 
-    def kernel(x, weight, bias):
-        calls.append(x.shape[0])
-        return F.linear(x, weight, bias)
+    def kernel(weight, bias):
+        def product(x):
+            calls.append(x.shape[0])
+            return F.linear(x, weight, bias)
+
+        return product
 
     use_matvec_(layer, kernel)
     for rows in (1, MATVEC_ROWS, MATVEC_ROWS + 1):
@@ -69,7 +72,7 @@ def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
     for rows in (1, MATVEC_ROWS + 4):
         x = torch.randn(rows, plain.config.hidden_size).to(torch.bfloat16)
         expected = (
-            linear_rows(x, reference.weight, None)
+            linear_rows(reference.weight, None)(x)
             if rows <= MATVEC_ROWS
             else F.linear(x, reference.weight)  # the packed product gives the same bits
         )

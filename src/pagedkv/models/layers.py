@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -181,13 +180,15 @@ past it the one-thread kernel is bound by arithmetic, not by reading the weight,
 torch's threaded matmul is faster."""
 
 
-def use_matvec_(linear: nn.Linear, kernel: Callable[..., Tensor]) -> None:
-    """Give `linear` a product for a few rows: `kernel(x, weight=, bias=)` on its weight as
-    it is now (plain), which `linear()` calls for at most `MATVEC_ROWS` rows.
+def use_matvec_(
+    linear: nn.Linear, kernel: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]]
+) -> None:
+    """Give `linear` a product for a few rows, `kernel(weight, bias)` on its weight as it
+    is now (plain), which `linear()` calls for at most `MATVEC_ROWS` rows.
 
-    The kernel keeps that weight: a later `pack_linear_` then holds the layer twice.
+    The product keeps that weight: a later `pack_linear_` then holds the layer twice.
     """
-    linear.matvec = partial(kernel, weight=linear.weight.detach(), bias=linear.bias)
+    linear.matvec = kernel(linear.weight.detach(), linear.bias)
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:

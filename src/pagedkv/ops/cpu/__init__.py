@@ -20,6 +20,7 @@ turns that off, giving the path of other CPUs (bfloat16 widened to float32, then
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numba
@@ -36,8 +37,10 @@ from pagedkv.ops.reference import attention_mask
 MAX_DECODE_QUERY = 4
 """Sequences with at most this many new tokens go to the kernel; beyond it, gather + SDPA
 is faster (see docs/benchmarks.md)."""
-SERIAL_BYTES = 512 * 1024
-"""Batches reading less KV than this run on one thread: starting the team costs more."""
+SERIAL_BYTES = 4 << 20
+"""Batches reading less KV than this run on one thread: waking the other threads, asleep
+since the last parallel call (on a virtual machine, rescheduling its idle CPUs), costs more
+(docs/benchmarks.md)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 ISA_ENV = "PAGEDKV_CPU_ISA"
 """Debug switch: "native" (default) or "generic" (no bfloat16 dot instruction)."""
@@ -167,12 +170,8 @@ def run(
 
 
 def _bits(cache: torch.Tensor) -> np.ndarray:
-    """A cache or query as the kernels read it: [num_slots or rows, num_heads, head_dim],
-    float32 or bfloat16 bits as uint16 (NumPy has no bfloat16)."""
-    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
-    if cache.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy().view(np.uint16)
-    return flat.numpy()
+    """A cache or query as the kernels read it: [num_slots or rows, num_heads, head_dim]."""
+    return _flat(cache.view(-1, cache.shape[-2], cache.shape[-1]))
 
 
 def _decode_rows(
@@ -257,25 +256,32 @@ def write_kv(
     value_cache.view(rows).index_copy_(0, slots, value)
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a few rows on this thread (`matvec.matvec`): each
-    weight row is read once, sums in float32, the result rounded once to x's dtype.
+def linear_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> F.linear(x, weight, bias)` for a few rows of x, on this thread
+    (`matvec.matvec`): each weight row is read once, sums in float32, the result rounded
+    once to the weight's dtype. The weight is read in place: it must not change size.
 
     Args:
-        x: [rows, in_features], float32 or bfloat16 (the weight's dtype).
-        weight: [out_features, in_features], C-contiguous, on the CPU.
-        bias: [out_features] or None.
+        weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
+        bias: [out_features] of the same dtype, or None.
     """
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    flat = (
-        weight.view(torch.int16).numpy().view(np.uint16)
-        if weight.dtype == torch.bfloat16
-        else weight.numpy()
-    )
-    _matvec.matvec(x.to(torch.float32).contiguous().numpy(), flat, out.numpy())
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype)
+    flat_weight = _flat(weight)
+    flat_bias = _flat(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
+    size = weight.shape[0]
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], size, dtype=x.dtype)
+        _matvec.matvec(_flat(x.contiguous()), flat_weight, flat_bias, _flat(out))
+        return out
+
+    return product
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """A float32 tensor as NumPy, a bfloat16 one as its bits (NumPy has no bfloat16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
@@ -284,7 +290,7 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     kernel_cache.announce()
     for dtype in KERNEL_DTYPES:
         _compile(dtype)
-        linear_rows(torch.zeros(1, 2, dtype=dtype), torch.zeros(1, 2, dtype=dtype), None)
+        linear_rows(torch.zeros(1, 2, dtype=dtype), None)(torch.zeros(1, 2, dtype=dtype))
     kernel_cache.mark_compiled()
 
 

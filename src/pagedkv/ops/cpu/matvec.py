@@ -1,41 +1,55 @@
 """Matrix-vector products for a few rows: a decode step's matmuls, bound by reading weights.
-
 NumPy and Numba only, loaded through `pagedkv.kernel_cache` like `kernels.py`.
 
-A decode step of one to a few sequences multiplies a handful of rows by every weight matrix
-once: its time is the weights' read from memory. torch's CPU matmul splits each product
-over its thread team, and on a small machine waking that team costs about as much as the
-product itself (a virtual CPU that went idle between two layers must be rescheduled). One
-thread streaming the weight row by row keeps the memory busy with no hand-off: each weight
-row is read once and multiplied by every input row while it is in the L1 cache.
+torch's CPU matmul splits each product over its thread team, and on a small machine waking
+that team costs about as much as a decode step's product (a virtual CPU idle between two
+layers must be rescheduled). One thread streaming each weight row once, multiplying it by
+every input row while it is in the L1 cache, keeps the memory busy with no hand-off.
 
-Sums run in float32 in index order; a bfloat16 weight (its bits, uint16) is widened exactly,
-as torch's bfloat16 matmul does before it rounds the float32 sum once.
+Sums run in float32 in index order; bfloat16 values (their bits, uint16) are widened
+exactly, and a bfloat16 result is the float32 sum (bias included) rounded once, as torch's
+bfloat16 matmul gives it.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.bf16 import as_float32, round_to_bf16
 
 
 @njit(cache=True, fastmath=True)
-def matvec(x, weight, out):  # pragma: no cover
-    """out[m, n] = x[m] . weight[n] for every input row m and weight row n.
+def matvec(x, weight, bias, out):  # pragma: no cover
+    """out[m, n] = x[m] . weight[n] + bias[n] for every input row m and weight row n.
 
-    Args:
-        x: float32 [rows, in_features], C-contiguous.
-        weight: float32 or bfloat16 bits (uint16) [out_features, in_features], C-contiguous.
-        out: float32 [rows, out_features], overwritten.
+    x: [rows, in]; weight: [out, in]; bias: [out] or empty; out: [rows, out], overwritten;
+    each float32 or bfloat16 bits (uint16), C-contiguous.
     """
     rows, size = x.shape
+    wide = np.empty((rows, size), dtype=np.float32)
+    for m in range(rows):
+        for k in range(size):
+            wide[m, k] = as_float32(x[m, k])
     for n in range(weight.shape[0]):
         w = weight[n]
+        shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         for m in range(rows):
-            xm = x[m]
+            xm = wide[m]
             total = np.float32(0.0)
             for k in range(size):
                 total += as_float32(w[k]) * xm[k]
-            out[m, n] = total
+            out[m, n] = _narrow(total + shift, out)
+
+
+def _narrow(value, like):  # pragma: no cover
+    """A float32 as an element of the array `like`: itself, or rounded to bfloat16 bits."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_narrow)
+def _narrow_impl(value, like):  # pragma: no cover
+    if like.dtype == types.uint16:
+        return lambda value, like: np.uint16(round_to_bf16(value))
+    return lambda value, like: value
