@@ -54,9 +54,10 @@ def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
         return product
 
     use_matvec_(layer, kernel)
-    for rows in (1, MATVEC_ROWS, MATVEC_ROWS + 1):
+    limit = MATVEC_ROWS[torch.float32]
+    for rows in (1, limit, limit + 1):
         linear(torch.randn(rows, 24), layer)
-    assert calls == [1, MATVEC_ROWS]
+    assert calls == [1, limit]
 
 
 @pytest.mark.skipif(
@@ -69,11 +70,12 @@ def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
     assert both.use_matvec() and both.pack_weights()
     layer, reference = both.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
     assert layer.weight.is_mkldnn
-    for rows in (1, MATVEC_ROWS + 4):
+    limit = MATVEC_ROWS[torch.bfloat16]
+    for rows in (1, limit, limit + 1):
         x = torch.randn(rows, plain.config.hidden_size).to(torch.bfloat16)
         expected = (
             linear_rows(reference.weight, None)(x)
-            if rows <= MATVEC_ROWS
+            if rows <= limit
             else F.linear(x, reference.weight)  # the packed product gives the same bits
         )
         assert torch.equal(linear(x, layer), expected)
@@ -83,14 +85,14 @@ def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
 def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS, [1, 2, 3], [40, 41]]]
     tokens = {}
     for matvec in (False, True):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
                   cpu_matvec=matvec)  # fmt: skip
         assert (llm.engine.runner.model.model.layers[0].mlp.down_proj.__dict__.get("matvec")
                 is not None) == matvec  # fmt: skip
-        # One at a time (the kernel's rows) and all together (torch's, past MATVEC_ROWS).
+        # One at a time (the kernel's rows) and all five together (torch's: past the limit).
         single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         together = llm.generate(prompts, params, use_tqdm=False)
         tokens[matvec] = [o.outputs[0].token_ids for o in single + together]

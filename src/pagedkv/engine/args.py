@@ -95,9 +95,9 @@ class EngineArgs:
     )
     cpu_matvec: bool = _option(
         True,
-        "multiply 1-4 rows (a decode step of one to four sequences) on one thread in "
-        "pagedkv's matrix-vector kernel, not torch's threads (float32 and bfloat16 on the "
-        "CPU; with pack_weights the bfloat16 weights are held twice)",
+        "multiply a decode step of 1-4 sequences (float32; 1-2 in bfloat16) on one thread "
+        "in pagedkv's matrix-vector kernel, not torch's threads (on the CPU; with "
+        "pack_weights the bfloat16 weights are held twice)",
     )
     token_buckets: bool = _option(
         True,

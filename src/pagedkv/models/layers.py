@@ -174,21 +174,23 @@ def pack_linear_(linear: nn.Linear) -> None:
     linear.register_buffer("weight", packed)
 
 
-MATVEC_ROWS = 4
+MATVEC_ROWS = {torch.float32: 4, torch.bfloat16: 2}
 """Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
-past it the one-thread kernel is bound by arithmetic, not by reading the weight, and
-torch's threaded matmul is faster."""
+past it the one-thread kernel is bound by arithmetic (bfloat16 widens each weight once per
+row), not by reading the weight, and torch's threaded matmul is faster."""
 
 
 def use_matvec_(
     linear: nn.Linear, kernel: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]]
 ) -> None:
     """Give `linear` a product for a few rows, `kernel(weight, bias)` on its weight as it
-    is now (plain), which `linear()` calls for at most `MATVEC_ROWS` rows.
+    is now (plain, float32 or bfloat16), which `linear()` calls for at most
+    `MATVEC_ROWS[dtype]` rows.
 
     The product keeps that weight: a later `pack_linear_` then holds the layer twice.
     """
-    linear.matvec = kernel(linear.weight.detach(), linear.bias)
+    weight = linear.weight.detach()
+    linear.matvec = (MATVEC_ROWS[weight.dtype], kernel(weight, linear.bias))
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
@@ -205,10 +207,9 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     Returns:
         [num_tokens, out_features].
     """
-    if x.shape[0] <= MATVEC_ROWS:
-        matvec = layer.__dict__.get("matvec")
-        if matvec is not None:
-            return matvec(x)
+    matvec = layer.__dict__.get("matvec")
+    if matvec is not None and x.shape[0] <= matvec[0]:
+        return matvec[1](x)
     weight = layer.weight
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")

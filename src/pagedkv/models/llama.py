@@ -360,7 +360,7 @@ class CausalLM(nn.Module):
         return True
 
     def use_matvec(self) -> bool:
-        """Multiply at most `MATVEC_ROWS` rows (a decode step of one to a few sequences) on
+        """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) on
         one thread with the CPU's matrix-vector kernel (`ops.cpu.linear_rows`), every other
         batch through torch. Call it before `pack_weights`, which then holds a second,
         packed copy of each weight.
