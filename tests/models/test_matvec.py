@@ -85,14 +85,14 @@ def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
 def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS, [1, 2, 3], [40, 41]]]
+    prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
     tokens = {}
     for matvec in (False, True):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
                   cpu_matvec=matvec)  # fmt: skip
         assert (llm.engine.runner.model.model.layers[0].mlp.down_proj.__dict__.get("matvec")
                 is not None) == matvec  # fmt: skip
-        # One at a time (the kernel's rows) and all five together (torch's: past the limit).
+        # One at a time (the kernel's rows) and all nine together (torch's: past the limit).
         single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         together = llm.generate(prompts, params, use_tqdm=False)
         tokens[matvec] = [o.outputs[0].token_ids for o in single + together]

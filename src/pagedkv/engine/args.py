@@ -95,7 +95,7 @@ class EngineArgs:
     )
     cpu_matvec: bool = _option(
         True,
-        "multiply a decode step of 1-4 sequences (float32; 1-2 in bfloat16) on one thread "
+        "multiply a decode step of 1-8 sequences (float32; 1-2 in bfloat16) on one thread "
         "in pagedkv's matrix-vector kernel, not torch's threads (on the CPU; with "
         "pack_weights the bfloat16 weights are held twice)",
     )

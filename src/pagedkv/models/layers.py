@@ -174,7 +174,7 @@ def pack_linear_(linear: nn.Linear) -> None:
     linear.register_buffer("weight", packed)
 
 
-MATVEC_ROWS = {torch.float32: 4, torch.bfloat16: 2}
+MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 """Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
 past it the one-thread kernel is bound by arithmetic (bfloat16 widens each weight once per
 row), not by reading the weight, and torch's threaded matmul is faster."""
