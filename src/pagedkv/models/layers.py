@@ -190,7 +190,8 @@ def use_matvec_(
     The product keeps that weight: a later `pack_linear_` then holds the layer twice.
     """
     weight = linear.weight.detach()
-    linear.matvec = (MATVEC_ROWS[weight.dtype], kernel(weight, linear.bias))
+    # A plain attribute (not a submodule, buffer or parameter): `linear()` reads it directly.
+    linear.__dict__["matvec"] = (MATVEC_ROWS[weight.dtype], kernel(weight, linear.bias))
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
