@@ -261,7 +261,7 @@ def linear_rows(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`x -> F.linear(x, weight, bias)` for a few rows of x, on this thread
     (`matvec.matvec`): each weight row is read once, sums in float32, the result rounded
-    once to the weight's dtype. The weight is read in place: it must not change size.
+    once to the weight's dtype. The weight is read in place (an in-place update shows).
 
     Args:
         weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
