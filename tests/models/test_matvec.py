@@ -29,15 +29,18 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows):
-    """Products of bfloat16 values are exact in float32; the sum is rounded once at the end,
-    so the result is within half a bfloat16 step of the float64 product."""
+@pytest.mark.parametrize("shape", [(64, 200), (65, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias):
+    """Products of bfloat16 values are exact in float32; the sum (bias included) is rounded
+    once at the end, so the result is within half a bfloat16 step of the float64 value."""
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(64, 200, generator=generator).to(torch.bfloat16)
-    x = torch.randn(rows, 200, generator=generator).to(torch.bfloat16)
-    out = linear_rows(weight, None)(x)
-    assert out.dtype == torch.bfloat16
-    exact = x.double() @ weight.double().T
+    weight = torch.randn(*shape, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, shape[1], generator=generator).to(torch.bfloat16)
+    b = torch.randn(shape[0], generator=generator).to(torch.bfloat16) if bias else None
+    out = linear_rows(weight, b)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
     step = exact.abs().clamp_min(1e-30) * 2.0**-8
     assert ((out.double() - exact).abs() <= step * 1.01 + 1e-5).all()
 
