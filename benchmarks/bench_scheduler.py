@@ -31,6 +31,7 @@ import gc
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from _common import print_table, write_results  # (benchmarks/ is on sys.path)
@@ -173,8 +174,6 @@ def main(argv: list[str] | None = None) -> None:
                        "update_ms", "used_blocks", "prefix_cache_hits"])  # fmt: skip
     ratio = rows[-1]["median_ms"] / rows[0]["median_ms"]
     print(f"largest / smallest pool: {ratio:.2f}x (median ms per step)")
-    from pathlib import Path
-
     out = Path(args.output) if args.output else None
     path = write_results(
         out.stem if out else "bench_scheduler",

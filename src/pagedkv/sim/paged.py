@@ -68,15 +68,15 @@ class StandInRunner:
     def execute(self, step: SchedulerOutput) -> dict[SeqId, int]:
         """Per sampled id, the request's own token id at the new token's position."""
         shift = self.id_shift
+
+        def own_token(seq_id: SeqId, position: int) -> int:  # as `token_ids` numbers them
+            return ((2 * int(seq_id[0]) + 1) << shift) + position
+
         # A decode row's new token is at its position + 1 (see `DecodeRow`).
-        sampled = {
-            seq_id: ((2 * int(seq_id[0]) + 1) << shift) + pos + 1
-            for seq_id, _, pos, *_ in step.decode_rows
-        }
+        sampled = {seq_id: own_token(seq_id, pos + 1) for seq_id, _, pos, *_ in step.decode_rows}
         for seq in step.scheduled:
-            seq_len = seq.start_pos + len(seq.token_ids)
             for seq_id in seq.sample_seq_ids:
-                sampled[seq_id] = ((2 * int(seq_id[0]) + 1) << shift) + seq_len
+                sampled[seq_id] = own_token(seq_id, seq.seq_len)
         return sampled
 
     def step_time(self, step: SchedulerOutput) -> float:

@@ -269,10 +269,10 @@ def linear_rows(
     """
     flat_weight = _flat(weight)
     flat_bias = _flat(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
-    size = weight.shape[0]
+    out_features = weight.shape[0]
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], size, dtype=x.dtype)
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
         _matvec.matvec(_flat(x.contiguous()), flat_weight, flat_bias, _flat(out))
         return out
 
