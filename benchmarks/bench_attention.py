@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from _common import write_results  # benchmarks/_common.py (script dir)
 
+from pagedkv.cache import PagedKVCache
 from pagedkv.ops import (
     AttentionMetadata,
     paged_attention,
@@ -102,17 +103,17 @@ def read_bandwidth(device: str, gib: float = 1.0) -> float:
 def make_paged(
     batch: int, context: int, block_size: int, dtype: torch.dtype, device: str, gen: torch.Generator
 ):
-    """Contiguous K/V [B, Hkv, L, D] and the same values in a shuffled paged cache."""
+    """Contiguous K/V [B, Hkv, L, D] and the same values in a shuffled paged cache (one layer
+    of the engine's `PagedKVCache`, so on the CPU on the huge pages the engine asks for)."""
     shape = (batch, NUM_KV_HEADS, context, HEAD_DIM)
     k = torch.randn(shape, generator=gen, device=device).to(dtype)
     v = torch.randn(shape, generator=gen, device=device).to(dtype)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, -1)
-    key_cache = torch.empty(
-        num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device
-    )
-    value_cache = torch.empty_like(key_cache)
+    cache = PagedKVCache(1, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype,
+                         device=device)  # fmt: skip
+    key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
     pad = blocks_per_seq * block_size - context
     for src, dst in ((k, key_cache), (v, value_cache)):
         # A sequence at a time (a whole-batch temporary would not fit beside two 8 GiB copies

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pagedkv.cache import PagedKVCache
+from pagedkv.cache.kv_cache import HUGE_PAGE
 
 
 def _filled(num_host_blocks: int = 0, dtype=torch.float32) -> PagedKVCache:
@@ -34,6 +37,34 @@ def test_layout_and_views() -> None:
     kv.key_caches[1][3, 2, 1, 0] = 7.0
     assert kv.value_caches[1].abs().sum() == 0 and kv.key_caches[0].abs().sum() == 0
     assert kv.num_bytes == PagedKVCache.bytes_per_block(2, 16, 4, 32, torch.bfloat16) * 5
+
+
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_pool_on_huge_pages() -> None:
+    """A CPU pool of at least 2 MiB starts at a 2 MiB boundary, zero-filled, on transparent
+    huge pages where the kernel offers them for advised memory; small pools are plain."""
+    kv = PagedKVCache(2, 64, 16, 8, 128, dtype="bfloat16")  # 8 MiB
+    assert kv._pool.data_ptr() % HUGE_PAGE == 0 and kv._pool.is_contiguous()
+    assert kv._pool.abs().sum() == 0
+    kv.key_caches[1][63, 15, 7, 127] = 3.0  # the last element is inside the mapping
+    assert float(kv._pool[0, 1].sum()) == 3.0
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _huge_page_kib(kv._pool.data_ptr()) >= HUGE_PAGE // 1024
+    small = PagedKVCache(1, 2, 4, 2, 8)
+    assert small.num_bytes == 2 * 2 * 4 * 2 * 8 * 4 and small._pool.abs().sum() == 0
 
 
 def test_sizing() -> None:

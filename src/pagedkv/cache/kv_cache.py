@@ -9,9 +9,18 @@ layers is one indexed copy)::
     value_caches[l] = pool[1, l]
 
 The host pool has the same layout with `num_host_blocks` blocks (pinned memory on CUDA).
+
+On the CPU the device pool asks the kernel for 2 MiB pages (`_zeros_on_huge_pages`): a
+decode step reads each sequence's blocks scattered over the pool, and with 4 KiB pages the
+jump to every block misses the TLB; on 2 MiB pages blocks of 16 rows read about as fast as
+blocks of 32.
 """
 
 from __future__ import annotations
+
+import ctypes
+import math
+import mmap
 
 import torch
 
@@ -34,6 +43,29 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     return dtype
+
+
+HUGE_PAGE = 2 << 20
+"""Bytes of a transparent huge page on x86-64 and most Linux arm64 kernels."""
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor in anonymous memory that starts at a 2 MiB boundary and is
+    advised for transparent huge pages (`madvise` mode, the default of many distributions;
+    a no-op where they are off or the platform lacks the advice). Written once here, so
+    the memory is committed up front as `torch.zeros` commits it."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: shared anonymous memory is tmpfs, whose huge pages follow another setting.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = -address % HUGE_PAGE
+    # The tensor holds `region` (through its buffer) for as long as it lives.
+    pool = torch.frombuffer(region, dtype=dtype, count=count, offset=offset).view(shape)
+    return pool.zero_()
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:
@@ -77,9 +109,11 @@ class PagedKVCache:
         self.dtype = _as_dtype(dtype)
         self.device = torch.device(device)
         block_shape = (block_size, num_kv_heads, head_dim)
-        self._pool = torch.zeros(
-            (2, num_layers, num_blocks, *block_shape), dtype=self.dtype, device=self.device
-        )
+        pool_shape = (2, num_layers, num_blocks, *block_shape)
+        if self.device.type == "cpu":
+            self._pool = _zeros_on_huge_pages(pool_shape, self.dtype)
+        else:
+            self._pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
         self.key_caches: list[torch.Tensor] = list(self._pool[0].unbind(0))
         self.value_caches: list[torch.Tensor] = list(self._pool[1].unbind(0))
         self._host_pool = torch.zeros(
