@@ -35,12 +35,10 @@ from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
 
 MAX_DECODE_QUERY = 4
-"""Sequences with at most this many new tokens go to the kernel; beyond it, gather + SDPA
-is faster (see docs/benchmarks.md)."""
+"""Sequences with at most this many new tokens go to the kernel; beyond, gather + SDPA."""
 SERIAL_BYTES = 4 << 20
-"""Batches reading less KV than this run on one thread: waking the other threads, asleep
-since the last parallel call (on a virtual machine, rescheduling its idle CPUs), costs more
-(docs/benchmarks.md)."""
+"""Batches reading less KV run on one thread: waking the others, asleep since the last
+parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchmarks.md)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 ISA_ENV = "PAGEDKV_CPU_ISA"
 """Debug switch: "native" (default) or "generic" (no bfloat16 dot instruction)."""

@@ -225,26 +225,25 @@ def dot_bf16(typingctx, q, q_offset, k, k_offsets, length, count):  # pragma: no
 @intrinsic
 def accumulate_bf16(typingctx, acc, acc_offset, weights, weights_offset, weights_stride, v,
                     rows, length, count):  # fmt: skip  # pragma: no cover
-    """acc[j] += the four V rows weighted by head j's four weights, for heads j < `count`.
+    """acc[j] += the r V rows weighted by head j's r weights, for heads j < `count`.
 
     acc: float32, head j's row at acc.flat[acc_offset + j * length :][:length]; weights:
-    bfloat16 bits (uint16), head j's four at weights.flat[weights_offset + j *
-    weights_stride :][:4]; v: bfloat16 bits, `rows` a tuple of the four rows' flat offsets;
-    `length` a positive multiple of `LANES`; `count` a literal 1..4.
+    bfloat16 bits (uint16), head j's r at weights.flat[weights_offset + j *
+    weights_stride :][:r]; v: bfloat16 bits, `rows` a tuple of the r rows' flat offsets (r
+    even); `length` a positive multiple of `LANES`; `count` a literal 1..4.
 
-    Per 16 lanes of the rows: interleave tokens 0 and 1, and 2 and 3, into bfloat16 pairs
-    (one shuffle each, shared by the group's heads), then two dot instructions add the
-    four tokens to each head's slice: the weights pair up the same way (a 32-bit word of
-    two consecutive bfloat16 weights), broadcast once before the loop.
+    Per 16 lanes: tokens 0 and 1, 2 and 3, ... interleaved into bfloat16 pairs (a shuffle
+    each, shared by the heads), then r / 2 dot instructions between one load and one store
+    of each head's slice; the weights pair up alike (32-bit words), broadcast once.
     """
     if not (isinstance(count, types.IntegerLiteral) and 1 <= count.literal_value <= 4):
         return None
     if not (_is_array(acc, types.float32) and _is_array(weights, types.uint16)
             and _is_array(v, types.uint16)):  # fmt: skip
         return None
-    if not (isinstance(rows, types.UniTuple) and rows.count == 4):
+    if not (isinstance(rows, types.UniTuple) and rows.count % 2 == 0):
         return None
-    heads = count.literal_value
+    heads, pairs_per_head = count.literal_value, rows.count // 2
     half_vector = ir.VectorType(ir.IntType(16), LANES)
     interleave = ir.Constant(ir.VectorType(_I32, STEP), [i // 2 + (i % 2) * LANES
                                                          for i in range(STEP)])  # fmt: skip
@@ -256,20 +255,21 @@ def accumulate_bf16(typingctx, acc, acc_offset, weights, weights_offset, weights
         pairs = [
             _splat(builder, builder.load(builder.gep(w_ptr, [builder.add(
                 builder.mul(w_stride, ir.Constant(_I64, j)), ir.Constant(_I64, half))]), align=2))
-            for j in range(heads) for half in (0, 1)
-        ]  # fmt: skip  # head j's tokens (0, 1) at 2j, tokens (2, 3) at 2j + 1
+            for j in range(heads) for half in range(pairs_per_head)
+        ]  # fmt: skip  # head j's tokens (2i, 2i + 1) at pairs_per_head * j + i
         row_ptrs = _row_pointers(context, builder, sig, args, 5, half_vector)
         steps = builder.udiv(_int64(context, builder, sig, args, 7), ir.Constant(_I64, LANES))
         with _Loop(builder, steps) as chunk:
             row = [builder.load(builder.gep(p, [chunk.index]), align=2) for p in row_ptrs]
             values = [builder.bitcast(builder.shuffle_vector(row[i], row[i + 1], interleave),
-                                      _I32X16) for i in (0, 2)]  # fmt: skip
+                                      _I32X16) for i in range(0, rows.count, 2)]  # fmt: skip
             for j in range(heads):
                 at = builder.gep(acc_ptr, [builder.add(
                     builder.mul(steps, ir.Constant(_I64, j)), chunk.index)])  # fmt: skip
                 total = builder.load(at, align=4)
-                total = _pairs_dot(builder, total, pairs[2 * j], values[0])
-                builder.store(_pairs_dot(builder, total, pairs[2 * j + 1], values[1]), at, align=4)
+                for i in range(pairs_per_head):
+                    total = _pairs_dot(builder, total, pairs[pairs_per_head * j + i], values[i])
+                builder.store(total, at, align=4)
         return context.get_dummy_value()
 
     signature = types.none(acc, acc_offset, weights, weights_offset, weights_stride, v, rows,
@@ -361,24 +361,26 @@ def score_span(q_bits, key_cache, value_cache, slots, n, known, scale, scores): 
 
 @njit(fastmath=True)
 def accumulate_span(value_cache, slots, n, weights, acc, weight_bits):  # pragma: no cover
-    """`kernels._accumulate_span` for a bfloat16 cache through `accumulate_bf16`, four tokens at a
-    time: the weights rounded to bfloat16 (as torch's bfloat16 attention rounds them) into
-    `weight_bits` (uint16 [H, span]); past n, weight 0 on the last row."""
+    """`kernels._accumulate_span` for a bfloat16 cache through `accumulate_bf16`, eight tokens
+    at a time: the weights rounded to bfloat16 (as torch's bfloat16 attention rounds them) into
+    `weight_bits` (uint16 [H, span], span a multiple of 8); past n, weight 0 on the last row."""
     num_heads, head_dim = acc.shape
     num_kv_heads = value_cache.shape[1]
     group, row, span = num_heads // num_kv_heads, num_kv_heads * head_dim, weights.shape[1]
     for h in range(num_heads):
         for t in range(n):
             weight_bits[h, t] = round_to_bf16(weights[h, t])
-        for t in range(n, -(-n // 4) * 4):
+        for t in range(n, -(-n // 8) * 8):
             weight_bits[h, t] = 0
     last = n - 1
-    for t in range(0, n, 4):
+    for t in range(0, n, 8):
         r0, r1 = slots[t] * row, slots[min(t + 1, last)] * row
         r2, r3 = slots[min(t + 2, last)] * row, slots[min(t + 3, last)] * row
+        r4, r5 = slots[min(t + 4, last)] * row, slots[min(t + 5, last)] * row
+        r6, r7 = slots[min(t + 6, last)] * row, slots[min(t + 7, last)] * row
         for g in range(num_kv_heads):
             at = g * head_dim
-            rows = (r0 + at, r1 + at, r2 + at, r3 + at)
+            rows = (r0 + at, r1 + at, r2 + at, r3 + at, r4 + at, r5 + at, r6 + at, r7 + at)
             for h in range(g * group, (g + 1) * group, 4):
                 a, w, left = h * head_dim, h * span + t, (g + 1) * group - h
                 # The head count is a literal: the intrinsic unrolls its heads.
