@@ -10,16 +10,14 @@ SDPA path for every sequence (Numba has no fast float16, and the kernel reads fl
 `plan` (once per step) runs the checks and the work split in one compiled pass; `run` (per
 layer) converts the query and calls one compiled function.
 
-bfloat16 decode rows use the CPU's bfloat16 dot instruction where it has one (`bf16.py`),
-for the scores and for the weighted sum of V rows; the debug switch PAGEDKV_CPU_ISA=generic
-turns that off, giving the path of other CPUs (bfloat16 widened to float32, then FMAs).
+A bfloat16 cache is read as its bits and widened to float32 in the kernels' loops
+(`bf16.py`); sums run in float32.
 
 `linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +28,6 @@ import torch.nn.functional as F
 
 from pagedkv import kernel_cache
 from pagedkv.ops import checks
-from pagedkv.ops.cpu import bf16
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
 
@@ -40,9 +37,6 @@ SERIAL_BYTES = 4 << 20
 """Batches reading less KV run on one thread: waking the others, asleep since the last
 parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchmarks.md)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-ISA_ENV = "PAGEDKV_CPU_ISA"
-"""Debug switch: "native" (default) or "generic" (no bfloat16 dot instruction)."""
-_NO_BITS = np.zeros((0, 0, 0), dtype=np.uint16)
 
 _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")
@@ -64,32 +58,12 @@ class CpuPlan:
     seq_lens: np.ndarray  # int32 [num_seqs]
     query_start_loc: np.ndarray  # int32 [num_seqs + 1]
     parallel: bool
-    use_dot: bool  # bfloat16 rows through the CPU's dot instruction (`uses_dot`)
     rows_index: torch.Tensor | None  # the rows as a tensor, unless they are all the rows
 
 
 def uses_kernel(cache: torch.Tensor) -> bool:
     """Whether decode rows over `cache` go to the Numba kernel."""
     return cache.dtype in KERNEL_DTYPES and cache.is_contiguous()
-
-
-def uses_dot(cache: torch.Tensor) -> bool:
-    """Whether decode rows over `cache` use the bfloat16 dot instruction: a bfloat16 cache
-    whose head_dim is a multiple of `bf16.STEP`, on a CPU that has it, unless PAGEDKV_CPU_ISA
-    is "generic". The query is then rounded to bfloat16 (exact for a bfloat16 query).
-
-    Raises:
-        ValueError: PAGEDKV_CPU_ISA is set to something else.
-    """
-    isa = os.environ.get(ISA_ENV, "native")
-    if isa not in ("native", "generic"):
-        raise checks.fail(ISA_ENV, '"native" or "generic"', repr(isa))
-    return (
-        cache.dtype == torch.bfloat16
-        and cache.shape[-1] % bf16.STEP == 0
-        and bf16.HAS_DOT_INSTRUCTION
-        and isa == "native"
-    )
 
 
 def plan(
@@ -128,7 +102,6 @@ def plan(
         seq_lens=lens,
         query_start_loc=starts,
         parallel=total * row_bytes >= SERIAL_BYTES,
-        use_dot=uses_dot(key_cache),
         rows_index=None if rows.shape[0] == num_tokens else torch.from_numpy(rows),
     )
 
@@ -168,7 +141,7 @@ def run(
 
 
 def _bits(cache: torch.Tensor) -> np.ndarray:
-    """A cache or query as the kernels read it: [num_slots or rows, num_heads, head_dim]."""
+    """A cache as the kernels read it: [num_slots, num_heads, head_dim]."""
     return _flat(cache.view(-1, cache.shape[-2], cache.shape[-1]))
 
 
@@ -182,12 +155,11 @@ def _decode_rows(
     """The kernel rows' output, float32 [num_rows, num_heads, head_dim]."""
     rows = query if plan.rows_index is None else query[plan.rows_index]
     q = rows.to(torch.float32).contiguous()
-    q_bits = _bits(rows.to(torch.bfloat16).contiguous()) if plan.use_dot else _NO_BITS
     out = torch.empty_like(q)
     decode = _kernels.decode_parallel if plan.parallel else _kernels.decode_serial
     decode(
-        q.numpy(), q_bits, _bits(key_cache), _bits(value_cache), plan.block_tables, plan.items,
-        plan.row_items, key_cache.shape[1], scale, plan.use_dot, out.numpy(),
+        q.numpy(), _bits(key_cache), _bits(value_cache), plan.block_tables, plan.items,
+        plan.row_items, key_cache.shape[1], scale, out.numpy(),
     )  # fmt: skip
     return out
 

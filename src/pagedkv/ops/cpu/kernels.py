@@ -23,8 +23,7 @@ softmax update per head, so small blocks do not pay a rescale each.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from pagedkv.ops.cpu import bf16
 from pagedkv.ops.cpu.bf16 import as_float32
@@ -114,13 +113,12 @@ def _failed(code, seq):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
-          scale, use_dot, acc, row_max, row_sum):  # fmt: skip  # pragma: no cover
+def _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc,
+          row_max, row_sum):  # fmt: skip  # pragma: no cover
     """Attend item i's query row to its key range; leave its partial state.
 
-    query: float32 [num_rows, H, D]; query_bits: its bfloat16 bits (uint16, same shape) when
-    `use_dot`, else unused; caches: [num_slots, num_kv_heads, D], float32 or bfloat16 bits
-    as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
+    query: float32 [num_rows, H, D]; caches: [num_slots, num_kv_heads, D], float32 or
+    bfloat16 bits as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
     """
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
@@ -128,7 +126,6 @@ def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, blo
     slots = np.empty(SPAN + bf16.AHEAD, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
     pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
-    weight_bits = np.empty((num_heads, SPAN), dtype=np.uint16)  # `bf16.accumulate_span`
     acc[:] = 0.0
     row_max[:] = NEG_INIT
     row_sum[:] = 0.0
@@ -138,30 +135,10 @@ def _item(i, query, query_bits, key_cache, value_cache, block_tables, items, blo
         for t in range(known):
             pos = t0 + t
             slots[t] = table[pos // block_size] * block_size + pos % block_size
-        if use_dot:
-            key_bits, value_bits = _as_bits(key_cache), _as_bits(value_cache)
-            bf16.score_span(query_bits[row], key_bits, value_bits, slots, n, known,
-                            np.float32(scale), scores)  # fmt: skip
-            _softmax_span(scores, n, acc, row_max, row_sum, pow2)
-            bf16.accumulate_span(value_bits, slots, n, scores, acc, weight_bits)
-        else:
-            _score_span(query[row], key_cache, value_cache, slots, n, known, np.float32(scale),
-                        scores)  # fmt: skip
-            _softmax_span(scores, n, acc, row_max, row_sum, pow2)
-            _accumulate_span(value_cache, slots, n, scores, acc)
-
-
-def _as_bits(cache):  # pragma: no cover
-    """`cache` when it holds bfloat16 bits (uint16), else an empty uint16 array: the kernels
-    compiled for float32 caches then type the dot path too (the plan never runs it there)."""
-    raise NotImplementedError("compiled only")
-
-
-@overload(_as_bits)
-def _as_bits_impl(cache):  # pragma: no cover
-    if cache.dtype == types.uint16:
-        return lambda cache: cache
-    return lambda cache: np.empty((0, 0, 0), dtype=np.uint16)
+        _score_span(query[row], key_cache, value_cache, slots, n, known, np.float32(scale),
+                    scores)  # fmt: skip
+        _softmax_span(scores, n, acc, row_max, row_sum, pow2)
+        _accumulate_span(value_cache, slots, n, scores, acc)
 
 
 # The span steps are separate functions: each one's inner loop then vectorizes (in one
@@ -298,36 +275,34 @@ def _merge(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def decode_parallel(query, query_bits, key_cache, value_cache, block_tables, items, row_items,
-                    block_size, scale, use_dot, out):  # fmt: skip  # pragma: no cover
+def decode_parallel(query, key_cache, value_cache, block_tables, items, row_items, block_size,
+                    scale, out):  # fmt: skip  # pragma: no cover
     """`decode_serial` with items and rows spread over Numba's threads."""
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
-        _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
-              scale, use_dot, acc[i], row_max[i], row_sum[i])  # fmt: skip
+        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc[i],
+              row_max[i], row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
 
 
 @njit(cache=True, fastmath=True)
-def decode_serial(query, query_bits, key_cache, value_cache, block_tables, items, row_items,
-                  block_size, scale, use_dot, out):  # fmt: skip  # pragma: no cover
+def decode_serial(query, key_cache, value_cache, block_tables, items, row_items, block_size,
+                  scale, out):  # fmt: skip  # pragma: no cover
     """Attention of the plan's kernel rows: out[r] for query row r of `query`.
 
-    query: float32 [num_rows, H, D] (the kernel rows only); query_bits: the same rows'
-    bfloat16 bits (uint16) when `use_dot` (a bfloat16 cache through `bf16.score_span` and
-    `bf16.accumulate_span`, head_dim a multiple of `bf16.STEP`), else any uint16 array;
-    out: float32 [num_rows, H, D].
+    query: float32 [num_rows, H, D] (the kernel rows only); caches float32 or bfloat16 bits
+    (uint16); out: float32 [num_rows, H, D].
     """
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in range(num_items):
-        _item(i, query, query_bits, key_cache, value_cache, block_tables, items, block_size,
-              scale, use_dot, acc[i], row_max[i], row_sum[i])  # fmt: skip
+        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc[i],
+              row_max[i], row_sum[i])  # fmt: skip
     for r in range(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
