@@ -60,7 +60,10 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
         return torch.zeros(shape, dtype=dtype)
     # Private: shared anonymous memory is tmpfs, whose huge pages follow another setting.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass  # a kernel built without huge pages (EINVAL): the advice is only a hint
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
     offset = -address % HUGE_PAGE
     # The tensor holds `region` (through its buffer) for as long as it lives.

@@ -140,7 +140,7 @@ def run(
     return out
 
 
-def _bits(cache: torch.Tensor) -> np.ndarray:
+def _cache_rows(cache: torch.Tensor) -> np.ndarray:
     """A cache as the kernels read it: [num_slots, num_heads, head_dim]."""
     return _flat(cache.view(-1, cache.shape[-2], cache.shape[-1]))
 
@@ -158,8 +158,8 @@ def _decode_rows(
     out = torch.empty_like(q)
     decode = _kernels.decode_parallel if plan.parallel else _kernels.decode_serial
     decode(
-        q.numpy(), _bits(key_cache), _bits(value_cache), plan.block_tables, plan.items,
-        plan.row_items, key_cache.shape[1], scale, out.numpy(),
+        q.numpy(), _cache_rows(key_cache), _cache_rows(value_cache), plan.block_tables,
+        plan.items, plan.row_items, key_cache.shape[1], scale, out.numpy(),
     )  # fmt: skip
     return out
 
