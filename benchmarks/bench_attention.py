@@ -3,8 +3,9 @@
 Decode (one new token per sequence) and prefill over GQA 32/8 heads, head_dim 128 (else
 `--heads 12 4 --head-dim 64`, the engine model's geometry): time per
 call (median), achieved GB/s of KV read, the ratio to the contiguous SDPA baseline measured
-in the same run, and the machine's read bandwidth measured here. Also times `write_kv` for
-one decode step (32 tokens).
+in the same run, and the machine's read bandwidth, measured at the start and again right
+after each decode row (GB/s and its share are of the engine's path: planned once, run per
+layer). Also times `write_kv` for one decode step (32 tokens).
 
 Baselines. Decode: SDPA with the query viewed as [batch, num_kv_heads, group, head_dim]
 against K/V [batch, num_kv_heads, context, head_dim] (exact for decode: every query head of
@@ -19,18 +20,23 @@ CPU backend makes after gathering, so the ratio is the price of paging.
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import time
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from _common import write_results  # benchmarks/_common.py (script dir)
+# Before torch (and its OpenMP runtime) loads: the engine's thread policy, so that the
+# kernel is timed as the engine runs it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagedkv.cache import PagedKVCache
-from pagedkv.ops import (
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _common import write_results  # noqa: E402 (benchmarks/_common.py, script dir)
+
+from pagedkv.cache import PagedKVCache  # noqa: E402
+from pagedkv.ops import (  # noqa: E402
     AttentionMetadata,
     paged_attention,
     paged_attention_from_metadata,
@@ -307,7 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _row(r: dict, bandwidth: float) -> str:
-    gbs = r["kv_bytes"] / r["paged_s"] / 1e9
+    """A result as a table row; GB/s and %bw of the engine's path (planned once, when the
+    kind has one) against the read bandwidth measured right after the row, else `bandwidth`."""
+    gbs = r["kv_bytes"] / (r["planned_s"] or r["paged_s"]) / 1e9
+    bandwidth = r.get("read_bandwidth_bytes_per_s", bandwidth)
     planned = f"{r['baseline_s'] / r['planned_s']:6.2f}x" if r["planned_s"] else "      -"
     return (
         f"{r['kind']:7s} {r['dtype']:8s} {r['batch']:5d} {r['context']:7d} "
@@ -355,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
                 for bs in args.block_size:
                     r = bench_decode(
                         batch, context, bs, dtype, args.device, backend, args.min_time, gen
+                    )
+                    # The machine's figure may move between rows (a shared virtual
+                    # machine's does, within minutes): measured again right after each.
+                    r["read_bandwidth_bytes_per_s"] = read_bandwidth(
+                        args.device, gib=4.0 if args.device == "cuda" else 1.0
                     )
                     results.append(r)
                     print(_row(r, bandwidth), flush=True)

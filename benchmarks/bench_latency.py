@@ -21,6 +21,8 @@ measured in the same run with the same threads, alternating with pagedkv.
 
 Variants (`--variant NAME:field=value,...`, `EngineArgs` fields) run alternately in one
 process; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
+The OpenMP wait policy is the process's (`OMP_WAIT_POLICY=ACTIVE python ...` for spinning
+workers, which let one user's products run on every thread) and llama.cpp inherits it.
 
     python benchmarks/bench_latency.py --quick
     python benchmarks/bench_latency.py --llama-cpp /path/to/llama.cpp/build/bin
@@ -31,8 +33,13 @@ from __future__ import annotations
 
 import os
 
-# Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
+# Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning
+# (the library's default). Under a spinning policy (`OMP_WAIT_POLICY=ACTIVE` in the caller's
+# environment) they still sleep after a short spin, so that this process's idle workers
+# leave the cores to llama.cpp while it runs (with ACTIVE alone they would spin on).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ["OMP_WAIT_POLICY"].strip().upper() == "ACTIVE":
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 import argparse  # noqa: E402
 import random  # noqa: E402
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["block_size"] = BLOCK_SIZE
     config["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    config["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")
     path = write_results(name, config=config, results=rows, out_dir=out_dir)
     print(f"wrote {path}")
 

@@ -8,7 +8,10 @@ regions with Python, which is the worst case. pagedkv therefore asks for
 ``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep) unless the user chose a policy.
 
 The runtime reads the variable once, when it loads (with torch), so this runs when pagedkv
-is imported, before torch. Standard library only.
+is imported, before torch. A user who sets ``OMP_WAIT_POLICY=ACTIVE`` says the cores are
+the engine's own: the workers then spin, a parallel region starts at once, and the CPU
+kernels split even a one-row product over every thread (`workers_spin`). Standard library
+only.
 """
 
 from __future__ import annotations
@@ -33,3 +36,8 @@ def apply_thread_policy() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def workers_spin() -> bool:
+    """Whether the OpenMP workers spin between parallel regions (the user's ACTIVE policy)."""
+    return os.environ.get(POLICY_ENV, "").strip().upper() == "ACTIVE"

@@ -1,6 +1,9 @@
-"""The matrix-vector kernel for a few rows: torch's products to rounding, the same tokens."""
+"""The matrix-vector kernel for a few rows: torch's products to rounding, the same bits on one
+thread or on all, the same tokens."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from helpers import make_hf_model
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.layers import MATVEC_ROWS, can_pack_linear, linear, use_matvec_
+from pagedkv.ops import cpu
 from pagedkv.ops.cpu import linear_rows
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
@@ -43,6 +47,35 @@ def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias)
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())
     step = exact.abs().clamp_min(1e-30) * 2.0**-8
     assert ((out.double() - exact).abs() <= step * 1.01 + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [1, 2, 7, 96])
+def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
+    """The parallel kernel cuts the weight's rows into one share per thread (shares of
+    unequal size and empty ones included) and computes each output as the serial one."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 200, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype)
+    x = torch.randn(3, 200, generator=generator).to(dtype)
+    serial = linear_rows(weight, b, parallel=False)(x)
+    assert torch.equal(linear_rows(weight, b, parallel=True)(x), serial)
+
+
+def test_linear_rows_is_parallel_where_the_workers_spin(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)
+    monkeypatch.setattr(cpu, "_matvec", SimpleNamespace(
+        matvec=lambda *args: calls.append("serial"),
+        matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
+    ))  # fmt: skip
+    weight, x = torch.zeros(4, 8), torch.zeros(1, 8)
+    for policy in ("PASSIVE", "active"):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        linear_rows(weight, None)(x)
+    monkeypatch.setattr(cpu, "_sync_threads", lambda: 1)
+    linear_rows(weight, None)(x)  # one thread: nothing to split
+    assert calls == ["serial", "parallel 2", "serial"]
 
 
 def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
@@ -85,12 +118,16 @@ def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
-def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch):
+def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
+    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)  # a share per thread even on one
     tokens = {}
-    for matvec in (False, True):
+    # torch's matmuls; the kernel on one thread; on every thread (the workers' policy is read
+    # when a model takes the kernel; the runtime keeps the one it loaded with).
+    for matvec, policy in ((False, "PASSIVE"), (True, "PASSIVE"), (True, "ACTIVE")):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
                   cpu_matvec=matvec)  # fmt: skip
         assert (llm.engine.runner.model.model.layers[0].mlp.down_proj.__dict__.get("matvec")
@@ -98,8 +135,8 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch):
         # One at a time (the kernel's rows) and all nine together (torch's: past the limit).
         single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         together = llm.generate(prompts, params, use_tqdm=False)
-        tokens[matvec] = [o.outputs[0].token_ids for o in single + together]
-    assert tokens[True] == tokens[False]
+        tokens[matvec, policy] = [o.outputs[0].token_ids for o in single + together]
+    assert tokens[True, "PASSIVE"] == tokens[False, "PASSIVE"] == tokens[True, "ACTIVE"]
 
 
 def test_engine_logits_match_torch_matmuls_bfloat16(tmp_path):

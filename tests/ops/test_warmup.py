@@ -23,7 +23,8 @@ for dtype in (torch.float32, torch.bfloat16):
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 k = cpu._kernels
-for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, cpu._matvec.matvec):
+m = cpu._matvec
+for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, m.matvec, m.matvec_parallel):
     print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
 """
 
@@ -39,8 +40,8 @@ def _probe(cache_dir: str) -> tuple[dict[str, str], str]:
 
 def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
     """In a fresh process (compiled signatures are per process), warm-up alone readies the
-    planner, both decode kernels for float32 and bfloat16 caches and the matrix-vector
-    kernel for float32 and bfloat16 weights, saying so in one line; a second process with
+    planner, both decode kernels for float32 and bfloat16 caches and both matrix-vector
+    kernels for float32 and bfloat16 weights, saying so in one line; a second process with
     the same cache loads them and says nothing."""
     signatures, stderr = _probe(str(tmp_path))
     assert stderr.count("pagedkv: compiling CPU kernels once") == 1, stderr
@@ -49,8 +50,9 @@ def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
     for name in ("decode_serial", "decode_parallel"):
         assert "Array(float32, 3, 'C'" in signatures[name], signatures[name]
         assert "Array(uint16, 3, 'C'" in signatures[name], signatures[name]
-    for weight in ("float32", "uint16"):
-        assert f"Array({weight}, 2, 'C'" in signatures["matvec"], signatures["matvec"]
+    for name in ("matvec", "matvec_parallel"):
+        for weight in ("float32", "uint16"):
+            assert f"Array({weight}, 2, 'C'" in signatures[name], signatures[name]
     again, stderr = _probe(str(tmp_path))
     assert "compiling" not in stderr, stderr
     assert again == signatures

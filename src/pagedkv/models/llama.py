@@ -360,10 +360,10 @@ class CausalLM(nn.Module):
         return True
 
     def use_matvec(self) -> bool:
-        """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) on
-        one thread with the CPU's matrix-vector kernel (`ops.cpu.linear_rows`), every other
-        batch through torch. Call it before `pack_weights`, which then holds a second,
-        packed copy of each weight.
+        """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) with
+        the CPU's matrix-vector kernel (`ops.cpu.linear_rows`: one thread, or every thread
+        where the OpenMP workers spin), every other batch through torch. Call it before
+        `pack_weights`, which then holds a second, packed copy of each weight.
 
         Returns:
             Whether it applies (float32 or bfloat16 weights on the CPU).

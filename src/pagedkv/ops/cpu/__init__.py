@@ -13,7 +13,8 @@ layer) converts the query and calls one compiled function.
 A bfloat16 cache is read as its bits and widened to float32 in the kernels' loops
 (`bf16.py`); sums run in float32.
 
-`linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`).
+`linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`), on
+one thread, or on all where the OpenMP workers spin.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pagedkv import kernel_cache
 from pagedkv.ops import checks
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
+from pagedkv.threads import workers_spin
 
 MAX_DECODE_QUERY = 4
 """Sequences with at most this many new tokens go to the kernel; beyond, gather + SDPA."""
@@ -227,23 +229,33 @@ def write_kv(
 
 
 def linear_rows(
-    weight: torch.Tensor, bias: torch.Tensor | None
+    weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`x -> F.linear(x, weight, bias)` for a few rows of x, on this thread
-    (`matvec.matvec`): each weight row is read once, sums in float32, the result rounded
-    once to the weight's dtype. The weight is read in place (an in-place update shows).
+    """`x -> F.linear(x, weight, bias)` for a few rows of x (`matvec.py`): each weight row
+    is read once, sums in float32, the result rounded once to the weight's dtype; the same
+    bits on one thread or on all. The weight is read in place (an in-place update shows).
 
     Args:
         weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
         bias: [out_features] of the same dtype, or None.
+        parallel: split the rows over torch's threads; default: where the workers spin
+            (`pagedkv.threads.workers_spin`) and there is more than one thread.
     """
     flat_weight = _flat(weight)
     flat_bias = _flat(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
     out_features = weight.shape[0]
+    parts = _sync_threads()
+    if parallel is None:
+        parallel = workers_spin() and parts > 1
 
     def product(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        _matvec.matvec(_flat(x.contiguous()), flat_weight, flat_bias, _flat(out))
+        if parallel:
+            _matvec.matvec_parallel(
+                _flat(x.contiguous()), flat_weight, flat_bias, _flat(out), parts
+            )
+        else:
+            _matvec.matvec(_flat(x.contiguous()), flat_weight, flat_bias, _flat(out))
         return out
 
     return product
@@ -260,7 +272,9 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     kernel_cache.announce()
     for dtype in KERNEL_DTYPES:
         _compile(dtype)
-        linear_rows(torch.zeros(1, 2, dtype=dtype), None)(torch.zeros(1, 2, dtype=dtype))
+        for parallel in (False, True):
+            weight = torch.zeros(1, 2, dtype=dtype)
+            linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
     kernel_cache.mark_compiled()
 
 

@@ -3,18 +3,22 @@ NumPy and Numba only, loaded through `pagedkv.kernel_cache` like `kernels.py`.
 
 torch's CPU matmul splits each product over its thread team, and on a small machine waking
 that team costs about as much as a decode step's product (a virtual CPU idle between two
-layers must be rescheduled). One thread streaming each weight row once, multiplying it by
-every input row while it is in the L1 cache, keeps the memory busy with no hand-off.
+layers must be rescheduled). `matvec` streams each weight row once on the calling thread,
+multiplying it by every input row while it is in the L1 cache, and keeps the memory busy
+with no hand-off. Where the workers spin between parallel regions instead of sleeping (the
+user chose ``OMP_WAIT_POLICY=ACTIVE``: a machine of its own), the hand-off is cheap and
+`matvec_parallel` gives each thread a contiguous share of the weight's rows.
 
 Sums run in float32 in index order; bfloat16 values (their bits, uint16) are widened
 exactly, and a bfloat16 result is the float32 sum (bias included) rounded once, as torch's
-bfloat16 matmul gives it.
+bfloat16 matmul gives it. Both kernels compute every output the same way, so they agree
+bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from pagedkv.ops.cpu.bf16 import as_float32, round_to_bf16
@@ -27,18 +31,40 @@ def matvec(x, weight, bias, out):  # pragma: no cover
     x: [rows, in]; weight: [out, in]; bias: [out] or empty; out: [rows, out], overwritten;
     each float32 or bfloat16 bits (uint16), C-contiguous.
     """
+    _products(_widen(x), weight, bias, out, 0, weight.shape[0])
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def matvec_parallel(x, weight, bias, out, parts):  # pragma: no cover
+    """`matvec` with the weight's rows cut into `parts` contiguous shares, one per task."""
+    wide = _widen(x)
+    num_out = weight.shape[0]
+    share = -(-num_out // parts)
+    for p in prange(parts):
+        _products(wide, weight, bias, out, p * share, min(num_out, (p + 1) * share))
+
+
+@njit(cache=True, fastmath=True)
+def _widen(x):  # pragma: no cover
+    """The input rows as float32."""
     rows, size = x.shape
     wide = np.empty((rows, size), dtype=np.float32)
     for m in range(rows):
         for k in range(size):
             wide[m, k] = as_float32(x[m, k])
-    for n in range(weight.shape[0]):
+    return wide
+
+
+@njit(cache=True, fastmath=True)
+def _products(wide, weight, bias, out, first, end):  # pragma: no cover
+    """out[:, n] for weight rows first <= n < end (inputs already float32)."""
+    for n in range(first, end):
         w = weight[n]
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
-        for m in range(rows):
+        for m in range(wide.shape[0]):
             xm = wide[m]
             total = np.float32(0.0)
-            for k in range(size):
+            for k in range(wide.shape[1]):
                 total += as_float32(w[k]) * xm[k]
             out[m, n] = _narrow(total + shift, out)
 
