@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import os
 
+from pagedkv.threads import apply_thread_policy
+
 # Before torch (and its OpenMP runtime) loads: the engine's thread policy, so that the
 # kernel is timed as the engine runs it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+apply_thread_policy()
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

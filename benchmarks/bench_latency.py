@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import os
 
+from pagedkv.threads import apply_thread_policy, workers_spin
+
 # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning
 # (the library's default). Under a spinning policy (`OMP_WAIT_POLICY=ACTIVE` in the caller's
 # environment) they still sleep after a short spin, so that this process's idle workers
 # leave the cores to llama.cpp while it runs (with ACTIVE alone they would spin on).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if os.environ["OMP_WAIT_POLICY"].strip().upper() == "ACTIVE":
+apply_thread_policy()
+if workers_spin():
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 import argparse  # noqa: E402
