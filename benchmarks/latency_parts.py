@@ -8,7 +8,9 @@ metadata and plan, the forward, the LM head, the sampler; "engine, other" is the
 weights and the step's own metadata, all layers in a row as the forward runs them: the
 four matmuls (packed or plain, as the model holds them), the two norms, the rotary
 embedding, `write_kv`, attention, the SiLU gate and residual adds; "Python and dispatch"
-is the forward less their sum.
+is the forward less their sum. Where the model runs its decoder stack in one compiled call
+(`use_fused_decode`), the parts are the matmuls (the same kernels, timed alone), the stack,
+and the forward outside it.
 """
 
 from __future__ import annotations
@@ -205,6 +207,18 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
             h += x
             h += x
 
+    forward = 1e3 * timed(lambda: model.forward(*forward_args))
+    if model.decoder_weights is not None:  # the compiled stack (`use_fused_decode`)
+        cos, sin = model.rotary_emb(positions, dtype)
+
+        def stack() -> None:
+            assert model._decode_fused(x.clone(), cos, sin, kv_cache, metadata), "not fused"
+
+        ms = {"matmuls": 1e3 * timed(matmuls), "decoder stack": 1e3 * timed(stack)}
+        ms["stack less matmuls"] = ms["decoder stack"] - ms["matmuls"]
+        ms["embedding, final norm, Python"] = forward - ms["decoder stack"]
+        ms["forward"] = forward
+        return ms
     parts = {
         "matmuls": matmuls,
         "norms": norms,
@@ -214,7 +228,6 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
         "silu gate, residual adds": elementwise,
     }
     ms = {name: 1e3 * timed(fn) for name, fn in parts.items()}
-    forward = 1e3 * timed(lambda: model.forward(*forward_args))
     ms["Python and dispatch"] = forward - sum(ms.values())
     ms["forward"] = forward
     return ms

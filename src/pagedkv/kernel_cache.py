@@ -9,7 +9,8 @@ the kernels again (tens of seconds). Instead the kernels' source is copied once 
 
 and imported from there: every install whose kernels are byte-identical shares one copy
 and so one Numba cache (`__pycache__/` beside it); the files of `_SOURCES` (the attention
-kernels, the matrix-vector kernel) share one directory and one key. A `compiled` marker
+kernels, the matrix-vector kernel, the decoder stack that calls both) share one directory
+and one key. A `compiled` marker
 records that every kernel variant was built; until it exists, `announce()` prints one line
 on stderr.
 
@@ -29,8 +30,9 @@ from pathlib import Path
 from types import ModuleType
 
 _KERNELS = Path(__file__).parent / "ops" / "cpu"
-_SOURCES = (_KERNELS / "kernels.py", _KERNELS / "matvec.py")
-"""The compiled-code files; each imports only NumPy, Numba and `_IMPORTED`."""
+_SOURCES = (_KERNELS / "kernels.py", _KERNELS / "matvec.py", _KERNELS / "layers.py")
+"""The compiled-code files; each imports only NumPy, Numba, `_IMPORTED` and (through
+`load_kernels`) the files before it."""
 _IMPORTED = (_KERNELS / "bf16.py",)
 """Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"

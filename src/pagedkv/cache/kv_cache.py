@@ -159,6 +159,17 @@ class PagedKVCache:
         return int(memory_bytes) // per_block
 
     @property
+    def key_pool(self) -> torch.Tensor:
+        """Every layer's key blocks: [num_layers, num_blocks, block_size, num_kv_heads,
+        head_dim], contiguous (`key_caches[l]` is its row l)."""
+        return self._pool[0]
+
+    @property
+    def value_pool(self) -> torch.Tensor:
+        """Every layer's value blocks, as `key_pool`."""
+        return self._pool[1]
+
+    @property
     def num_bytes(self) -> int:
         """Bytes held by the device pool."""
         return self._pool.numel() * self._pool.element_size()

@@ -100,6 +100,12 @@ class EngineArgs:
         "OMP_WAIT_POLICY=ACTIVE (on the CPU; with pack_weights the bfloat16 weights are "
         "held twice)",
     )
+    cpu_fused_decode: bool = _option(
+        True,
+        "run a decode step of as many sequences as `cpu_matvec` takes through every layer in "
+        "one compiled call, with no Python between the operations (on the CPU; the same "
+        "operations and roundings as the layer-by-layer path)",
+    )
     token_buckets: bool = _option(
         True,
         "pad each step's matmuls to one of ~4 row counts per doubling (same outputs): "

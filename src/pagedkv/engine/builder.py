@@ -133,8 +133,11 @@ def build_rank_runner(
         num_host_blocks=num_host_blocks,
     )
     _log_allocation(network, kv_cache)
+    # Before the runner packs the weights: both read them plain.
     if args.cpu_matvec:
-        network.use_matvec()  # before the runner packs the weights: it reads them plain
+        network.use_matvec()
+    if args.cpu_fused_decode:
+        network.use_fused_decode()
     runner = ModelRunner(
         network,
         kv_cache,

@@ -17,7 +17,7 @@ share and the sizes below (`num_heads`, `q_size`, ...) are that share's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from pagedkv.config import ModelConfig
 from pagedkv.models.layers import (
+    MATVEC_ROWS,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary_,
@@ -36,6 +37,7 @@ from pagedkv.models.layers import (
 )
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.ops import paged_attention_from_metadata, write_kv
+from pagedkv.ops import plan as plan_attention
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -254,6 +256,7 @@ class CausalLM(nn.Module):
         )
         # A tied LM head as a layer of its own (`use_matvec`, `pack_weights`), made on demand.
         self.tied_head: nn.Linear | None = None
+        self.decoder_weights: Any = None  # `use_fused_decode`'s `ops.cpu.DecoderWeights`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -310,9 +313,43 @@ class CausalLM(nn.Module):
             )
         hidden = self._embed(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
+        if not self._decode_fused(hidden, cos, sin, kv_cache, attn_metadata):
+            for layer in self.model.layers:
+                hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm.forward(hidden)
+
+    def _decode_fused(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> bool:
+        """Run every layer in one compiled call where `use_fused_decode` applies to this
+        step (a few rows, all decoding, on the CPU backend); False where it does not."""
+        if self.decoder_weights is None or hidden.shape[0] > MATVEC_ROWS[hidden.dtype]:
+            return False
+        from pagedkv.ops import cpu
+
+        attention = self.model.layers[0].self_attn
+        window = attention.sliding_window
+        if window not in attn_metadata.plans:
+            plan_attention(
+                attn_metadata, kv_cache.key_caches[0], kv_cache.value_caches[0],
+                self.num_heads, window,
+            )  # fmt: skip
+        shape, _, _, backend, plan = attn_metadata.plans[window]
+        num_real = attn_metadata.num_tokens
+        if backend is not cpu or not cpu.is_decode_only(plan, num_real):
+            return False
+        if kv_cache.key_caches[0].shape != shape or kv_cache.dtype != hidden.dtype:
+            return False
+        cpu.decode_layers(
+            hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
+            kv_cache.key_pool, kv_cache.value_pool, plan, attention.scale,
+        )  # fmt: skip
+        return True
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         """[T] -> [T, hidden_size]; under tensor parallelism each rank looks up the ids in
@@ -376,6 +413,39 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear) and not module.weight.is_mkldnn:
                 use_matvec_(module, linear_rows)
+        return True
+
+    def use_fused_decode(self) -> bool:
+        """Run a decode step of at most `MATVEC_ROWS[dtype]` rows through every layer in one
+        compiled call (`ops.cpu.decode_layers`: the same operations and roundings, no
+        Python between them). Call it before `pack_weights`: it reads the plain weights.
+
+        Returns:
+            Whether it applies: float32 or bfloat16 on the CPU, one rank, and one sliding
+            window (or none) for every layer.
+        """
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        windows = {layer.self_attn.sliding_window for layer in self.model.layers}
+        if self.tp.size > 1 or len(windows) > 1:
+            return False
+        from pagedkv.ops.cpu import DecoderWeights  # Numba: loaded only where it runs
+
+        layers = []
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            layers.append({
+                "in_norm": layer.input_layernorm.weight,
+                "qkv": attention.qkv_proj.weight,
+                "qkv_bias": attention.qkv_proj.bias,
+                "q_norm": None if attention.q_norm is None else attention.q_norm.weight,
+                "k_norm": None if attention.k_norm is None else attention.k_norm.weight,
+                "o_proj": attention.o_proj.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up": mlp.gate_up_proj.weight,
+                "down": mlp.down_proj.weight,
+            })  # fmt: skip
+        self.decoder_weights = DecoderWeights.create(layers, self.config.rms_norm_eps)
         return True
 
     def _make_tied_head(self) -> None:

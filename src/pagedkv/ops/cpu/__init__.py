@@ -14,12 +14,13 @@ A bfloat16 cache is read as its bits and widened to float32 in the kernels' loop
 (`bf16.py`); sums run in float32.
 
 `linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`), on
-one thread, or on all where the OpenMP workers spin.
+one thread, or on all where the OpenMP workers spin; `decode_layers` runs a decode step of a
+few rows through a whole Llama-family decoder stack in one compiled call (`layers.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numba
@@ -42,6 +43,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")
+_layers = kernel_cache.load_kernels("layers")
 
 
 @dataclass
@@ -210,11 +212,7 @@ def write_kv(
     slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``. Checked before anything
     is written, so a bad batch leaves the cache as it was."""
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    slots = slot_mapping.long()
-    low, high = (int(x) for x in torch.aminmax(slots))
-    if high >= num_slots:
-        first = int(torch.nonzero(slot_mapping >= num_slots)[0])
-        raise checks.slot_past_end(slot_mapping, first, num_slots)
+    slots, low = _checked_slots(slot_mapping, num_slots)
     if low < 0:  # padding rows are skipped
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -226,6 +224,16 @@ def write_kv(
     rows = (num_slots, key_cache.shape[2], key_cache.shape[3])
     key_cache.view(rows).index_copy_(0, slots, key)
     value_cache.view(rows).index_copy_(0, slots, value)
+
+
+def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, int]:
+    """The slots as int64 and the lowest one; raises where one lies past the pool."""
+    slots = slot_mapping.long()
+    low, high = (int(x) for x in torch.aminmax(slots))
+    if high >= num_slots:
+        first = int(torch.nonzero(slot_mapping >= num_slots)[0])
+        raise checks.slot_past_end(slot_mapping, first, num_slots)
+    return slots, low
 
 
 def linear_rows(
@@ -261,6 +269,97 @@ def linear_rows(
     return product
 
 
+@dataclass
+class DecoderWeights:
+    """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
+    list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
+    as empty arrays."""
+
+    in_norm: Sequence[np.ndarray]
+    qkv: Sequence[np.ndarray]
+    qkv_bias: Sequence[np.ndarray]
+    q_norm: Sequence[np.ndarray]
+    k_norm: Sequence[np.ndarray]
+    o_proj: Sequence[np.ndarray]
+    post_norm: Sequence[np.ndarray]
+    gate_up: Sequence[np.ndarray]
+    down: Sequence[np.ndarray]
+    eps: float
+    dtype: torch.dtype
+
+    @classmethod
+    def create(cls, layers: Sequence[dict[str, torch.Tensor | None]], eps: float) -> DecoderWeights:
+        """layers: per layer a dict of the fields' tensors (plain, C-contiguous, one dtype:
+        float32 or bfloat16; None for an absent one). The tensors are read in place."""
+        dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
+        empty = torch.empty(0, dtype=dtype)
+        fields = {}
+        for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
+                     "gate_up", "down"):  # fmt: skip
+            views = [_flat(_plain(layer[name], name, dtype, empty)) for layer in layers]
+            fields[name] = numba.typed.List(views)
+        return cls(**fields, eps=eps, dtype=dtype)
+
+
+def _plain(
+    t: torch.Tensor | None, name: str, dtype: torch.dtype, empty: torch.Tensor
+) -> torch.Tensor:
+    if t is None:
+        return empty
+    if t.is_mkldnn or t.dtype != dtype or not t.is_contiguous():
+        raise checks.fail(name, f"a plain contiguous {dtype} tensor", f"{t.dtype} {t.layout}")
+    return t.detach()
+
+
+def decode_layers(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    weights: DecoderWeights,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    plan: CpuPlan,
+    scale: float,
+) -> None:
+    """Run a decode step's rows through every layer (`layers.py`), in place.
+
+    Args:
+        hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
+        cos, sin: [T, head_dim // 2], hidden's dtype.
+        slot_mapping: [num_real] int64 (the plan's rows; -1 skips a row's write).
+        key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+        plan: the step's plan over these pools, with every real row a kernel row
+            (`is_decode_only`).
+        scale: softmax scale.
+    """
+    if not is_decode_only(plan, slot_mapping.shape[0]):
+        raise checks.fail("plan", "kernel rows only (a decode step)", "prefill sequences")
+    if key_pool.shape[1:] != plan.cache_shape or key_pool.dtype != plan.dtype:
+        raise checks.fail("key_pool", f"layers of {tuple(plan.cache_shape)} (as planned)",
+                          tuple(key_pool.shape))  # fmt: skip
+    if value_pool.shape != key_pool.shape or value_pool.dtype != key_pool.dtype:
+        raise checks.fail("value_pool", f"as key_pool, {tuple(key_pool.shape)}", value_pool.shape)
+    if hidden.dtype != weights.dtype or key_pool.dtype != weights.dtype:
+        raise checks.fail("hidden", f"the weights' dtype {weights.dtype}", hidden.dtype)
+    slots, _ = _checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
+    parts = _sync_threads() if workers_spin() else 1
+    pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
+    _layers.decode_layers(
+        _flat(hidden), _flat(cos), _flat(sin), slot_mapping.shape[0],
+        slots.numpy(), weights.in_norm, weights.qkv,
+        weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
+        weights.gate_up, weights.down, _flat(key_pool.view(pool_rows)),
+        _flat(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
+        key_pool.shape[2], weights.eps, scale, parts, plan.parallel,
+    )  # fmt: skip
+
+
+def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
+    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
+    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
+
+
 def _flat(t: torch.Tensor) -> np.ndarray:
     """A float32 tensor as NumPy, a bfloat16 one as its bits (NumPy has no bfloat16)."""
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
@@ -279,10 +378,19 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
 
 
 def _compile(dtype: torch.dtype) -> None:
-    """Run each kernel once on a tiny cache of `dtype` (a decode of one 1-token sequence)."""
+    """Run each kernel once on a tiny cache of `dtype` (a decode of one 1-token sequence),
+    and a one-layer decoder stack over it."""
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
     metadata = AttentionMetadata.build([[0]], [1], [1], [0])
     for parallel in (False, True):
         p = plan(metadata, cache, 1, None)
         p.parallel = parallel
         run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
+    sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
+             "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
+    weights = DecoderWeights.create(
+        [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}], 1e-6
+    )
+    row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
+    slots = torch.zeros(1, dtype=torch.int64)
+    decode_layers(row, half, half, slots, weights, cache[None], cache[None].clone(), p, 1.0)

@@ -66,15 +66,15 @@ def _products(wide, weight, bias, out, first, end):  # pragma: no cover
             total = np.float32(0.0)
             for k in range(wide.shape[1]):
                 total += as_float32(w[k]) * xm[k]
-            out[m, n] = _narrow(total + shift, out)
+            out[m, n] = narrow(total + shift, out)
 
 
-def _narrow(value, like):  # pragma: no cover
+def narrow(value, like):  # pragma: no cover
     """A float32 as an element of the array `like`: itself, or rounded to bfloat16 bits."""
     raise NotImplementedError("compiled only")
 
 
-@overload(_narrow)
+@overload(narrow)
 def _narrow_impl(value, like):  # pragma: no cover
     if like.dtype == types.uint16:
         return lambda value, like: np.uint16(round_to_bf16(value))

@@ -1,0 +1,110 @@
+"""A decode step through the whole decoder stack in one compiled call: the layer-by-layer
+path's logits and K/V, the same tokens through the engine, and where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_hf_model
+from test_llama_models import VARIANTS, PagedBatch, _prompt
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
+from pagedkv.ops import AttentionMetadata, cpu
+
+# Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
+# by rounding, and bfloat16 (rounded where torch rounds) may now and then move by one step.
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
+
+
+@pytest.fixture
+def count_fused(monkeypatch):
+    calls = []
+    run = cpu.decode_layers
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_layers", counted)
+    return calls
+
+
+def _pair(model_dir, dtype):
+    plain, fused = (load_model(model_dir, dtype=dtype) for _ in range(2))
+    for model in (plain, fused):
+        assert model.use_matvec()
+    return plain, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@torch.inference_mode()
+def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused):
+    arch, overrides = VARIANTS[variant]
+    plain, fused = _pair(make_hf_model(tmp_path, arch, **overrides), dtype)
+    # Two windows over the layers (qwen2-window): one plan cannot serve them, so it refuses.
+    applies = fused.use_fused_decode()
+    assert applies == (variant != "qwen2-window")
+    batches = [PagedBatch(model, seed=3) for model in (plain, fused)]
+    prompts = {0: _prompt(13, seed=5), 1: _prompt(21, seed=6)}
+    for _ in range(6):  # a prefill, then decodes of both sequences across block ends
+        logits = [
+            batch.step(model, prompts) for batch, model in zip(batches, (plain, fused), strict=True)
+        ]
+        for a, b in zip(*logits, strict=True):
+            torch.testing.assert_close(b, a, **TOL[dtype])
+        torch.testing.assert_close(
+            batches[1].cache.key_pool, batches[0].cache.key_pool, **TOL[dtype]
+        )
+        torch.testing.assert_close(
+            batches[1].cache.value_pool, batches[0].cache.value_pool, **TOL[dtype]
+        )
+        prompts = {seq: [int(out[-1].argmax())] for seq, out in enumerate(logits[0])}
+    assert count_fused == ([2] * 5 if applies else [])
+
+
+@torch.inference_mode()
+def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fused):
+    _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.bfloat16)
+    assert fused.use_fused_decode()
+    batch = PagedBatch(fused)
+    batch.step(fused, {seq: _prompt(4, seed=seq) for seq in range(3)})
+    batch.step(fused, {seq: [7] for seq in range(3)})  # 3 rows > MATVEC_ROWS[bfloat16]
+    batch.step(fused, {seq: [7] for seq in range(2)})
+    assert count_fused == [2]
+
+
+@torch.inference_mode()
+def test_a_slot_past_the_pool_is_refused_before_any_write(tmp_path):
+    _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.float32)
+    assert fused.use_fused_decode()
+    batch = PagedBatch(fused)
+    batch.step(fused, {0: _prompt(6, seed=1)})
+    before = batch.cache.key_pool.clone()
+    num_slots = batch.cache.num_blocks * batch.cache.block_size
+    table = batch.tables[0]
+    metadata = AttentionMetadata.build([table], [7], [1], [num_slots])
+    with pytest.raises(ValueError, match="slot"):
+        fused(torch.tensor([3]), torch.tensor([6]), batch.cache, metadata)
+    assert torch.equal(batch.cache.key_pool, before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch, count_fused):
+    model_dir = make_hf_model(tmp_path, arch)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": _prompt(n, seed=n)} for n in (3, 9, 17, 30)]
+    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)  # a share per thread even on one
+    monkeypatch.setattr(cpu, "SERIAL_BYTES", 0)  # attention items on every thread
+    tokens = {}
+    for fused, policy in ((False, "PASSIVE"), (True, "PASSIVE"), (True, "ACTIVE")):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
+                  cpu_fused_decode=fused)  # fmt: skip
+        # One at a time, and all four together (four decode rows a step).
+        single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        together = llm.generate(prompts, params, use_tqdm=False)
+        tokens[fused, policy] = [o.outputs[0].token_ids for o in single + together]
+    assert tokens[True, "PASSIVE"] == tokens[False, "PASSIVE"] == tokens[True, "ACTIVE"]
+    assert len(count_fused) > 2 * 5 * 11  # both fused engines decoded through it
