@@ -22,7 +22,8 @@ measured in the same run with the same threads, alternating with pagedkv.
 Variants (`--variant NAME:field=value,...`, `EngineArgs` fields) run alternately in one
 process; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
 The OpenMP wait policy is the process's (`OMP_WAIT_POLICY=ACTIVE python ...` for spinning
-workers, which let one user's products run on every thread) and llama.cpp inherits it.
+workers, which let one user's products run on every thread); llama.cpp runs with its own
+runtime's default (`llamacpp_runner` does not pass the wait-policy variables on).
 
     python benchmarks/bench_latency.py --quick
     python benchmarks/bench_latency.py --llama-cpp /path/to/llama.cpp/build/bin

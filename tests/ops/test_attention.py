@@ -237,6 +237,22 @@ def test_serial_and_parallel_kernels_agree(dtype: torch.dtype, block_size: int) 
     torch.testing.assert_close(outs[0].double(), expected(case), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("policy", ["PASSIVE", "ACTIVE"])
+def test_one_short_sequence_takes_every_thread_where_the_workers_spin(policy, monkeypatch):
+    """Spinning workers start at once: a 600-token decode is split in balanced items and
+    run on every thread; sleeping ones must be woken, so it stays on one."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)
+    case = make_case([600], [1], block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
+    tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
+    cpu_plan = cpu.plan(AttentionMetadata.build(tables, [600], [1], [0]), case.key_cache, 9, None)
+    lengths = (cpu_plan.items[:, 3] - cpu_plan.items[:, 2]).tolist()
+    if policy == "ACTIVE":
+        assert cpu_plan.parallel and lengths == [160, 160, 160, 120]
+    else:
+        assert not cpu_plan.parallel and lengths == [256, 256, 88]
+
+
 def test_plain_decode_batch_rejects_bad_block_ids() -> None:
     case = make_case([5, 20], [1, 1], block_size=8, num_heads=4, num_kv_heads=2, head_dim=16)
     tables = case.block_tables.clone()

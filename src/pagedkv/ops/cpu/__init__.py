@@ -38,7 +38,13 @@ MAX_DECODE_QUERY = 4
 """Sequences with at most this many new tokens go to the kernel; beyond, gather + SDPA."""
 SERIAL_BYTES = 4 << 20
 """Batches reading less KV run on one thread: waking the others, asleep since the last
-parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchmarks.md)."""
+parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchmarks.md).
+Where the workers spin (`workers_spin`) a parallel call costs about a microsecond, and any
+batch of more than one item takes every thread."""
+MIN_CHUNK = {False: 256, True: 64}
+"""Fewest key positions worth an item of their own, with sleeping / spinning workers: an
+item is merged at the end, and where waking a thread costs more than scoring 256 tokens
+(sleeping workers) a short sequence stays one item."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _kernels = kernel_cache.load_kernels()
@@ -83,9 +89,10 @@ def plan(
     starts = np.ascontiguousarray(metadata.query_start_loc.numpy())
     num_tokens = metadata.num_tokens
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    spin = workers_spin()
     items, row_items, rows, prefill, total, error, seq = _kernels.plan_items(
         starts, lens, tables, num_tokens, num_blocks, block_size, sliding_window or 0,
-        MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, _sync_threads(),
+        MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, _sync_threads(), MIN_CHUNK[spin],
     )  # fmt: skip
     if error == _kernels.BAD_BLOCK:
         raise checks.bad_block(tables, lens, seq, num_blocks, block_size)
@@ -105,7 +112,7 @@ def plan(
         block_tables=tables,
         seq_lens=lens,
         query_start_loc=starts,
-        parallel=total * row_bytes >= SERIAL_BYTES,
+        parallel=total * row_bytes >= SERIAL_BYTES or (spin and items.shape[0] > 1),
         rows_index=None if rows.shape[0] == num_tokens else torch.from_numpy(rows),
     )
 

@@ -29,8 +29,6 @@ from pagedkv.ops.cpu import bf16
 from pagedkv.ops.cpu.bf16 import as_float32
 
 OK, BAD_BOUNDS, BAD_QUERY_LEN, BAD_SEQ_LEN, BAD_BLOCK = range(5)
-MIN_CHUNK = 256
-"""Fewest key positions worth an item of their own (smaller ones cost more to merge)."""
 SPAN = 64
 """Tokens scored between two online-softmax updates."""
 NEG_INIT = -1e30
@@ -40,7 +38,7 @@ NEG_INIT = -1e30
 @njit(cache=True)
 def plan_items(
     query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block_size, window,
-    max_decode_query, num_threads,
+    max_decode_query, num_threads, min_chunk,
 ):  # fmt: skip  # pragma: no cover
     """Check a batch's lengths and block ids, and split it into items and prefill sequences.
 
@@ -52,6 +50,7 @@ def plan_items(
         max_decode_query: sequences with at most this many new tokens become kernel rows;
             longer ones are returned in `prefill`.
         num_threads: threads the parallel kernel will run on.
+        min_chunk: fewest key positions worth an item of their own.
 
     Returns:
         (items int64 [n, 4] of (row, seq, start, end), row_items int64 [num_rows + 1] (row
@@ -77,7 +76,7 @@ def plan_items(
         if q_len <= max_decode_query:
             num_rows += q_len
             total += q_len * (seq_lens[s] if window <= 0 else min(seq_lens[s], window))
-    chunk = max(-(-total // (2 * num_threads)), MIN_CHUNK)
+    chunk = max(-(-total // (2 * num_threads)), min_chunk)
     chunk = -(-chunk // block_size) * block_size
     # A row of x positions makes at most x // chunk + 2 items (its ends need not align).
     items = np.empty((2 * num_rows + total // chunk + 1, 4), dtype=np.int64)
