@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.cache.kv_cache import HUGE_PAGE
+from pagedkv.cache.huge_pages import HUGE_PAGE
 
 
 def _filled(num_host_blocks: int = 0, dtype=torch.float32) -> PagedKVCache:

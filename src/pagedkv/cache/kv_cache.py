@@ -18,11 +18,11 @@ blocks of 32.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 
 import torch
+
+from pagedkv.cache.huge_pages import empty_on_huge_pages
 
 _DTYPES = {
     "float32": torch.float32,
@@ -45,30 +45,12 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-HUGE_PAGE = 2 << 20
-"""Bytes of a transparent huge page on x86-64 and most Linux arm64 kernels."""
-
-
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor in anonymous memory that starts at a 2 MiB boundary and is
-    advised for transparent huge pages (`madvise` mode, the default of many distributions;
-    a no-op where they are off or the platform lacks the advice). Written once here, so
-    the memory is committed up front as `torch.zeros` commits it."""
-    count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    # Private: shared anonymous memory is tmpfs, whose huge pages follow another setting.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass  # a kernel built without huge pages (EINVAL): the advice is only a hint
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    offset = -address % HUGE_PAGE
-    # The tensor holds `region` (through its buffer) for as long as it lives.
-    pool = torch.frombuffer(region, dtype=dtype, count=count, offset=offset).view(shape)
-    return pool.zero_()
+    """A zero-filled CPU tensor on transparent huge pages (`huge_pages`), committed up
+    front as `torch.zeros` commits it."""
+    element = torch.empty((), dtype=dtype).element_size()
+    memory = empty_on_huge_pages(math.prod(shape) * element)
+    return memory.view(dtype).view(shape).zero_()
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:

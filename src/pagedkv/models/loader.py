@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
@@ -207,6 +208,8 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(config, dtype=torch_dtype, tp=tp)
     model.to_empty(device=device)
+    if torch.device(device).type == "cpu":
+        _place_on_huge_pages(model)
     if tp.vocab_part(config.vocab_size) * tp.size != config.vocab_size:
         # The last rank's vocabulary rows past the real vocabulary: never looked up, and
         # their logits are cut off, but they must not hold NaN from `to_empty`.
@@ -224,6 +227,22 @@ def load_model(
         model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))
     _load_weights(model, config, tensors, tp)
     return model.eval()
+
+
+def _place_on_huge_pages(model: torch.nn.Module) -> None:
+    """Move every parameter and buffer (still unwritten) into one mapping on huge pages.
+
+    A decode step reads every weight once, and with the products at the speed of memory
+    the bfloat16 ones then stream faster (benchmarks.md). The storage `to_empty` made is
+    released before it is ever touched, so nothing is held twice.
+    """
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
+    aligned = [-(-t.nbytes // 64) * 64 for t in tensors]  # every tensor on a cache line
+    memory = empty_on_huge_pages(sum(aligned))
+    offset = 0
+    for t, size in zip(tensors, aligned, strict=True):
+        t.data = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        offset += size
 
 
 def _load_weights(
