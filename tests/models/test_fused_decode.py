@@ -10,6 +10,7 @@ from test_llama_models import VARIANTS, PagedBatch, _prompt
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
+from pagedkv.models.layers import MATVEC_ROWS
 from pagedkv.ops import AttentionMetadata, cpu
 
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
@@ -69,10 +70,11 @@ def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fus
     _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.bfloat16)
     assert fused.use_fused_decode()
     batch = PagedBatch(fused)
-    batch.step(fused, {seq: _prompt(4, seed=seq) for seq in range(3)})
-    batch.step(fused, {seq: [7] for seq in range(3)})  # 3 rows > MATVEC_ROWS[bfloat16]
-    batch.step(fused, {seq: [7] for seq in range(2)})
-    assert count_fused == [2]
+    limit = MATVEC_ROWS[torch.bfloat16]
+    batch.step(fused, {seq: _prompt(4, seed=seq) for seq in range(limit + 1)})
+    batch.step(fused, {seq: [7] for seq in range(limit + 1)})  # one row too many
+    batch.step(fused, {seq: [7] for seq in range(limit)})
+    assert count_fused == [limit]
 
 
 @torch.inference_mode()

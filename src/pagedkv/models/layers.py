@@ -174,10 +174,11 @@ def pack_linear_(linear: nn.Linear) -> None:
     linear.register_buffer("weight", packed)
 
 
-MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 2}
-"""Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
-past it the one-thread kernel is bound by arithmetic (bfloat16 widens each weight once per
-row), not by reading the weight, and torch's threaded matmul is faster."""
+MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+"""Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`),
+and decode steps of at most this many to the compiled decoder stack (`use_fused_decode`):
+past it the kernel is bound by arithmetic (bfloat16 widens each weight once per row), not
+by reading the weight, and torch's matmul on packed weights is faster (benchmarks.md)."""
 
 
 def use_matvec_(
