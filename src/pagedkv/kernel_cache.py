@@ -36,7 +36,7 @@ _SOURCES = (_KERNELS / "kernels.py", _KERNELS / "matvec.py", _KERNELS / "layers.
 _IMPORTED = (_KERNELS / "bf16.py",)
 """Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"
-COMPILE_SECONDS = 30
+COMPILE_SECONDS = 40
 """About how long building every kernel takes once on a small machine (said to the user)."""
 
 _announced = False
