@@ -102,7 +102,7 @@ class EngineArgs:
     )
     cpu_fused_decode: bool = _option(
         True,
-        "run a decode step of as many sequences as `cpu_matvec` takes through every layer in "
+        "send a decode step of as many sequences as `cpu_matvec` takes through every layer in "
         "one compiled call, with no Python between the operations (on the CPU; the same "
         "operations and roundings as the layer-by-layer path)",
     )

@@ -17,7 +17,7 @@ share and the sizes below (`num_heads`, `q_size`, ...) are that share's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from pagedkv.ops import plan as plan_attention
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
     from pagedkv.ops import AttentionMetadata
+    from pagedkv.ops.cpu import DecoderWeights
 
 _Device = torch.device | str | None
 
@@ -256,7 +257,7 @@ class CausalLM(nn.Module):
         )
         # A tied LM head as a layer of its own (`use_matvec`, `pack_weights`), made on demand.
         self.tied_head: nn.Linear | None = None
-        self.decoder_weights: Any = None  # `use_fused_decode`'s `ops.cpu.DecoderWeights`
+        self.decoder_weights: DecoderWeights | None = None  # set by `use_fused_decode`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -326,7 +327,7 @@ class CausalLM(nn.Module):
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
     ) -> bool:
-        """Run every layer in one compiled call where `use_fused_decode` applies to this
+        """Every layer in one compiled call where `use_fused_decode` applies to this
         step (a few rows, all decoding, on the CPU backend); False where it does not."""
         if self.decoder_weights is None or hidden.shape[0] > MATVEC_ROWS[hidden.dtype]:
             return False
@@ -339,11 +340,9 @@ class CausalLM(nn.Module):
                 attn_metadata, kv_cache.key_caches[0], kv_cache.value_caches[0],
                 self.num_heads, window,
             )  # fmt: skip
-        shape, _, _, backend, plan = attn_metadata.plans[window]
+        _, _, _, backend, plan = attn_metadata.plans[window]
         num_real = attn_metadata.num_tokens
         if backend is not cpu or not cpu.is_decode_only(plan, num_real):
-            return False
-        if kv_cache.key_caches[0].shape != shape or kv_cache.dtype != hidden.dtype:
             return False
         cpu.decode_layers(
             hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
@@ -416,7 +415,7 @@ class CausalLM(nn.Module):
         return True
 
     def use_fused_decode(self) -> bool:
-        """Run a decode step of at most `MATVEC_ROWS[dtype]` rows through every layer in one
+        """Send a decode step of at most `MATVEC_ROWS[dtype]` rows through every layer in one
         compiled call (`ops.cpu.decode_layers`: the same operations and roundings, no
         Python between them). Call it before `pack_weights`: it reads the plain weights.
 

@@ -14,7 +14,7 @@ A bfloat16 cache is read as its bits and widened to float32 in the kernels' loop
 (`bf16.py`); sums run in float32.
 
 `linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`), on
-one thread, or on all where the OpenMP workers spin; `decode_layers` runs a decode step of a
+one thread, or on all where the OpenMP workers spin; `decode_layers` takes a decode step of a
 few rows through a whole Llama-family decoder stack in one compiled call (`layers.py`).
 """
 
@@ -329,7 +329,7 @@ def decode_layers(
     plan: CpuPlan,
     scale: float,
 ) -> None:
-    """Run a decode step's rows through every layer (`layers.py`), in place.
+    """A decode step's rows through every layer (`layers.py`), in place.
 
     Args:
         hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
@@ -347,8 +347,9 @@ def decode_layers(
                           tuple(key_pool.shape))  # fmt: skip
     if value_pool.shape != key_pool.shape or value_pool.dtype != key_pool.dtype:
         raise checks.fail("value_pool", f"as key_pool, {tuple(key_pool.shape)}", value_pool.shape)
-    if hidden.dtype != weights.dtype or key_pool.dtype != weights.dtype:
-        raise checks.fail("hidden", f"the weights' dtype {weights.dtype}", hidden.dtype)
+    for name, t in (("hidden", hidden), ("key_pool", key_pool)):
+        if t.dtype != weights.dtype:
+            raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
     slots, _ = _checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
     parts = _sync_threads() if workers_spin() else 1
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])

@@ -37,7 +37,7 @@ def decode_layers(
     scale, parts,
     parallel_attention,
 ):  # fmt: skip  # pragma: no cover
-    """Run x through every layer, in place; write each layer's K/V of the real rows.
+    """Pass x through every layer, in place; write each layer's K/V of the real rows.
 
     Args:
         x: [T, hidden] hidden states (rows past `num_real` only pad the products).
