@@ -97,7 +97,8 @@ def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch,
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": _prompt(n, seed=n)} for n in (3, 9, 17, 30)]
-    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)  # a share per thread even on one
+    for module in (cpu, cpu.dense):  # a share per thread even on one
+        monkeypatch.setattr(module, "sync_threads", lambda: 2)
     monkeypatch.setattr(cpu, "SERIAL_BYTES", 0)  # attention items on every thread
     tokens = {}
     for fused, policy in ((False, "PASSIVE"), (True, "PASSIVE"), (True, "ACTIVE")):

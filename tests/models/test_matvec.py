@@ -64,8 +64,8 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
 
 def test_linear_rows_is_parallel_where_the_workers_spin(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)
-    monkeypatch.setattr(cpu, "_matvec", SimpleNamespace(
+    monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 2)
+    monkeypatch.setattr(cpu.dense, "_matvec", SimpleNamespace(
         matvec=lambda *args: calls.append("serial"),
         matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
     ))  # fmt: skip
@@ -73,7 +73,7 @@ def test_linear_rows_is_parallel_where_the_workers_spin(monkeypatch):
     for policy in ("PASSIVE", "active"):
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         linear_rows(weight, None)(x)
-    monkeypatch.setattr(cpu, "_sync_threads", lambda: 1)
+    monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 1)
     linear_rows(weight, None)(x)  # one thread: nothing to split
     assert calls == ["serial", "parallel 2", "serial"]
 
@@ -122,7 +122,8 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
-    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)  # a share per thread even on one
+    for module in (cpu, cpu.dense):  # a share per thread even on one
+        monkeypatch.setattr(module, "sync_threads", lambda: 2)
     tokens = {}
     # torch's matmuls; the kernel on one thread; on every thread (the workers' policy is read
     # when a model takes the kernel; the runtime keeps the one it loaded with).

@@ -242,7 +242,7 @@ def test_one_short_sequence_takes_every_thread_where_the_workers_spin(policy, mo
     """Spinning workers start at once: a 600-token decode is split in balanced items and
     run on every thread; sleeping ones must be woken, so it stays on one."""
     monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    monkeypatch.setattr(cpu, "_sync_threads", lambda: 2)
+    monkeypatch.setattr(cpu, "sync_threads", lambda: 2)
     case = make_case([600], [1], block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
     tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
     cpu_plan = cpu.plan(AttentionMetadata.build(tables, [600], [1], [0]), case.key_cache, 9, None)

@@ -13,26 +13,31 @@ layer) converts the query and calls one compiled function.
 A bfloat16 cache is read as its bits and widened to float32 in the kernels' loops
 (`bf16.py`); sums run in float32.
 
-`linear_rows` is the models' product of a few rows with a weight matrix (`matvec.py`), on
-one thread, or on all where the OpenMP workers spin; `decode_layers` takes a decode step of a
-few rows through a whole Llama-family decoder stack in one compiled call (`layers.py`).
+`dense.py` holds the models' side: `linear_rows`, a product of a few rows with a weight
+matrix, and `decode_layers`, a decode step of a few rows through a whole Llama-family decoder
+stack in one compiled call; both are exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagedkv import kernel_cache
 from pagedkv.ops import checks
+from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
+from pagedkv.ops.cpu.dense import DecoderWeights, decode_layers, is_decode_only, linear_rows
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
 from pagedkv.threads import workers_spin
+
+__all__ = [
+    "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "DecoderWeights", "decode_layers",
+    "is_decode_only", "linear_rows", "plan", "run", "uses_kernel", "warmup", "write_kv",
+]  # fmt: skip
 
 MAX_DECODE_QUERY = 4
 """Sequences with at most this many new tokens go to the kernel; beyond, gather + SDPA."""
@@ -48,8 +53,6 @@ item is merged at the end, and where waking a thread costs more than scoring 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _kernels = kernel_cache.load_kernels()
-_matvec = kernel_cache.load_kernels("matvec")
-_layers = kernel_cache.load_kernels("layers")
 
 
 @dataclass
@@ -92,7 +95,7 @@ def plan(
     spin = workers_spin()
     items, row_items, rows, prefill, total, error, seq = _kernels.plan_items(
         starts, lens, tables, num_tokens, num_blocks, block_size, sliding_window or 0,
-        MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, _sync_threads(), MIN_CHUNK[spin],
+        MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, sync_threads(), MIN_CHUNK[spin],
     )  # fmt: skip
     if error == _kernels.BAD_BLOCK:
         raise checks.bad_block(tables, lens, seq, num_blocks, block_size)
@@ -115,14 +118,6 @@ def plan(
         parallel=total * row_bytes >= SERIAL_BYTES or (spin and items.shape[0] > 1),
         rows_index=None if rows.shape[0] == num_tokens else torch.from_numpy(rows),
     )
-
-
-def _sync_threads() -> int:
-    """Give the kernels torch's thread count (both run on one OpenMP runtime's pool)."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
 
 
 def run(
@@ -153,7 +148,7 @@ def run(
 
 def _cache_rows(cache: torch.Tensor) -> np.ndarray:
     """A cache as the kernels read it: [num_slots, num_heads, head_dim]."""
-    return _flat(cache.view(-1, cache.shape[-2], cache.shape[-1]))
+    return as_numpy(cache.view(-1, cache.shape[-2], cache.shape[-1]))
 
 
 def _decode_rows(
@@ -219,7 +214,7 @@ def write_kv(
     slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``. Checked before anything
     is written, so a bad batch leaves the cache as it was."""
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    slots, low = _checked_slots(slot_mapping, num_slots)
+    slots, low = checked_slots(slot_mapping, num_slots)
     if low < 0:  # padding rows are skipped
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -231,146 +226,6 @@ def write_kv(
     rows = (num_slots, key_cache.shape[2], key_cache.shape[3])
     key_cache.view(rows).index_copy_(0, slots, key)
     value_cache.view(rows).index_copy_(0, slots, value)
-
-
-def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, int]:
-    """The slots as int64 and the lowest one; raises where one lies past the pool."""
-    slots = slot_mapping.long()
-    low, high = (int(x) for x in torch.aminmax(slots))
-    if high >= num_slots:
-        first = int(torch.nonzero(slot_mapping >= num_slots)[0])
-        raise checks.slot_past_end(slot_mapping, first, num_slots)
-    return slots, low
-
-
-def linear_rows(
-    weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`x -> F.linear(x, weight, bias)` for a few rows of x (`matvec.py`): each weight row
-    is read once, sums in float32, the result rounded once to the weight's dtype; the same
-    bits on one thread or on all. The weight is read in place (an in-place update shows).
-
-    Args:
-        weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
-        bias: [out_features] of the same dtype, or None.
-        parallel: split the rows over torch's threads; default: where the workers spin
-            (`pagedkv.threads.workers_spin`) and there is more than one thread.
-    """
-    flat_weight = _flat(weight)
-    flat_bias = _flat(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
-    out_features = weight.shape[0]
-    parts = _sync_threads()
-    if parallel is None:
-        parallel = workers_spin() and parts > 1
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        if parallel:
-            _matvec.matvec_parallel(
-                _flat(x.contiguous()), flat_weight, flat_bias, _flat(out), parts
-            )
-        else:
-            _matvec.matvec(_flat(x.contiguous()), flat_weight, flat_bias, _flat(out))
-        return out
-
-    return product
-
-
-@dataclass
-class DecoderWeights:
-    """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
-    list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
-    as empty arrays."""
-
-    in_norm: Sequence[np.ndarray]
-    qkv: Sequence[np.ndarray]
-    qkv_bias: Sequence[np.ndarray]
-    q_norm: Sequence[np.ndarray]
-    k_norm: Sequence[np.ndarray]
-    o_proj: Sequence[np.ndarray]
-    post_norm: Sequence[np.ndarray]
-    gate_up: Sequence[np.ndarray]
-    down: Sequence[np.ndarray]
-    eps: float
-    dtype: torch.dtype
-
-    @classmethod
-    def create(cls, layers: Sequence[dict[str, torch.Tensor | None]], eps: float) -> DecoderWeights:
-        """layers: per layer a dict of the fields' tensors (plain, C-contiguous, one dtype:
-        float32 or bfloat16; None for an absent one). The tensors are read in place."""
-        dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
-        empty = torch.empty(0, dtype=dtype)
-        fields = {}
-        for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
-                     "gate_up", "down"):  # fmt: skip
-            views = [_flat(_plain(layer[name], name, dtype, empty)) for layer in layers]
-            fields[name] = numba.typed.List(views)
-        return cls(**fields, eps=eps, dtype=dtype)
-
-
-def _plain(
-    t: torch.Tensor | None, name: str, dtype: torch.dtype, empty: torch.Tensor
-) -> torch.Tensor:
-    if t is None:
-        return empty
-    if t.is_mkldnn or t.dtype != dtype or not t.is_contiguous():
-        raise checks.fail(name, f"a plain contiguous {dtype} tensor", f"{t.dtype} {t.layout}")
-    return t.detach()
-
-
-def decode_layers(
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    weights: DecoderWeights,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    plan: CpuPlan,
-    scale: float,
-) -> None:
-    """A decode step's rows through every layer (`layers.py`), in place.
-
-    Args:
-        hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
-        cos, sin: [T, head_dim // 2], hidden's dtype.
-        slot_mapping: [num_real] int64 (the plan's rows; -1 skips a row's write).
-        key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
-        plan: the step's plan over these pools, with every real row a kernel row
-            (`is_decode_only`).
-        scale: softmax scale.
-    """
-    if not is_decode_only(plan, slot_mapping.shape[0]):
-        raise checks.fail("plan", "kernel rows only (a decode step)", "prefill sequences")
-    if key_pool.shape[1:] != plan.cache_shape or key_pool.dtype != plan.dtype:
-        raise checks.fail("key_pool", f"layers of {tuple(plan.cache_shape)} (as planned)",
-                          tuple(key_pool.shape))  # fmt: skip
-    if value_pool.shape != key_pool.shape or value_pool.dtype != key_pool.dtype:
-        raise checks.fail("value_pool", f"as key_pool, {tuple(key_pool.shape)}", value_pool.shape)
-    for name, t in (("hidden", hidden), ("key_pool", key_pool)):
-        if t.dtype != weights.dtype:
-            raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
-    slots, _ = _checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
-    parts = _sync_threads() if workers_spin() else 1
-    pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
-    _layers.decode_layers(
-        _flat(hidden), _flat(cos), _flat(sin), slot_mapping.shape[0],
-        slots.numpy(), weights.in_norm, weights.qkv,
-        weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
-        weights.gate_up, weights.down, _flat(key_pool.view(pool_rows)),
-        _flat(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
-        key_pool.shape[2], weights.eps, scale, parts, plan.parallel,
-    )  # fmt: skip
-
-
-def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
-    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
-    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
-
-
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """A float32 tensor as NumPy, a bfloat16 one as its bits (NumPy has no bfloat16)."""
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:

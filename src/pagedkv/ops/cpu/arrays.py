@@ -1,0 +1,33 @@
+"""Torch tensors as the CPU kernels take them: NumPy views (bfloat16 as its bits), the
+thread count the kernels share with torch, and slots checked against a pool."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from pagedkv.ops import checks
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A float32 tensor as NumPy, a bfloat16 one as its bits (NumPy has no bfloat16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def sync_threads() -> int:
+    """Give the kernels torch's thread count (both run on one OpenMP runtime's pool)."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, int]:
+    """The slots as int64 and the lowest one; raises where one lies past the pool."""
+    slots = slot_mapping.long()
+    low, high = (int(x) for x in torch.aminmax(slots))
+    if high >= num_slots:
+        first = int(torch.nonzero(slot_mapping >= num_slots)[0])
+        raise checks.slot_past_end(slot_mapping, first, num_slots)
+    return slots, low

@@ -1,0 +1,149 @@
+"""A decode step's dense work on the CPU for a few rows: a layer's product
+(`linear_rows`, `matvec.py`) and the whole decoder stack in one compiled call
+(`decode_layers`, `layers.py`), both bound by reading the weights once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numba
+import numpy as np
+import torch
+
+from pagedkv import kernel_cache
+from pagedkv.ops import checks
+from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
+from pagedkv.threads import workers_spin
+
+if TYPE_CHECKING:
+    from pagedkv.ops.cpu import CpuPlan
+
+_matvec = kernel_cache.load_kernels("matvec")
+_layers = kernel_cache.load_kernels("layers")
+
+
+def linear_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> F.linear(x, weight, bias)` for a few rows of x (`matvec.py`): each weight row
+    is read once, sums in float32, the result rounded once to the weight's dtype; the same
+    bits on one thread or on all. The weight is read in place (an in-place update shows).
+
+    Args:
+        weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
+        bias: [out_features] of the same dtype, or None.
+        parallel: split the rows over torch's threads; default: where the workers spin
+            (`pagedkv.threads.workers_spin`) and there is more than one thread.
+    """
+    flat_weight = as_numpy(weight)
+    flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
+    out_features = weight.shape[0]
+    parts = sync_threads()
+    if parallel is None:
+        parallel = workers_spin() and parts > 1
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        if parallel:
+            _matvec.matvec_parallel(
+                as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts
+            )
+        else:
+            _matvec.matvec(as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out))
+        return out
+
+    return product
+
+
+@dataclass
+class DecoderWeights:
+    """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
+    list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
+    as empty arrays."""
+
+    in_norm: Sequence[np.ndarray]
+    qkv: Sequence[np.ndarray]
+    qkv_bias: Sequence[np.ndarray]
+    q_norm: Sequence[np.ndarray]
+    k_norm: Sequence[np.ndarray]
+    o_proj: Sequence[np.ndarray]
+    post_norm: Sequence[np.ndarray]
+    gate_up: Sequence[np.ndarray]
+    down: Sequence[np.ndarray]
+    eps: float
+    dtype: torch.dtype
+
+    @classmethod
+    def create(cls, layers: Sequence[dict[str, torch.Tensor | None]], eps: float) -> DecoderWeights:
+        """layers: per layer a dict of the fields' tensors (plain, C-contiguous, one dtype:
+        float32 or bfloat16; None for an absent one). The tensors are read in place."""
+        dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
+        empty = torch.empty(0, dtype=dtype)
+        fields = {}
+        for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
+                     "gate_up", "down"):  # fmt: skip
+            views = [as_numpy(_plain(layer[name], name, dtype, empty)) for layer in layers]
+            fields[name] = numba.typed.List(views)
+        return cls(**fields, eps=eps, dtype=dtype)
+
+
+def _plain(
+    t: torch.Tensor | None, name: str, dtype: torch.dtype, empty: torch.Tensor
+) -> torch.Tensor:
+    if t is None:
+        return empty
+    if t.is_mkldnn or t.dtype != dtype or not t.is_contiguous():
+        raise checks.fail(name, f"a plain contiguous {dtype} tensor", f"{t.dtype} {t.layout}")
+    return t.detach()
+
+
+def decode_layers(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    weights: DecoderWeights,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    plan: CpuPlan,
+    scale: float,
+) -> None:
+    """A decode step's rows through every layer (`layers.py`), in place.
+
+    Args:
+        hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
+        cos, sin: [T, head_dim // 2], hidden's dtype.
+        slot_mapping: [num_real] int64 (the plan's rows; -1 skips a row's write).
+        key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+        plan: the step's plan over these pools, with every real row a kernel row
+            (`is_decode_only`).
+        scale: softmax scale.
+    """
+    if not is_decode_only(plan, slot_mapping.shape[0]):
+        raise checks.fail("plan", "kernel rows only (a decode step)", "prefill sequences")
+    if key_pool.shape[1:] != plan.cache_shape or key_pool.dtype != plan.dtype:
+        raise checks.fail("key_pool", f"layers of {tuple(plan.cache_shape)} (as planned)",
+                          tuple(key_pool.shape))  # fmt: skip
+    if value_pool.shape != key_pool.shape or value_pool.dtype != key_pool.dtype:
+        raise checks.fail("value_pool", f"as key_pool, {tuple(key_pool.shape)}", value_pool.shape)
+    for name, t in (("hidden", hidden), ("key_pool", key_pool)):
+        if t.dtype != weights.dtype:
+            raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
+    slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
+    parts = sync_threads() if workers_spin() else 1
+    pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
+    _layers.decode_layers(
+        as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
+        slots.numpy(), weights.in_norm, weights.qkv,
+        weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
+        weights.gate_up, weights.down, as_numpy(key_pool.view(pool_rows)),
+        as_numpy(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
+        key_pool.shape[2], weights.eps, scale, parts, plan.parallel,
+    )  # fmt: skip
+
+
+def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
+    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
+    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
