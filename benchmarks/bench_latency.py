@@ -10,7 +10,9 @@ greedily, EOS ignored, as `llama-batched-bench -npp 512 -ntg 128 -npl 1,4,8` doe
 - fraction of the weight-streaming bound: a decode step reads every matmul weight once
   (the LM head included, the embedding table not unless tied) and each sequence's K/V;
   at the read bandwidth measured in this run (`bench_attention.read_bandwidth`, taken
-  before and after) that gives the fastest a step can be; the figure is measured / bound.
+  before and after) that gives the fastest a step can be; the figure is measured / bound;
+- against llama.cpp: the ratio of the medians, and the median of each round's ratio
+  (`_paired`: a round's pagedkv run over the llama.cpp run right after it).
 
 Models: the 125M benchmark model of `bench_engine.py` (random weights), and the real one
 (`--real-model`, a Hugging Face directory or a GGUF file; by default SmolLM2-135M-Instruct
@@ -164,6 +166,12 @@ def bench_model(
         if anchor:
             row["decode_vs_llamacpp"] = row["decode_tok_s"] / anchor[0]["decode_tok_s"]
             row["ttft_vs_llamacpp"] = anchor[0]["ttft_ms"] / row["ttft_ms"]
+            # Paired: each round's pagedkv run over the llama.cpp run that followed it,
+            # which cancels the machine's drift between rounds.
+            paired = [ours / theirs for ours, theirs in
+                      zip(row["decode_runs"], anchor[0]["decode_runs"], strict=True)]  # fmt: skip
+            row["decode_vs_llamacpp_rounds"] = paired
+            row["decode_vs_llamacpp_paired"] = statistics.median(paired)
     if args.breakdown:
         for name, llm in llms.items():
             print(f"  {name}: batch-1 decode step, ms")
@@ -264,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label} {dtype}", flush=True)
                 rows += bench_model(args, label, model_dir, dtype, gguf)
     columns = ["model", "dtype", "system", "batch", "ttft_ms", "decode_tok_s", "of_bound",
-               "decode_vs_llamacpp", "ttft_vs_llamacpp", "bandwidth_gbs"]  # fmt: skip
+               "decode_vs_llamacpp", "decode_vs_llamacpp_paired", "ttft_vs_llamacpp",
+               "bandwidth_gbs"]  # fmt: skip
     print_table(rows, columns)
     name, out_dir = "bench_latency", None
     if args.output is not None:

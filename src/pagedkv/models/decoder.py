@@ -1,0 +1,193 @@
+"""The decoder blocks of the Llama family: attention over the paged cache, the gated MLP,
+a pre-norm layer of both, and the stack with its embedding table and final norm.
+
+Each block takes one step's flat batch `[num_tokens, hidden]` (see `pagedkv.models.llama`),
+and under tensor parallelism holds its rank's share (`pagedkv.models.parallel`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedkv.config import ModelConfig
+from pagedkv.models.layers import RMSNorm, apply_rotary_, linear
+from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
+from pagedkv.ops import paged_attention_from_metadata, write_kv
+
+if TYPE_CHECKING:
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.ops import AttentionMetadata
+
+_Device = torch.device | str | None
+
+
+class Attention(nn.Module):
+    """Fused-QKV grouped-query attention over the paged KV cache of one layer."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.tp = tp
+        self.num_heads = len(tp.heads(config.num_heads))
+        self.num_kv_heads = len(tp.kv_heads(config.num_heads, config.num_kv_heads))
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        windows = config.sliding_windows
+        self.sliding_window = windows[layer_idx] if windows else None
+        factory = {"dtype": dtype, "device": device}
+        self.qkv_proj = nn.Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias,
+            **factory,
+        )
+        # Row-parallel: each rank's product is a partial sum over its heads.
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.q_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+        )
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
+        num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
+        qkv = linear(hidden, self.qkv_proj)
+        # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in
+        if self.q_norm is None or self.k_norm is None:
+            # q and k heads sit side by side in each row: rotate all of them in one pass.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+            apply_rotary_(qk, cos, sin)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm.forward(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            apply_rotary_(q, cos, sin)
+            apply_rotary_(k, cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        key_cache = kv_cache.key_caches[self.layer_idx]
+        value_cache = kv_cache.value_caches[self.layer_idx]
+        # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
+        num_real = attn_metadata.num_tokens
+        write_kv(k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping)
+        # The metadata variant reuses the backend's per-step plan across layers.
+        out = paged_attention_from_metadata(
+            q[:num_real],
+            key_cache,
+            value_cache,
+            attn_metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        out = out.reshape(num_real, self.q_size)
+        if num_real < num_tokens:
+            out = F.pad(out, (0, 0, 0, num_tokens - num_real))
+        return self.tp.all_reduce(linear(out, self.o_proj))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up projections fused into one matmul."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        size = len(tp.rows(config.intermediate_size))
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * size, bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [T, hidden_size] -> [T, hidden_size]."""
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return self.tp.all_reduce(linear(F.silu(gate).mul_(up), self.down_proj))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, device=device, tp=tp)
+        self.mlp = MLP(config, dtype=dtype, device=device, tp=tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: PagedKVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size], updated in place (residual adds)."""
+        # `.forward` directly: these modules never carry hooks (see `Attention.forward`).
+        normed = self.input_layernorm.forward(hidden)
+        hidden += self.self_attn.forward(normed, cos, sin, kv_cache, attn_metadata)
+        hidden += self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+        return hidden
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: _Device,
+        tp: TensorParallel = NO_PARALLEL,
+    ) -> None:
+        super().__init__()
+        # Vocabulary-parallel: this rank's rows of the table (all of it with one rank).
+        self.embed_tokens = nn.Embedding(
+            tp.vocab_part(config.vocab_size), config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype=dtype, device=device, tp=tp)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
