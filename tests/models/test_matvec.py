@@ -62,7 +62,7 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
     assert torch.equal(linear_rows(weight, b, parallel=True)(x), serial)
 
 
-def test_linear_rows_is_parallel_where_the_workers_spin(monkeypatch):
+def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 2)
     monkeypatch.setattr(cpu.dense, "_matvec", SimpleNamespace(
@@ -73,9 +73,15 @@ def test_linear_rows_is_parallel_where_the_workers_spin(monkeypatch):
     for policy in ("PASSIVE", "active"):
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         linear_rows(weight, None)(x)
+    # Sleeping workers: split from PARALLEL_WORK multiply-adds (rows x weight elements) on.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(cpu.dense, "PARALLEL_WORK", 2 * weight.numel())
+    product = linear_rows(weight, None)
+    product(x)
+    product(torch.zeros(2, 8))
     monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 1)
     linear_rows(weight, None)(x)  # one thread: nothing to split
-    assert calls == ["serial", "parallel 2", "serial"]
+    assert calls == ["serial", "parallel 2", "serial", "parallel 2", "serial"]
 
 
 def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():

@@ -23,6 +23,18 @@ if TYPE_CHECKING:
 _matvec = kernel_cache.load_kernels("matvec")
 _layers = kernel_cache.load_kernels("layers")
 
+PARALLEL_WORK = 2_000_000
+"""Multiply-adds (rows x weight elements) from which a product is split over every thread
+where the OpenMP workers sleep between parallel calls. Waking one costs tens of
+microseconds (on a virtual machine an idle CPU must be rescheduled): a one-row product of a
+small model's layer does not repay it, an LM head or a few rows' MLP does (benchmarks.md).
+Where the workers spin (`workers_spin`) every product is split."""
+
+
+def min_parallel_work() -> int:
+    """The least work a product is split for under the process's wait policy."""
+    return 0 if workers_spin() else PARALLEL_WORK
+
 
 def linear_rows(
     weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
@@ -34,19 +46,20 @@ def linear_rows(
     Args:
         weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
         bias: [out_features] of the same dtype, or None.
-        parallel: split the rows over torch's threads; default: where the workers spin
-            (`pagedkv.threads.workers_spin`) and there is more than one thread.
+        parallel: split the rows over torch's threads; default: where there is more than
+            one thread and the product is at least `min_parallel_work()`.
     """
     flat_weight = as_numpy(weight)
     flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
     out_features = weight.shape[0]
     parts = sync_threads()
-    if parallel is None:
-        parallel = workers_spin() and parts > 1
 
     def product(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        if parallel:
+        split = parallel
+        if split is None:
+            split = x.shape[0] * flat_weight.size >= min_parallel_work()
+        if split and parts > 1:
             _matvec.matvec_parallel(
                 as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts
             )
@@ -132,7 +145,7 @@ def decode_layers(
         if t.dtype != weights.dtype:
             raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
     slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
-    parts = sync_threads() if workers_spin() else 1
+    parts = sync_threads()
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
     _layers.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
@@ -140,7 +153,7 @@ def decode_layers(
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
         weights.gate_up, weights.down, as_numpy(key_pool.view(pool_rows)),
         as_numpy(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
-        key_pool.shape[2], weights.eps, scale, parts, plan.parallel,
+        key_pool.shape[2], weights.eps, scale, parts, min_parallel_work(), plan.parallel,
     )  # fmt: skip
 
 

@@ -34,7 +34,7 @@ _narrow = _matvec.narrow
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
     gate_up, down, key_pool, value_pool, block_tables, items, row_items, block_size, eps,
-    scale, parts,
+    scale, parts, min_work,
     parallel_attention,
 ):  # fmt: skip  # pragma: no cover
     """Pass x through every layer, in place; write each layer's K/V of the real rows.
@@ -50,7 +50,8 @@ def decode_layers(
         block_tables, items, row_items: the step's `CpuPlan` (every real row a kernel row).
         block_size: tokens per block of the pools.
         eps, scale: RMSNorm epsilon and softmax scale.
-        parts: threads for each product (1: the calling thread).
+        parts, min_work: a product of at least `min_work` multiply-adds (rows x weight
+            elements) is split over `parts` threads, a smaller one runs on the calling one.
         parallel_attention: attention items over every thread.
     """
     rows, hidden = x.shape
@@ -69,7 +70,7 @@ def decode_layers(
     for layer in range(len(qkv)):
         for r in range(rows):
             _rms_norm(x[r], in_norm[layer], eps, normed[r])
-        _product(normed, qkv[layer], qkv_bias[layer], fused, parts)
+        _product(normed, qkv[layer], qkv_bias[layer], fused, parts, min_work)
         for r in range(rows):
             for h in range(num_heads + num_kv_heads):
                 head = fused[r, h * head_dim : (h + 1) * head_dim]
@@ -98,24 +99,24 @@ def decode_layers(
             for h in range(num_heads):
                 for d in range(head_dim):
                     heads_out[r, h * head_dim + d] = _narrow(attended[r, h, d], x)
-        _product(heads_out, o_proj[layer], empty, update, parts)
+        _product(heads_out, o_proj[layer], empty, update, parts, min_work)
         _add(x, update)
         for r in range(rows):
             _rms_norm(x[r], post_norm[layer], eps, normed[r])
-        _product(normed, gate_up[layer], empty, mlp_in, parts)
+        _product(normed, gate_up[layer], empty, mlp_in, parts, min_work)
         size = mlp_mid.shape[1]
         for r in range(rows):
             for i in range(size):
                 gate = as_float32(mlp_in[r, i])
                 act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
                 mlp_mid[r, i] = _narrow(act * as_float32(mlp_in[r, size + i]), x)
-        _product(mlp_mid, down[layer], empty, update, parts)
+        _product(mlp_mid, down[layer], empty, update, parts, min_work)
         _add(x, update)
 
 
 @njit(cache=True, fastmath=True)
-def _product(x, weight, bias, out, parts):  # pragma: no cover
-    if parts > 1:
+def _product(x, weight, bias, out, parts, min_work):  # pragma: no cover
+    if parts > 1 and x.shape[0] * weight.size >= min_work:
         _matvec.matvec_parallel(x, weight, bias, out, parts)
     else:
         _matvec.matvec(x, weight, bias, out)
