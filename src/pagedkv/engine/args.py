@@ -96,8 +96,8 @@ class EngineArgs:
     cpu_matvec: bool = _option(
         True,
         "multiply a decode step of 1-8 sequences (float32; 1-4 in bfloat16) in pagedkv's "
-        "matrix-vector kernel, not torch's matmul: on one thread, or on all with "
-        "OMP_WAIT_POLICY=ACTIVE (on the CPU; with pack_weights the bfloat16 weights are "
+        "matrix-vector kernel, not torch's matmul: on one thread, or on all for large products "
+        "and with OMP_WAIT_POLICY=ACTIVE (on the CPU; with pack_weights the bfloat16 weights are "
         "held twice)",
     )
     cpu_fused_decode: bool = _option(

@@ -229,8 +229,9 @@ class CausalLM(nn.Module):
     def use_matvec(self) -> bool:
         """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) with
         the CPU's matrix-vector kernel (`ops.cpu.linear_rows`: one thread, or every thread
-        where the OpenMP workers spin), every other batch through torch. Call it before
-        `pack_weights`, which then holds a second, packed copy of each weight.
+        where the OpenMP workers spin or the product is large), every other batch through
+        torch. Call it before `pack_weights`, which then holds a second, packed copy of each
+        weight.
 
         Returns:
             Whether it applies (float32 or bfloat16 weights on the CPU).

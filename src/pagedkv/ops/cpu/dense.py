@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,19 +48,21 @@ def linear_rows(
         weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
         bias: [out_features] of the same dtype, or None.
         parallel: split the rows over torch's threads; default: where there is more than
-            one thread and the product is at least `min_parallel_work()`.
+            one thread and the product is at least `min_parallel_work()` (the policy as it
+            is now: the OpenMP runtime keeps the one it started with).
     """
     flat_weight = as_numpy(weight)
     flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
     out_features = weight.shape[0]
     parts = sync_threads()
+    if parallel is None:
+        min_work: float = min_parallel_work()
+    else:
+        min_work = 0 if parallel else math.inf
 
     def product(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        split = parallel
-        if split is None:
-            split = x.shape[0] * flat_weight.size >= min_parallel_work()
-        if split and parts > 1:
+        if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
             _matvec.matvec_parallel(
                 as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts
             )
