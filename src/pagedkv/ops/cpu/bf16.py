@@ -3,7 +3,7 @@
 NumPy has no bfloat16, so bfloat16 tensors reach Numba as their uint16 bits. A bfloat16 is
 the high half of a float32, so widening is a shift and a bit cast (`as_float32`), which
 LLVM vectorizes like any other load; `round_to_bf16` is the inverse, rounding to nearest
-even. `prefetch_rows` asks for the K and V rows ahead of the score loops (both dtypes).
+even. `prefetch_head` asks for the K and V rows ahead of the score loop (both dtypes).
 Standard Numba extension API only: `numba.extending` (intrinsic, overload) and `llvmlite`.
 """
 
@@ -76,8 +76,9 @@ def round_to_bf16(x):  # pragma: no cover
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-AHEAD = 2
-"""Tokens between a K row's prefetch and its first read."""
+TOKENS = 4
+"""Tokens the kernels' loops take at once (they are written out for four); the prefetch
+runs one such group ahead."""
 
 
 @intrinsic
@@ -98,13 +99,19 @@ def _prefetch(typingctx, cache, offset):  # pragma: no cover
 
 
 @njit(inline="always")
-def prefetch_rows(key_cache, value_cache, slots, t, known):  # pragma: no cover
-    """Before token t of a span is scored, prefetch the K row `AHEAD` tokens on (if before
-    `known`) and token t's V row (read after the span's softmax): blocks are scattered, so the
-    hardware prefetcher does not run across them. Caches [slots, kv heads, D], C-contiguous."""
-    row = key_cache.shape[1] * key_cache.shape[2]
+def prefetch_head(key_cache, value_cache, next_slots, slots, g):  # pragma: no cover
+    """Before KV head g of the tokens at `slots` (a tuple) is scored, prefetch that head's K
+    rows of the tokens at `next_slots` (the next group's) and its V rows of `slots` (read
+    after the span's softmax). Blocks are scattered, so the hardware prefetcher does not run
+    across them; and one head at a time, not whole token rows, spreads the requests over the
+    score loop instead of queueing a burst of them that stalls it. Caches [slots, kv heads,
+    D], C-contiguous."""
+    head_dim = key_cache.shape[2]
+    row = key_cache.shape[1] * head_dim
     line = 64 // key_cache.itemsize
-    for c in range(0, row, line):
-        if t + AHEAD < known:
-            _prefetch(key_cache, slots[t + AHEAD] * row + c)
-        _prefetch(value_cache, slots[t] * row + c)
+    for i in range(len(slots)):
+        ahead = next_slots[i] * row + g * head_dim
+        here = slots[i] * row + g * head_dim
+        for c in range(0, head_dim, line):
+            _prefetch(key_cache, ahead + c)
+            _prefetch(value_cache, here + c)

@@ -122,7 +122,7 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
     table = block_tables[seq]
-    slots = np.empty(SPAN + bf16.AHEAD, dtype=np.int64)
+    slots = np.empty(SPAN + bf16.TOKENS, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
     pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
     acc[:] = 0.0
@@ -130,7 +130,7 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
     row_sum[:] = 0.0
     for t0 in range(start, end, SPAN):
         n = min(SPAN, end - t0)
-        known = min(n + bf16.AHEAD, end - t0)  # and the next span's first, to prefetch
+        known = min(n + bf16.TOKENS, end - t0)  # and the next span's first, to prefetch
         for t in range(known):
             pos = t0 + t
             slots[t] = table[pos // block_size] * block_size + pos % block_size
@@ -142,39 +142,67 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
 
 # The span steps are separate functions: each one's inner loop then vectorizes (in one
 # large function LLVM left the dot products scalar). One call per span, not per token,
-# keeps Numba's per-call reference counting off the hot path. Heads of a GQA group are
-# scored four at a time (one K load feeds four dot products) and V rows are added four
-# tokens at a time (one load and store of the accumulator per four rows).
+# keeps Numba's per-call reference counting off the hot path. Both loops take four tokens
+# and two heads of a GQA group at once: they are bound by loads, not arithmetic, and so
+# each K or V load feeds two heads, each q load four tokens, and each load and store of an
+# accumulator four V rows. (Four heads per V load did not pay: the four accumulator
+# streams' loads and stores cost what the shared V loads save.)
 
 
 @njit(cache=True, fastmath=True)
 def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
     """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches as it goes
-    (`bf16.prefetch_rows`; slots[n:known] are the next span's first)."""
+    (`bf16.prefetch_head`; slots[n:known] are the next span's first)."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
-    for t in range(n):
-        bf16.prefetch_rows(key_cache, value_cache, slots, t, known)
-        k, j = key_cache, slots[t]
+    k = key_cache
+    t = 0
+    while t + bf16.TOKENS <= n:
+        j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
+        last = known - 1  # the next group's slots, read here: the loop's stores may alias them
+        ahead = (slots[min(t + 4, last)], slots[min(t + 5, last)], slots[min(t + 6, last)],
+                 slots[min(t + 7, last)])  # fmt: skip
         for g in range(num_kv_heads):
+            bf16.prefetch_head(key_cache, value_cache, ahead, (j0, j1, j2, j3), g)
             h, end = g * group, (g + 1) * group
-            while h + 4 <= end:
+            while h + 2 <= end:
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+                for d in range(head_dim):
+                    k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
+                    k2, k3 = as_float32(k[j2, g, d]), as_float32(k[j3, g, d])
+                    qa, qb = q[h, d], q[h + 1, d]
+                    a0 += qa * k0
+                    a1 += qa * k1
+                    a2 += qa * k2
+                    a3 += qa * k3
+                    b0 += qb * k0
+                    b1 += qb * k1
+                    b2 += qb * k2
+                    b3 += qb * k3
+                scores[h, t], scores[h, t + 1] = a0 * scale, a1 * scale
+                scores[h, t + 2], scores[h, t + 3] = a2 * scale, a3 * scale
+                scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
+                scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
+                h += 2
+            if h < end:  # an odd group
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
-                    kd = as_float32(k[j, g, d])
-                    s0 += q[h, d] * kd
-                    s1 += q[h + 1, d] * kd
-                    s2 += q[h + 2, d] * kd
-                    s3 += q[h + 3, d] * kd
-                scores[h, t], scores[h + 1, t] = s0 * scale, s1 * scale
-                scores[h + 2, t], scores[h + 3, t] = s2 * scale, s3 * scale
-                h += 4
-            for rest in range(h, end):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += q[rest, d] * as_float32(k[j, g, d])
-                scores[rest, t] = s * scale
+                    qd = q[h, d]
+                    s0 += qd * as_float32(k[j0, g, d])
+                    s1 += qd * as_float32(k[j1, g, d])
+                    s2 += qd * as_float32(k[j2, g, d])
+                    s3 += qd * as_float32(k[j3, g, d])
+                scores[h, t], scores[h, t + 1] = s0 * scale, s1 * scale
+                scores[h, t + 2], scores[h, t + 3] = s2 * scale, s3 * scale
+        t += bf16.TOKENS
+    for rest in range(t, n):  # the item's last few tokens
+        j = slots[rest]
+        for h in range(num_heads):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[h, d] * as_float32(k[j, h // group, d])
+            scores[h, rest] = s * scale
 
 
 @njit(cache=True, fastmath=True)
@@ -227,28 +255,40 @@ def _exp_span(x, n, shift, pow2):  # pragma: no cover
 def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
     """acc[h] += weights[h, t] * V[slots[t], h // group], t < n."""
     num_heads, head_dim = acc.shape
-    group = num_heads // value_cache.shape[1]
+    num_kv_heads = value_cache.shape[1]
+    group = num_heads // num_kv_heads
     v = value_cache
     t = 0
-    while t + 4 <= n:
+    while t + bf16.TOKENS <= n:
         j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
-        for h in range(num_heads):
-            g = h // group
-            p0, p1 = weights[h, t], weights[h, t + 1]
-            p2, p3 = weights[h, t + 2], weights[h, t + 3]
-            for d in range(head_dim):
-                acc[h, d] += (
-                    p0 * as_float32(v[j0, g, d]) + p1 * as_float32(v[j1, g, d])
-                    + p2 * as_float32(v[j2, g, d]) + p3 * as_float32(v[j3, g, d])
-                )  # fmt: skip
-        t += 4
+        for g in range(num_kv_heads):
+            h, end = g * group, (g + 1) * group
+            while h + 2 <= end:
+                a0, a1 = weights[h, t], weights[h, t + 1]
+                a2, a3 = weights[h, t + 2], weights[h, t + 3]
+                b0, b1 = weights[h + 1, t], weights[h + 1, t + 1]
+                b2, b3 = weights[h + 1, t + 2], weights[h + 1, t + 3]
+                for d in range(head_dim):
+                    v0, v1 = as_float32(v[j0, g, d]), as_float32(v[j1, g, d])
+                    v2, v3 = as_float32(v[j2, g, d]), as_float32(v[j3, g, d])
+                    acc[h, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+                    acc[h + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+                h += 2
+            if h < end:  # an odd group
+                a0, a1 = weights[h, t], weights[h, t + 1]
+                a2, a3 = weights[h, t + 2], weights[h, t + 3]
+                for d in range(head_dim):
+                    acc[h, d] += (
+                        a0 * as_float32(v[j0, g, d]) + a1 * as_float32(v[j1, g, d])
+                        + a2 * as_float32(v[j2, g, d]) + a3 * as_float32(v[j3, g, d])
+                    )  # fmt: skip
+        t += bf16.TOKENS
     for rest in range(t, n):
         j = slots[rest]
         for h in range(num_heads):
-            g = h // group
             p = weights[h, rest]
             for d in range(head_dim):
-                acc[h, d] += p * as_float32(v[j, g, d])
+                acc[h, d] += p * as_float32(v[j, h // group, d])
 
 
 @njit(cache=True, fastmath=True)
