@@ -157,10 +157,11 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     k = key_cache
+    last = known - 1
     t = 0
     while t + bf16.TOKENS <= n:
         j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
-        last = known - 1  # the next group's slots, read here: the loop's stores may alias them
+        # The next group's slots, read once here: the head loop's stores may alias `slots`.
         ahead = (slots[min(t + 4, last)], slots[min(t + 5, last)], slots[min(t + 6, last)],
                  slots[min(t + 7, last)])  # fmt: skip
         for g in range(num_kv_heads):
