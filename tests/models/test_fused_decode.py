@@ -111,3 +111,46 @@ def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch,
         tokens[fused, policy] = [o.outputs[0].token_ids for o in single + together]
     assert tokens[True, "PASSIVE"] == tokens[False, "PASSIVE"] == tokens[True, "ACTIVE"]
     assert len(count_fused) > 2 * 5 * 11  # both fused engines decoded through it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
+    tmp_path, dtype, monkeypatch, count_fused
+):
+    # Each output is computed by whichever thread claims its chunk, the same way: the
+    # logits and the cache must not depend on the split (nor on a thread arriving late).
+    model_dir = make_hf_model(tmp_path, "qwen3", dtype=dtype)
+    results = []
+    for threads in (1, 2):
+        model = load_model(model_dir, dtype=dtype)
+        assert model.use_matvec() and model.use_fused_decode()
+        monkeypatch.setattr(cpu.dense, "sync_threads", lambda n=threads: n)
+        monkeypatch.setattr(cpu.dense, "_team", cpu.dense.TeamBackoff())
+        batch = PagedBatch(model, seed=3)
+        prompts = {0: _prompt(13, seed=5), 1: _prompt(21, seed=6)}
+        logits = []
+        for _ in range(6):  # a prefill, then five decode steps of two rows
+            logits.append(batch.step(model, prompts))
+            prompts = {seq: [int(out[-1].argmax())] for seq, out in enumerate(logits[-1])}
+        results.append((logits, batch.cache.key_pool.clone(), batch.cache.value_pool.clone()))
+    (logits_1, keys_1, values_1), (logits_2, keys_2, values_2) = results
+    for a, b in zip(logits_1, logits_2, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert torch.equal(keys_1, keys_2) and torch.equal(values_1, values_2)
+    assert count_fused == [2] * 10
+
+
+def test_after_a_step_finished_alone_the_next_ones_run_on_one_thread_for_longer_each_time():
+    team = cpu.dense.TeamBackoff()
+    assert team.threads(2) == 2
+    team.record(2, went_alone=True)
+    assert [team.threads(2) for _ in range(5)] == [1, 1, 1, 1, 2]
+    team.record(2, went_alone=True)
+    assert [team.threads(2) for _ in range(9)] == [1] * 8 + [2]
+    team.record(2, went_alone=False)  # shared without trouble: the backoff ends
+    team.record(2, went_alone=True)
+    assert [team.threads(2) for _ in range(5)] == [1, 1, 1, 1, 2]
+    for _ in range(20):
+        team.record(2, went_alone=True)
+    assert team.alone_left == team.MAX_ALONE

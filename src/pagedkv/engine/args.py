@@ -90,8 +90,9 @@ class EngineArgs:
     )
     pack_weights: bool = _option(
         True,
-        "hold bfloat16 matmul weights in oneDNN's blocked layout on the CPU (same logits, "
-        "faster small batches; a tied LM head is held twice)",
+        "multiply with oneDNN on the CPU: bfloat16 weights held in its blocked layout (same "
+        "logits, faster small batches; a tied LM head is held twice), float32 ones as they "
+        "are (faster than torch's MKL matmul on AMD CPUs; logits move by rounding)",
     )
     cpu_matvec: bool = _option(
         True,

@@ -57,7 +57,7 @@ class ModelRunner:
             model: forward(input_ids, positions, kv_cache, attn_metadata) + compute_logits.
             kv_cache: the K/V pools the scheduler's block ids index.
             attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
-            pack_weights: `model.pack_weights()` (where it applies: bfloat16 on the CPU).
+            pack_weights: `model.pack_weights()` (where it applies: the CPU).
             token_buckets: run every matmul at `bucket_num_tokens` rows: the step's padding
                 rows (token 0 at position 0) pass the matmuls and norms but not `write_kv`
                 or attention, and are never sampled.

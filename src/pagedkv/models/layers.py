@@ -144,25 +144,31 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `pack_linear_` applies: bfloat16 weights on a CPU where oneDNN runs bfloat16.
-
-    float32 is left alone: oneDNN's blocked kernels sum in another order than MKL's, so the
-    logits would move by rounding, and its float32 matrix-vector products are no faster.
-    """
-    if dtype != torch.bfloat16 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """Whether `pack_linear_` applies: float32 weights, or bfloat16 ones where oneDNN runs
+    bfloat16, on a CPU with oneDNN."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_(linear: nn.Linear) -> None:
-    """Hold a bias-free `linear.weight` in oneDNN's blocked layout, in place (see `linear`).
+    """Send `linear`'s products through oneDNN (see `linear`), in place.
 
-    The same kernels Inductor calls for a frozen CPU model: for a batch of a few rows,
-    torch's plain bfloat16 matmul streams the weight at about half the speed, while the
-    packed one gives the same bits. The weight becomes a buffer in `torch._mkldnn` layout,
-    which only `linear` (and oneDNN) reads; the plain copy is released.
+    The same kernels Inductor calls for a frozen CPU model. In bfloat16, for a batch of a
+    few rows, torch's plain matmul streams the weight at about half the speed, while the
+    packed one gives the same bits: the bias-free weight becomes a buffer in oneDNN's
+    blocked layout (`torch._mkldnn`), which only `linear` (and oneDNN) reads, and the plain
+    copy is released. In float32, torch's matmul is MKL's, which runs a generic code path
+    on non-Intel CPUs; oneDNN multiplies a plain float32 weight as fast as a blocked one,
+    so the weight stays as it is (no copy) and is only marked. Its sums run in another
+    order than MKL's: logits move by float32 rounding.
     """
     weight = linear.weight
+    if weight.dtype == torch.float32:
+        linear.__dict__["onednn"] = True  # a plain attribute, read by `linear()`
+        return
     # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not: the
     # bits could differ, so biased layers (Qwen2's QKV) stay plain.
     if weight.is_mkldnn or linear.bias is not None:
@@ -197,7 +203,7 @@ def use_matvec_(
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     """`x @ layer.weight.T (+ bias)`: the layer's matrix-vector kernel for a few rows
-    (`use_matvec_`), else torch on the weight, packed (`pack_linear_`) or plain.
+    (`use_matvec_`), else oneDNN (`pack_linear_`) or torch's matmul.
 
     `F.linear` on the weights directly: `nn.Module.__call__`'s hook dispatch is paid on each
     of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
@@ -213,6 +219,6 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     if matvec is not None and x.shape[0] <= matvec[0]:
         return matvec[1](x)
     weight = layer.weight
-    if weight.is_mkldnn:
+    if weight.is_mkldnn or "onednn" in layer.__dict__:
         return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")
     return F.linear(x, weight, layer.bias)

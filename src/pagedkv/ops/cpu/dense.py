@@ -148,16 +148,51 @@ def decode_layers(
         if t.dtype != weights.dtype:
             raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
     slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
-    parts = sync_threads()
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
-    _layers.decode_layers(
+    threads = _team.threads(sync_threads())
+    went_alone = _layers.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
         weights.gate_up, weights.down, as_numpy(key_pool.view(pool_rows)),
         as_numpy(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
-        key_pool.shape[2], weights.eps, scale, parts, min_parallel_work(), plan.parallel,
+        key_pool.shape[2], weights.eps, scale, threads,
     )  # fmt: skip
+    _team.record(threads, went_alone)
+
+
+class TeamBackoff:
+    """How many threads share the next decode step (`layers.py`).
+
+    Where a thread had to finish a step alone, another process holds a core: the next
+    steps run on one thread, for twice as many steps each time it happens again (up to
+    `MAX_ALONE`), and a step shared without trouble ends the backoff.
+    """
+
+    MAX_ALONE = 256
+
+    def __init__(self) -> None:
+        self.alone_left = 0
+        self.backoff = 0
+
+    def threads(self, available: int) -> int:
+        if self.alone_left > 0:
+            self.alone_left -= 1
+            return 1
+        return available
+
+    def record(self, threads: int, went_alone: bool) -> None:
+        if threads == 1:
+            return
+        if went_alone:
+            self.backoff = min(self.MAX_ALONE, 2 * self.backoff or 4)
+            self.alone_left = self.backoff
+        else:
+            self.backoff = 0
+
+
+_team = TeamBackoff()
+"""One per process: whether cores are free is the machine's state, not a model's."""
 
 
 def is_decode_only(plan: CpuPlan, num_real: int) -> bool:

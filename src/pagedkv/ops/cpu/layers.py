@@ -10,8 +10,20 @@ computes it:
     n = rms_norm(x);  gate|up = gate_up_proj(n);  x += down_proj(silu(gate) * up)
 
 In bfloat16 every value is rounded where torch rounds it (after each operation), sums
-run in float32; products and attention are `matvec.py`'s and `kernels.py`'s own. The
-final norm and the LM head stay with the model.
+run in float32; products and attention are `matvec.py`'s and `kernels.py`'s own.
+The final norm and the LM head stay with the model.
+
+One parallel region per step. Each layer is eight *phases* (input norm, one chunk per
+q/k/v head, attention items, merging them, o_proj rows, post norm, gate/up rows, down
+rows); every thread of the region walks the phases in order, claims a phase's chunks from
+shared counters, and waits until all of them are done before the next phase. A sleeping
+worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per step, not once per product,
+and a thread that arrives late (or is preempted) only leaves its chunks to the others.
+A waiting thread spins briefly, then yields its core. A wait of about a millisecond
+means the other thread was off its core; after a few in one step another process holds
+a core, and the waiting thread finishes the step alone while the caller runs the next
+steps on one thread (`dense.py`): on a shared core every hand-off between phases would
+cost a scheduler slice.
 
 NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits), loaded
 through `pagedkv.kernel_cache` with the two kernel files it calls.
@@ -20,22 +32,41 @@ through `pagedkv.kernel_cache` with the two kernel files it calls.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from pagedkv import kernel_cache
+from pagedkv.ops.cpu import atomics
 from pagedkv.ops.cpu.bf16 import as_float32
 
 _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")
 _narrow = _matvec.narrow
+_products = _matvec._products
+
+PHASES = 8
+"""Phases per layer: input norm, q/k/v heads, attention items, merge, o_proj, post norm,
+gate/up, down."""
+CHUNK_WORK = 32_768
+"""Multiply-adds per input row in one claimed chunk of a product: small enough that two
+threads share even a small model's projection evenly, large enough that claiming (one
+atomic add on a shared line) is rare."""
+LINE = 8
+"""int64 counters per cache line: each counter on its own line, so claiming one phase's
+chunks does not stall a thread polling another's."""
+SPIN_TICKS = 50_000
+"""Cycles a waiting thread spins before it yields its core."""
+LONG_TICKS = 3_000_000
+"""Cycles (about a millisecond) of waiting after which the other thread was off its core."""
+LONG_WAITS = 3
+"""Long waits in one step after which a waiting thread finishes the step alone: one is
+a virtual CPU preempted once, several mean that another process holds a core."""
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, parallel=True)
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
     gate_up, down, key_pool, value_pool, block_tables, items, row_items, block_size, eps,
-    scale, parts, min_work,
-    parallel_attention,
+    scale, threads,
 ):  # fmt: skip  # pragma: no cover
     """Pass x through every layer, in place; write each layer's K/V of the real rows.
 
@@ -50,84 +81,220 @@ def decode_layers(
         block_tables, items, row_items: the step's `CpuPlan` (every real row a kernel row).
         block_size: tokens per block of the pools.
         eps, scale: RMSNorm epsilon and softmax scale.
-        parts, min_work: a product of at least `min_work` multiply-adds (rows x weight
-            elements) is split over `parts` threads, a smaller one runs on the calling one.
-        parallel_attention: attention items over every thread.
+        threads: threads to share the step (1: the calling one alone, no parallel region).
+
+    Returns:
+        Whether a thread finished the step alone because another was off its core.
     """
     rows, hidden = x.shape
-    num_kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
-    num_heads = o_proj[0].shape[1] // head_dim
-    q_size = num_heads * head_dim
-    normed = np.empty_like(x)
-    fused = np.empty((rows, qkv[0].shape[0]), dtype=x.dtype)
-    query = np.empty((num_real, num_heads, head_dim), dtype=np.float32)
-    attended = np.empty((num_real, num_heads, head_dim), dtype=np.float32)
-    heads_out = np.zeros((rows, q_size), dtype=x.dtype)  # padding rows stay 0
-    update = np.empty_like(x)
-    mlp_in = np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype)
-    mlp_mid = np.empty((rows, down[0].shape[1]), dtype=x.dtype)
-    empty = qkv_bias[0][:0]
-    for layer in range(len(qkv)):
-        for r in range(rows):
-            _rms_norm(x[r], in_norm[layer], eps, normed[r])
-        _product(normed, qkv[layer], qkv_bias[layer], fused, parts, min_work)
-        for r in range(rows):
-            for h in range(num_heads + num_kv_heads):
-                head = fused[r, h * head_dim : (h + 1) * head_dim]
-                norm = q_norm[layer] if h < num_heads else k_norm[layer]
-                if norm.shape[0]:
-                    _rms_norm(head, norm, eps, head)
-                _rotate(head, cos[r], sin[r])
-        keys, values = key_pool[layer], value_pool[layer]
-        for r in range(num_real):
-            if slots[r] >= 0:
-                for g in range(num_kv_heads):
-                    k0 = q_size + g * head_dim
-                    v0 = q_size + (num_kv_heads + g) * head_dim
-                    keys[slots[r], g, :] = fused[r, k0 : k0 + head_dim]
-                    values[slots[r], g, :] = fused[r, v0 : v0 + head_dim]
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    query[r, h, d] = as_float32(fused[r, h * head_dim + d])
-        if parallel_attention:
-            _kernels.decode_parallel(query, keys, values, block_tables, items, row_items,
-                                     block_size, scale, attended)  # fmt: skip
-        else:
-            _kernels.decode_serial(query, keys, values, block_tables, items, row_items,
-                                   block_size, scale, attended)  # fmt: skip
-        for r in range(num_real):
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    heads_out[r, h * head_dim + d] = _narrow(attended[r, h, d], x)
-        _product(heads_out, o_proj[layer], empty, update, parts, min_work)
-        _add(x, update)
-        for r in range(rows):
-            _rms_norm(x[r], post_norm[layer], eps, normed[r])
-        _product(normed, gate_up[layer], empty, mlp_in, parts, min_work)
-        size = mlp_mid.shape[1]
-        for r in range(rows):
-            for i in range(size):
+    num_heads = o_proj[0].shape[1] // key_pool.shape[3]
+    num_items = items.shape[0]
+    f32 = np.float32
+    buffers = (
+        np.empty_like(x),  # normed: a norm's output in x's dtype
+        np.empty((rows, hidden), dtype=f32),  # wide: the same as float32, a product's input
+        np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
+        np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
+        np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
+        np.empty((num_items, num_heads), dtype=f32),  # row_max
+        np.empty((num_items, num_heads), dtype=f32),  # row_sum
+        np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
+        np.zeros((rows, o_proj[0].shape[1]), dtype=f32),  # heads: o_proj's input; pad rows 0
+        np.empty_like(x),  # update: a residual branch's output
+        np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
+        np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
+    )
+    weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down)
+    pools = (key_pool, value_pool, block_tables, items, row_items, block_size)
+    # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
+    # tries to go alone, and the thread that did
+    counters = np.zeros((len(qkv) * PHASES * (threads + 1) + 3) * LINE, dtype=np.int64)
+    if threads == 1:
+        _take_part(0, 1, x, cos, sin, num_real, slots, weights, pools, buffers, eps, scale,
+                   counters)  # fmt: skip
+    else:
+        for me in prange(threads):
+            _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffers,
+                       eps, scale, counters)  # fmt: skip
+    return counters[-LINE] != 0
+
+
+@njit(cache=True, fastmath=True)
+def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffers, eps, scale,
+               counters):  # fmt: skip  # pragma: no cover
+    """Thread `me`'s walk through every layer's phases (the whole step where it is alone)."""
+    for layer in range(len(weights[1])):
+        for kind in range(PHASES):
+            phase = layer * PHASES + kind
+            n, step = _chunks(kind, x, num_real, weights, pools, buffers)
+            c = _claim(counters, phase, n, me, threads)
+            while c < n:
+                _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools,
+                           buffers, eps, scale)  # fmt: skip
+                c = _finish(counters, phase, n, me, threads)
+            if not _wait(counters, phase, n, me, threads):
+                return
+
+
+@njit(cache=True)
+def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
+    """(chunks, rows of a product per chunk) of a phase of `kind`: one for a norm, a head
+    of q|k|v, an attention item, a row to merge, or `CHUNK_WORK` of a product."""
+    head_dim, items, mid = pools[0].shape[3], pools[3], buffers[11]
+    if kind == 0 or kind == 5:
+        return 1, 1
+    if kind == 1:
+        return weights[1][0].shape[0] // head_dim, head_dim
+    if kind == 2:
+        return items.shape[0], 1
+    if kind == 3:
+        return num_real, 1
+    if kind == 4:  # o_proj
+        size, outputs = weights[5][0].shape[1], x.shape[1]
+    elif kind == 6:  # gate|up, by rows of each
+        size, outputs = x.shape[1], mid.shape[1]
+    else:  # down
+        size, outputs = mid.shape[1], x.shape[1]
+    step = max(1, CHUNK_WORK // size)
+    return -(-outputs // step), step
+
+
+@njit(cache=True, fastmath=True)
+def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools, buffers,
+               eps, scale):  # fmt: skip  # pragma: no cover
+    """Chunk c of layer `layer`'s phase of `kind` (`_chunks`)."""
+    in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights
+    key_pool, value_pool, block_tables, items, row_items, block_size = pools
+    normed, wide, fused, query, acc, row_max, row_sum, attended, heads, update, mlp_in, mid = (
+        buffers
+    )
+    keys, values = key_pool[layer], value_pool[layer]
+    first = c * step
+    if kind == 0:
+        _norm_rows(x, in_norm[layer], eps, normed, wide)
+    elif kind == 1:
+        _products(wide, qkv[layer], qkv_bias[layer], fused, first, first + step)
+        _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
+                    query, keys, values)  # fmt: skip
+    elif kind == 2:
+        _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
+                       row_max[c], row_sum[c])  # fmt: skip
+    elif kind == 3:
+        _kernels._merge(c, row_items, acc, row_max, row_sum, attended)
+        for h in range(attended.shape[1]):
+            for d in range(attended.shape[2]):
+                heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
+    elif kind == 5:
+        _norm_rows(x, post_norm[layer], eps, normed, wide)
+    elif kind == 6:
+        size = mid.shape[1]
+        end = min(size, first + step)
+        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, first, end)
+        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, size + first, size + end)
+        for r in range(x.shape[0]):
+            for i in range(first, end):
                 gate = as_float32(mlp_in[r, i])
                 act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
-                mlp_mid[r, i] = _narrow(act * as_float32(mlp_in[r, size + i]), x)
-        _product(mlp_mid, down[layer], empty, update, parts, min_work)
-        _add(x, update)
+                mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
+    else:  # o_proj (4) or down (7), each with its residual add
+        inputs, weight = (heads, o_proj[layer]) if kind == 4 else (mid, down[layer])
+        end = min(x.shape[1], first + step)
+        _products(inputs, weight, qkv_bias[0][:0], update, first, end)
+        for r in range(x.shape[0]):
+            for i in range(first, end):
+                x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+
+
+@njit(cache=True)
+def _claim(counters, phase, n, me, threads):  # pragma: no cover
+    """The next chunk of `phase` for thread `me`; n when none is left for it (all claimed,
+    or another thread finishes the step alone).
+
+    The chunks are cut into one contiguous lane per thread, each with its own counter: a
+    thread takes its lane's chunks in order (one stream through the weights, which the
+    hardware prefetcher follows), then what is left in the others'."""
+    alone = atomics.load(counters, counters.shape[0] - LINE)
+    if alone != 0 and alone != me + 1:
+        return n
+    lane_size = -(-n // threads)
+    for k in range(threads):
+        lane = (me + k) % threads
+        counter = (phase * (threads + 1) + lane) * LINE
+        if atomics.load(counters, counter) < lane_size:
+            c = lane * lane_size + atomics.fetch_add(counters, counter)
+            if c < min(n, (lane + 1) * lane_size):
+                return c
+    return n
+
+
+@njit(cache=True)
+def _finish(counters, phase, n, me, threads):  # pragma: no cover
+    """Count a chunk of `phase` done (its writes visible first); claim the next."""
+    atomics.fetch_add(counters, (phase * (threads + 1) + threads) * LINE)
+    return _claim(counters, phase, n, me, threads)
+
+
+@njit(cache=True)
+def _wait(counters, phase, n, me, threads):  # pragma: no cover
+    """Wait until all n chunks of `phase` are done; False where thread `me` should leave
+    the step to another that goes on alone."""
+    done = (phase * (threads + 1) + threads) * LINE
+    end = counters.shape[0]
+    long_waits, tries, alone = end - 3 * LINE, end - 2 * LINE, end - LINE
+    start = atomics.ticks()
+    turns = 0
+    counted = False
+    while atomics.load(counters, done) < n:
+        owner = atomics.load(counters, alone)
+        if owner != 0 and owner != me + 1:
+            return False  # this thread's chunks are done; the one going on alone waits for the rest
+        turns += 1
+        waited = max(atomics.ticks() - start, turns * 64)  # no cycle counter: count turns
+        if waited < SPIN_TICKS:
+            atomics.pause()
+            continue
+        if waited > LONG_TICKS and not counted:
+            counted = True
+            if (atomics.fetch_add(counters, long_waits) + 1 >= LONG_WAITS and owner == 0
+                    and atomics.fetch_add(counters, tries) == 0):  # fmt: skip
+                counters[alone] = me + 1
+        atomics.yield_cpu()
+    owner = atomics.load(counters, alone)
+    return owner == 0 or owner == me + 1
 
 
 @njit(cache=True, fastmath=True)
-def _product(x, weight, bias, out, parts, min_work):  # pragma: no cover
-    if parts > 1 and x.shape[0] * weight.size >= min_work:
-        _matvec.matvec_parallel(x, weight, bias, out, parts)
-    else:
-        _matvec.matvec(x, weight, bias, out)
+def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query, keys,
+                values):  # fmt: skip  # pragma: no cover
+    """After head h of q|k|v is computed: norm and rotate a q or k head, then put q into
+    `query` (float32), k and v at the rows' slots of the layer's cache."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = keys.shape[1]
+    for r in range(fused.shape[0]):
+        head = fused[r, h * head_dim : (h + 1) * head_dim]
+        if h < num_heads + num_kv_heads:
+            norm = q_norm if h < num_heads else k_norm
+            if norm.shape[0]:
+                _rms_norm(head, norm, eps, head)
+            _rotate(head, cos[r], sin[r])
+        if r >= num_real:
+            continue
+        if h < num_heads:
+            for d in range(head_dim):
+                query[r, h, d] = as_float32(head[d])
+        elif slots[r] >= 0 and h < num_heads + num_kv_heads:
+            keys[slots[r], h - num_heads, :] = head
+        elif slots[r] >= 0:
+            values[slots[r], h - num_heads - num_kv_heads, :] = head
 
 
 @njit(cache=True, fastmath=True)
-def _add(x, update):  # pragma: no cover
-    """x += update (a residual), rounded to x's dtype."""
+def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
+    """normed = rms_norm(x) row by row, and wide = normed as float32."""
     for r in range(x.shape[0]):
+        _rms_norm(x[r], weight, eps, normed[r])
         for i in range(x.shape[1]):
-            x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+            wide[r, i] = as_float32(normed[r, i])
 
 
 @njit(cache=True, fastmath=True)
