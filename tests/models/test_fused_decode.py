@@ -10,7 +10,7 @@ from test_llama_models import VARIANTS, PagedBatch, _prompt
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
-from pagedkv.models.layers import MATVEC_ROWS
+from pagedkv.models.layers import FUSED_DECODE_ROWS
 from pagedkv.ops import AttentionMetadata, cpu
 
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
@@ -70,7 +70,7 @@ def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fus
     _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.bfloat16)
     assert fused.use_fused_decode()
     batch = PagedBatch(fused)
-    limit = MATVEC_ROWS[torch.bfloat16]
+    limit = FUSED_DECODE_ROWS
     batch.step(fused, {seq: _prompt(4, seed=seq) for seq in range(limit + 1)})
     batch.step(fused, {seq: [7] for seq in range(limit + 1)})  # one row too many
     batch.step(fused, {seq: [7] for seq in range(limit)})

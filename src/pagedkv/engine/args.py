@@ -103,9 +103,9 @@ class EngineArgs:
     )
     cpu_fused_decode: bool = _option(
         True,
-        "send a decode step of as many sequences as `cpu_matvec` takes through every layer in "
-        "one compiled call, with no Python between the operations (on the CPU; the same "
-        "operations and roundings as the layer-by-layer path)",
+        "send a decode step of 1-8 sequences through every layer in one compiled call, with no "
+        "Python between the operations, on every thread for one wake per step (on the CPU; "
+        "the same operations and roundings as the layer-by-layer path)",
     )
     token_buckets: bool = _option(
         True,

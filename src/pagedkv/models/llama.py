@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pagedkv.config import ModelConfig
 from pagedkv.models.decoder import DecoderModel
 from pagedkv.models.layers import (
-    MATVEC_ROWS,
+    FUSED_DECODE_ROWS,
     RotaryEmbedding,
     can_pack_linear,
     compute_inv_freq,
@@ -160,7 +160,7 @@ class CausalLM(nn.Module):
     ) -> bool:
         """Every layer in one compiled call where `use_fused_decode` applies to this
         step (a few rows, all decoding, on the CPU backend); False where it does not."""
-        if self.decoder_weights is None or hidden.shape[0] > MATVEC_ROWS[hidden.dtype]:
+        if self.decoder_weights is None or hidden.shape[0] > FUSED_DECODE_ROWS:
             return False
         from pagedkv.ops import cpu
 
@@ -247,7 +247,7 @@ class CausalLM(nn.Module):
         return True
 
     def use_fused_decode(self) -> bool:
-        """Send a decode step of at most `MATVEC_ROWS[dtype]` rows through every layer in one
+        """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer in one
         compiled call (`ops.cpu.decode_layers`: the same operations and roundings, no
         Python between them). Call it before `pack_weights`: it reads the plain weights.
 

@@ -15,7 +15,7 @@ A bfloat16 cache is read as its bits and widened to float32 in the kernels' loop
 
 `dense.py` holds the models' side: `linear_rows`, a product of a few rows with a weight
 matrix, and `decode_layers`, a decode step of a few rows through a whole Llama-family decoder
-stack in one compiled call; both are exported here.
+stack in one compiled call and one parallel region; both are exported here.
 """
 
 from __future__ import annotations
