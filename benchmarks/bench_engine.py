@@ -13,10 +13,11 @@ attention is a large share of each decode step). In the same run:
   `max_new_tokens` (`generate_batch` takes only one for all).
 
 Efficiency is the matmul floor over the measured time: (prompt + output tokens) x 2 x the
-layers' matmul parameters, plus output tokens x 2 x the LM head's, over the `torch.mm` rate
-measured in this run at the model's MLP shapes. Beside it, for pagedkv: its matmuls alone,
-timed in isolation at the token counts of the steps it actually ran (`isolated_mm_seconds`),
-which bounds the efficiency any schedule of those steps could reach. First dtype only: memory
+layers' matmul parameters, plus output tokens x 2 x the LM head's, over the best matmul rate
+measured in this run at the model's MLP shapes (torch's, or oneDNN's where the engine uses
+it). Beside it, for pagedkv: its matmuls alone, timed in isolation at the token counts of the
+steps it actually ran (`isolated_mm_seconds`), which bounds the efficiency any schedule of
+those steps could reach. First dtype only: memory
 pressure (pool at ~30 % of the workload's blocks), recompute vs swap; parallel sampling
 (n = 4, seeded) vs the same samples as separate requests without prefix caching (peak
 blocks, throughput).
@@ -139,16 +140,33 @@ def matmul_parameters(config: ModelConfig) -> tuple[int, int]:
     return config.num_layers * (2 * h * q + 2 * h * kv + 3 * h * inter), h * config.vocab_size
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def matmul_kernels(dtype: torch.dtype) -> list:
+    """`F.linear` and, on a CPU with oneDNN, oneDNN's linear on the same plain weight (what
+    the engine's float32 matmuls call, `pack_weights`; torch's float32 `F.linear` is MKL's,
+    slower on AMD CPUs): the floor takes the faster."""
+    kernels = [F.linear]
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        kernels.append(_onednn_linear)
+    return kernels
+
+
 def measure_mm_rate(config: ModelConfig, dtype: torch.dtype, rows: int = 256) -> float:
-    """Best FLOP/s of `torch.mm` over 1 s at the model's MLP shapes (`rows` tokens)."""
+    """Best FLOP/s over 1 s per kernel of `matmul_kernels` at the model's MLP shapes (`rows`
+    tokens)."""
     h, inter = config.hidden_size, config.intermediate_size
-    a, b = torch.randn(rows, h, dtype=dtype), torch.randn(h, inter, dtype=dtype)
-    c, d = torch.randn(rows, inter, dtype=dtype), torch.randn(inter, h, dtype=dtype)
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < 1.0:
-        t0 = time.perf_counter()
-        torch.mm(a, b), torch.mm(c, d)
-        best = min(best, time.perf_counter() - t0)
+    a, b = torch.randn(rows, h, dtype=dtype), torch.randn(inter, h, dtype=dtype)
+    c, d = torch.randn(rows, inter, dtype=dtype), torch.randn(h, inter, dtype=dtype)
+    best = float("inf")
+    for kernel in matmul_kernels(dtype):
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            t0 = time.perf_counter()
+            kernel(a, b), kernel(c, d)
+            best = min(best, time.perf_counter() - t0)
     return 4 * rows * h * inter / best
 
 
@@ -164,8 +182,8 @@ def isolated_mm_seconds(
 ) -> float:
     """Seconds the matmuls of the engine's own steps take alone: each step's linears, layer
     after layer with every layer's own weights (as the model streams them from memory), and
-    its LM-head rows, timed at that step's token count with `F.linear`; best of 2 after a
-    warm-up, per distinct token count.
+    its LM-head rows, timed at that step's token count with the engine's matmul (the last of
+    `matmul_kernels`); best of 2 after a warm-up, per distinct token count.
 
     The floor above prices every matmul at the best rate of a 256-row GEMM; a decode step of
     32 sequences multiplies 32 rows, which no GEMM runs at that rate, and re-reads all the
@@ -182,6 +200,8 @@ def isolated_mm_seconds(
     ]
     head = torch.randn(config.vocab_size, h, dtype=dtype)
 
+    kernel = matmul_kernels(dtype)[-1]  # the engine's own
+
     def best_time(rows: int, weights: list[list[torch.Tensor]]) -> float:
         inputs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights[0]]
         best = float("inf")
@@ -189,7 +209,7 @@ def isolated_mm_seconds(
             t0 = time.perf_counter()
             for layer in weights:
                 for x, w in zip(inputs, layer, strict=True):
-                    F.linear(x, w)
+                    kernel(x, w)
             best = min(best, time.perf_counter() - t0)
         return best
 

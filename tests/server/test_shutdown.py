@@ -12,8 +12,12 @@ import time
 
 import httpx
 import pytest
+from helpers import make_hf_model, make_tokenizer
 
 SHUTDOWN_TIMEOUT = 2.0
+LONG = 12_000
+"""New tokens of a request that cannot finish before the deadline on any CPU (a tiny model
+decodes a few hundred tokens a second per sequence)."""
 
 
 def _free_port() -> int:
@@ -52,7 +56,9 @@ def _stream(url: str, max_tokens: int, events: list[dict], started: threading.Ev
 
 
 @pytest.mark.slow
-def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir):
+def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
+    model_dir = make_hf_model(tmp_path, "llama", max_position_embeddings=2 * LONG)
+    make_tokenizer(model_dir)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
@@ -61,7 +67,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir):
         "pagedkv.cli",
         "serve",
         "--model",
-        str(tiny_model_dir),
+        str(model_dir),
         "--dtype",
         "float32",
         "--device",
@@ -69,7 +75,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir):
         "--block-size",
         "4",
         "--num-blocks",
-        "1024",
+        str(3 * LONG // 4 + 64),
         "--port",
         str(port),
         "--shutdown-timeout",
@@ -79,7 +85,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tiny_model_dir):
     try:
         _wait_healthy(url, process)
         streams = []
-        for max_tokens in (1000, 1000, 1000, 2):
+        for max_tokens in (LONG, LONG, LONG, 2):
             events: list[dict] = []
             started = threading.Event()
             thread = threading.Thread(target=_stream, args=(url, max_tokens, events, started))
