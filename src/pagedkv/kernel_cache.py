@@ -30,10 +30,11 @@ from pathlib import Path
 from types import ModuleType
 
 _KERNELS = Path(__file__).parent / "ops" / "cpu"
-_SOURCES = (_KERNELS / "kernels.py", _KERNELS / "matvec.py", _KERNELS / "layers.py")
+_DENSE = Path(__file__).parent / "ops" / "cpu_dense"
+_SOURCES = (_KERNELS / "kernels.py", _DENSE / "matvec.py", _DENSE / "layers.py")
 """The compiled-code files; each imports only NumPy, Numba, `_IMPORTED` and (through
 `load_kernels`) the files before it."""
-_IMPORTED = (_KERNELS / "bf16.py", _KERNELS / "atomics.py")
+_IMPORTED = (_KERNELS / "bf16.py", _DENSE / "atomics.py")
 """Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"
 COMPILE_SECONDS = 40

@@ -11,7 +11,7 @@ from test_llama_models import VARIANTS, PagedBatch, _prompt
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.layers import FUSED_DECODE_ROWS
-from pagedkv.ops import AttentionMetadata, cpu
+from pagedkv.ops import AttentionMetadata, cpu, cpu_dense
 
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
 # by rounding, and bfloat16 (rounded where torch rounds) may now and then move by one step.
@@ -21,13 +21,13 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-
 @pytest.fixture
 def count_fused(monkeypatch):
     calls = []
-    run = cpu.decode_layers
+    run = cpu_dense.decode_layers
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(cpu, "decode_layers", counted)
+    monkeypatch.setattr(cpu_dense, "decode_layers", counted)
     return calls
 
 
@@ -97,7 +97,7 @@ def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch,
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": _prompt(n, seed=n)} for n in (3, 9, 17, 30)]
-    for module in (cpu, cpu.dense):  # a share per thread even on one
+    for module in (cpu, cpu_dense):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     monkeypatch.setattr(cpu, "SERIAL_BYTES", 0)  # attention items on every thread
     tokens = {}
@@ -125,8 +125,8 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
     for threads in (1, 2):
         model = load_model(model_dir, dtype=dtype)
         assert model.use_matvec() and model.use_fused_decode()
-        monkeypatch.setattr(cpu.dense, "sync_threads", lambda n=threads: n)
-        monkeypatch.setattr(cpu.dense, "_team", cpu.dense.TeamBackoff())
+        monkeypatch.setattr(cpu_dense, "sync_threads", lambda n=threads: n)
+        monkeypatch.setattr(cpu_dense, "_team", cpu_dense.TeamBackoff())
         batch = PagedBatch(model, seed=3)
         prompts = {0: _prompt(13, seed=5), 1: _prompt(21, seed=6)}
         logits = []
@@ -142,7 +142,7 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
 
 
 def test_after_a_step_finished_alone_the_next_ones_run_on_one_thread_for_longer_each_time():
-    team = cpu.dense.TeamBackoff()
+    team = cpu_dense.TeamBackoff()
     assert team.threads(2) == 2
     team.record(2, went_alone=True)
     assert [team.threads(2) for _ in range(5)] == [1, 1, 1, 1, 2]

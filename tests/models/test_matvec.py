@@ -13,8 +13,8 @@ from helpers import make_hf_model
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.layers import MATVEC_ROWS, can_pack_linear, linear, use_matvec_
-from pagedkv.ops import cpu
-from pagedkv.ops.cpu import linear_rows
+from pagedkv.ops import cpu, cpu_dense
+from pagedkv.ops.cpu_dense import linear_rows
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
 
@@ -64,8 +64,8 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
 
 def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 2)
-    monkeypatch.setattr(cpu.dense, "_matvec", SimpleNamespace(
+    monkeypatch.setattr(cpu_dense, "sync_threads", lambda: 2)
+    monkeypatch.setattr(cpu_dense, "_matvec", SimpleNamespace(
         matvec=lambda *args: calls.append("serial"),
         matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
     ))  # fmt: skip
@@ -75,11 +75,11 @@ def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(
         linear_rows(weight, None)(x)
     # Sleeping workers: split from PARALLEL_WORK multiply-adds (rows x weight elements) on.
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(cpu.dense, "PARALLEL_WORK", 2 * weight.numel())
+    monkeypatch.setattr(cpu_dense, "PARALLEL_WORK", 2 * weight.numel())
     product = linear_rows(weight, None)
     product(x)
     product(torch.zeros(2, 8))
-    monkeypatch.setattr(cpu.dense, "sync_threads", lambda: 1)
+    monkeypatch.setattr(cpu_dense, "sync_threads", lambda: 1)
     linear_rows(weight, None)(x)  # one thread: nothing to split
     assert calls == ["serial", "parallel 2", "serial", "parallel 2", "serial"]
 
@@ -128,7 +128,7 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
-    for module in (cpu, cpu.dense):  # a share per thread even on one
+    for module in (cpu, cpu_dense):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     tokens = {}
     # torch's matmuls; the kernel on one thread; on every thread (the workers' policy is read

@@ -1,12 +1,12 @@
-"""The atomic counters the CPU decode stack's threads share (`ops/cpu/atomics.py`)."""
+"""The atomic counters the CPU decode stack's threads share (`ops/cpu_dense/atomics.py`)."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from pagedkv.ops.cpu import atomics
 from pagedkv.ops.cpu.arrays import sync_threads
+from pagedkv.ops.cpu_dense import atomics
 
 
 @njit(parallel=True)

@@ -14,7 +14,7 @@ from pagedkv.ops import warmup
 
 _PROBE = """
 import torch
-from pagedkv.ops import cpu, warmup
+from pagedkv.ops import cpu, cpu_dense, warmup
 
 for dtype in (torch.float32, torch.bfloat16):
     key_cache = torch.randn(3, 4, 2, 8).to(dtype)
@@ -23,7 +23,7 @@ for dtype in (torch.float32, torch.bfloat16):
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 k = cpu._kernels
-m = cpu.dense._matvec
+m = cpu_dense._matvec
 for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, m.matvec, m.matvec_parallel):
     print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
 """

@@ -41,7 +41,7 @@ from pagedkv.ops import plan as plan_attention
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
     from pagedkv.ops import AttentionMetadata
-    from pagedkv.ops.cpu import DecoderWeights
+    from pagedkv.ops.cpu_dense import DecoderWeights
 
 _Device = torch.device | str | None
 
@@ -162,7 +162,7 @@ class CausalLM(nn.Module):
         step (a few rows, all decoding, on the CPU backend); False where it does not."""
         if self.decoder_weights is None or hidden.shape[0] > FUSED_DECODE_ROWS:
             return False
-        from pagedkv.ops import cpu
+        from pagedkv.ops import cpu, cpu_dense
 
         attention = self.model.layers[0].self_attn
         window = attention.sliding_window
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         num_real = attn_metadata.num_tokens
         if backend is not cpu or not cpu.is_decode_only(plan, num_real):
             return False
-        cpu.decode_layers(
+        cpu_dense.decode_layers(
             hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
             kv_cache.key_pool, kv_cache.value_pool, plan, attention.scale,
         )  # fmt: skip
@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
 
     def use_matvec(self) -> bool:
         """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) with
-        the CPU's matrix-vector kernel (`ops.cpu.linear_rows`: one thread, or every thread
+        the CPU's matrix-vector kernel (`ops.cpu_dense.linear_rows`: one thread, or every thread
         where the OpenMP workers spin or the product is large), every other batch through
         torch. Call it before `pack_weights`, which then holds a second, packed copy of each
         weight.
@@ -238,7 +238,7 @@ class CausalLM(nn.Module):
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
-        from pagedkv.ops.cpu import linear_rows  # Numba: loaded only where it runs
+        from pagedkv.ops.cpu_dense import linear_rows  # Numba: loaded only where it runs
 
         self._make_tied_head()
         for module in self.modules():
@@ -248,7 +248,7 @@ class CausalLM(nn.Module):
 
     def use_fused_decode(self) -> bool:
         """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer in one
-        compiled call (`ops.cpu.decode_layers`: the same operations and roundings, no
+        compiled call (`ops.cpu_dense.decode_layers`: the same operations and roundings, no
         Python between them). Call it before `pack_weights`: it reads the plain weights.
 
         Returns:
@@ -260,7 +260,7 @@ class CausalLM(nn.Module):
         windows = {layer.self_attn.sliding_window for layer in self.model.layers}
         if self.tp.size > 1 or len(windows) > 1:
             return False
-        from pagedkv.ops.cpu import DecoderWeights  # Numba: loaded only where it runs
+        from pagedkv.ops.cpu_dense import DecoderWeights  # Numba: loaded only where it runs
 
         layers = []
         for layer in self.model.layers:

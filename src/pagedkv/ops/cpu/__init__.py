@@ -13,14 +13,15 @@ layer) converts the query and calls one compiled function.
 A bfloat16 cache is read as its bits and widened to float32 in the kernels' loops
 (`bf16.py`); sums run in float32.
 
-`dense.py` holds the models' side: `linear_rows`, a product of a few rows with a weight
-matrix, and `decode_layers`, a decode step of a few rows through a whole Llama-family decoder
-stack in one compiled call and one parallel region; both are exported here.
+The models' side of a decode step on the CPU (products of a few rows, the whole decoder
+stack in one compiled call) is `pagedkv.ops.cpu_dense`, which reads this backend's plans;
+`warmup` compiles it too, so that one start compiles everything once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -29,14 +30,13 @@ import torch.nn.functional as F
 from pagedkv import kernel_cache
 from pagedkv.ops import checks
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
-from pagedkv.ops.cpu.dense import DecoderWeights, decode_layers, is_decode_only, linear_rows
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
 from pagedkv.threads import workers_spin
 
 __all__ = [
-    "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "DecoderWeights", "decode_layers",
-    "is_decode_only", "linear_rows", "plan", "run", "uses_kernel", "warmup", "write_kv",
+    "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "is_decode_only", "plan", "run",
+    "uses_kernel", "warmup", "write_kv",
 ]  # fmt: skip
 
 MAX_DECODE_QUERY = 4
@@ -230,17 +230,24 @@ def write_kv(
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Load or compile every kernel variant (the plan and both decode kernels, for float32
-    and bfloat16 caches, and `linear_rows`); say so on stderr when it compiles."""
+    and bfloat16 caches, and `cpu_dense`'s); say so on stderr when it compiles."""
+    from pagedkv.ops import cpu_dense  # it imports this module
+
     kernel_cache.announce()
     for dtype in KERNEL_DTYPES:
-        _compile(dtype)
+        _compile(dtype, cpu_dense)
         for parallel in (False, True):
             weight = torch.zeros(1, 2, dtype=dtype)
-            linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
+            cpu_dense.linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
     kernel_cache.mark_compiled()
 
 
-def _compile(dtype: torch.dtype) -> None:
+def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
+    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
+    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
+
+
+def _compile(dtype: torch.dtype, cpu_dense: ModuleType) -> None:
     """Run each kernel once on a tiny cache of `dtype` (a decode of one 1-token sequence),
     and a one-layer decoder stack over it."""
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
@@ -251,9 +258,11 @@ def _compile(dtype: torch.dtype) -> None:
         run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
     sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
              "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
-    weights = DecoderWeights.create(
+    weights = cpu_dense.DecoderWeights.create(
         [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}], 1e-6
     )
     row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
     slots = torch.zeros(1, dtype=torch.int64)
-    decode_layers(row, half, half, slots, weights, cache[None], cache[None].clone(), p, 1.0)
+    cpu_dense.decode_layers(
+        row, half, half, slots, weights, cache[None], cache[None].clone(), p, 1.0
+    )

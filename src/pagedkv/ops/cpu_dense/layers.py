@@ -22,7 +22,7 @@ and a thread that arrives late (or is preempted) only leaves its chunks to the o
 A waiting thread spins briefly, then yields its core. A wait of about a millisecond
 means the other thread was off its core; after a few in one step another process holds
 a core, and the waiting thread finishes the step alone while the caller runs the next
-steps on one thread (`dense.py`): on a shared core every hand-off between phases would
+steps on one thread (`TeamBackoff`): on a shared core every hand-off between phases would
 cost a scheduler slice.
 
 NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits), loaded
@@ -35,8 +35,8 @@ import numpy as np
 from numba import njit, prange
 
 from pagedkv import kernel_cache
-from pagedkv.ops.cpu import atomics
 from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu_dense import atomics
 
 _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")

@@ -1,13 +1,13 @@
 """A decode step's dense work on the CPU for a few rows: a layer's product
-(`linear_rows`, `matvec.py`) and the whole decoder stack in one compiled call
-(`decode_layers`, `layers.py`), both bound by reading the weights once."""
+(`linear_rows`, `matvec.py`) and the whole decoder stack in one compiled call and one
+parallel region (`decode_layers`, `layers.py`), both bound by reading the weights once.
+The models' side of the CPU backend (`pagedkv.ops.cpu`), whose plans it reads."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -15,11 +15,9 @@ import torch
 
 from pagedkv import kernel_cache
 from pagedkv.ops import checks
+from pagedkv.ops.cpu import CpuPlan, is_decode_only
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.threads import workers_spin
-
-if TYPE_CHECKING:
-    from pagedkv.ops.cpu import CpuPlan
 
 _matvec = kernel_cache.load_kernels("matvec")
 _layers = kernel_cache.load_kernels("layers")
@@ -193,8 +191,3 @@ class TeamBackoff:
 
 _team = TeamBackoff()
 """One per process: whether cores are free is the machine's state, not a model's."""
-
-
-def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
-    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
-    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
