@@ -188,7 +188,7 @@ FUSED_DECODE_ROWS = 8
 """Decode steps of at most this many rows go through the compiled decoder stack
 (`use_fused_decode`), in either dtype: there every product of the step shares one parallel
 region, which at 6-8 bfloat16 rows outruns oneDNN's packed matmuls plus a wake per product
-(1.15-1.68x a step, benchmarks.md)."""
+(benchmarks.md)."""
 
 
 def use_matvec_(

@@ -213,7 +213,7 @@ class CausalLM(nn.Module):
         """Send every matmul through oneDNN (`layers.pack_linear_`): bfloat16 weights held
         in its blocked layout (same logits bit for bit, faster small batches; a tied LM head
         gets a packed copy, as the embedding table stays plain for lookups), float32 ones
-        as they are (2-2.5x MKL's speed on an AMD CPU).
+        as they are (faster than torch's MKL matmul on AMD CPUs).
 
         Returns:
             Whether it applies (float32, or bfloat16 where oneDNN runs it, on the CPU).
