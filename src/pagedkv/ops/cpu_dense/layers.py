@@ -109,13 +109,15 @@ def decode_layers(
     # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
     # tries to go alone, and the thread that did
     counters = np.zeros((len(qkv) * PHASES * (threads + 1) + 3) * LINE, dtype=np.int64)
+    # Thread ids as int64 on both paths (a constant, or prange's unsigned index, would make
+    # Numba compile `_take_part` once more for its type).
     if threads == 1:
-        _take_part(0, 1, x, cos, sin, num_real, slots, weights, pools, buffers, eps, scale,
-                   counters)  # fmt: skip
+        _take_part(threads - 1, threads, x, cos, sin, num_real, slots, weights, pools, buffers,
+                   eps, scale, counters)  # fmt: skip
     else:
         for me in prange(threads):
-            _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffers,
-                       eps, scale, counters)  # fmt: skip
+            _take_part(np.int64(me), threads, x, cos, sin, num_real, slots, weights, pools,
+                       buffers, eps, scale, counters)  # fmt: skip
     return counters[-LINE] != 0
 
 
