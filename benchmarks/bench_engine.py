@@ -17,10 +17,9 @@ layers' matmul parameters, plus output tokens x 2 x the LM head's, over the best
 measured in this run at the model's MLP shapes (torch's, or oneDNN's where the engine uses
 it). Beside it, for pagedkv: its matmuls alone, timed in isolation at the token counts of the
 steps it actually ran (`isolated_mm_seconds`), which bounds the efficiency any schedule of
-those steps could reach. First dtype only: memory
-pressure (pool at ~30 % of the workload's blocks), recompute vs swap; parallel sampling
-(n = 4, seeded) vs the same samples as separate requests without prefix caching (peak
-blocks, throughput).
+those steps could reach. First dtype only: memory pressure (pool at ~30 % of the workload's
+blocks), recompute vs swap; parallel sampling (n = 4, seeded) vs the same samples as
+separate requests without prefix caching (peak blocks, throughput).
 
 Threads: this machine has 2 cores, shared. Every run uses 2 torch threads (`--threads`),
 1 inter-op thread, as many Numba threads, and OMP_WAIT_POLICY=PASSIVE, set before torch
@@ -58,6 +57,7 @@ from _common import print_table, write_results  # noqa: E402 (benchmarks/ is on 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import ModelConfig  # noqa: E402
 from pagedkv.models import save_random_checkpoint  # noqa: E402
+from pagedkv.models.layers import onednn_linear  # noqa: E402
 
 FULL_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -140,17 +140,13 @@ def matmul_parameters(config: ModelConfig) -> tuple[int, int]:
     return config.num_layers * (2 * h * q + 2 * h * kv + 3 * h * inter), h * config.vocab_size
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 def matmul_kernels(dtype: torch.dtype) -> list:
     """`F.linear` and, on a CPU with oneDNN, oneDNN's linear on the same plain weight (what
     the engine's float32 matmuls call, `pack_weights`; torch's float32 `F.linear` is MKL's,
     slower on AMD CPUs): the floor takes the faster."""
     kernels = [F.linear]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        kernels.append(_onednn_linear)
+        kernels.append(onednn_linear)
     return kernels
 
 

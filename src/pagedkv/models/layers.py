@@ -224,5 +224,10 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
         return matvec[1](x)
     weight = layer.weight
     if weight.is_mkldnn or "onednn" in layer.__dict__:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")
+        return onednn_linear(x, weight, layer.bias)
     return F.linear(x, weight, layer.bias)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T (+ bias)` through oneDNN; `weight` plain float32 or packed bfloat16."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
