@@ -323,8 +323,10 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, row_item
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
-        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc[i],
-              row_max[i], row_sum[i])  # fmt: skip
+        # int64, as the serial callers pass it: prange's unsigned index would compile
+        # `_item` once more
+        _item(np.int64(i), query, key_cache, value_cache, block_tables, items, block_size,
+              scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
         _merge(r, row_items, acc, row_max, row_sum, out)
 

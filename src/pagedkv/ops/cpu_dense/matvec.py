@@ -31,7 +31,8 @@ def matvec(x, weight, bias, out):  # pragma: no cover
     x: [rows, in]; weight: [out, in]; bias: [out] or empty; out: [rows, out], overwritten;
     each float32 or bfloat16 bits (uint16), C-contiguous.
     """
-    _products(_widen(x), weight, bias, out, 0, weight.shape[0])
+    # An int64 start, as `layers.py` passes: a literal 0 would compile `_products` once more.
+    _products(_widen(x), weight, bias, out, np.int64(0), weight.shape[0])
 
 
 @njit(cache=True, fastmath=True, parallel=True)
