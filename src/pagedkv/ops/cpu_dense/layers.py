@@ -172,8 +172,12 @@ def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pool
     )
     keys, values = key_pool[layer], value_pool[layer]
     first = c * step
-    if kind == 0 or kind == 5:
-        _norm_rows(x, in_norm[layer] if kind == 0 else post_norm[layer], eps, normed, wide)
+    if kind == 0:
+        _norm_rows(x, in_norm[layer], eps, normed, wide)
+    elif kind == 1:
+        _products(wide, qkv[layer], qkv_bias[layer], fused, first, first + step)
+        _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
+                    query, keys, values)  # fmt: skip
     elif kind == 2:
         _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
                        row_max[c], row_sum[c])  # fmt: skip
@@ -182,34 +186,25 @@ def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pool
         for h in range(attended.shape[1]):
             for d in range(attended.shape[2]):
                 heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
-    else:  # a product's rows, then what needs them
-        # One call site for every product: LLVM then compiles `_products` into this
-        # function once, not once per phase.
-        no_bias = qkv_bias[0][:0]
-        inputs, weight, bias, out = wide, qkv[layer], qkv_bias[layer], fused  # a q/k/v head
-        if kind == 4:
-            inputs, weight, bias, out = heads, o_proj[layer], no_bias, update
-        elif kind == 6:  # the same rows of gate and of up
-            inputs, weight, bias, out = wide, gate_up[layer], no_bias, mlp_in
-        elif kind == 7:
-            inputs, weight, bias, out = mid, down[layer], no_bias, update
-        size = weight.shape[0] // 2 if kind == 6 else weight.shape[0]
+    elif kind == 5:
+        _norm_rows(x, post_norm[layer], eps, normed, wide)
+    elif kind == 6:
+        size = mid.shape[1]
         end = min(size, first + step)
-        for offset in range(0, weight.shape[0], size):
-            _products(inputs, weight, bias, out, offset + first, offset + end)
-        if kind == 1:
-            _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
-                        query, keys, values)  # fmt: skip
-        elif kind == 6:
-            for r in range(x.shape[0]):
-                for i in range(first, end):
-                    gate = as_float32(mlp_in[r, i])
-                    act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
-                    mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
-        else:  # o_proj or down: the residual add
-            for r in range(x.shape[0]):
-                for i in range(first, end):
-                    x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, first, end)
+        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, size + first, size + end)
+        for r in range(x.shape[0]):
+            for i in range(first, end):
+                gate = as_float32(mlp_in[r, i])
+                act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
+                mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
+    else:  # o_proj (4) or down (7), each with its residual add
+        inputs, weight = (heads, o_proj[layer]) if kind == 4 else (mid, down[layer])
+        end = min(x.shape[1], first + step)
+        _products(inputs, weight, qkv_bias[0][:0], update, first, end)
+        for r in range(x.shape[0]):
+            for i in range(first, end):
+                x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
 
 
 @njit(cache=True)
