@@ -19,7 +19,7 @@ from pagedkv.ops.cpu_dense import linear_rows
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])  # 7: a block of four rows and three more
 @pytest.mark.parametrize("shape", [(80, 96), (7, 33), (1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_matches_torch_float32(rows, shape, bias):
@@ -32,7 +32,7 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 @pytest.mark.parametrize("shape", [(64, 200), (65, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias):
@@ -57,7 +57,7 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 200, generator=generator).to(dtype)
     b = torch.randn(out_features, generator=generator).to(dtype)
-    x = torch.randn(3, 200, generator=generator).to(dtype)
+    x = torch.randn(5, 200, generator=generator).to(dtype)
     serial = linear_rows(weight, b, parallel=False)(x)
     assert torch.equal(linear_rows(weight, b, parallel=True)(x), serial)
 

@@ -184,10 +184,10 @@ MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 """Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
 past it the kernel is bound by arithmetic (bfloat16 widens each weight once per row), not
 by reading the weight, and torch's matmul on packed weights is faster (benchmarks.md)."""
-FUSED_DECODE_ROWS = 8
+FUSED_DECODE_ROWS = 16
 """Decode steps of at most this many rows go through the compiled decoder stack
 (`use_fused_decode`), in either dtype: there every product of the step shares one parallel
-region, which at 6-8 bfloat16 rows outruns oneDNN's packed matmuls plus a wake per product
+region, which up to about 16 rows outruns oneDNN's matmuls plus a wake per product
 (benchmarks.md)."""
 
 
