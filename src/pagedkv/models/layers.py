@@ -182,8 +182,9 @@ def pack_linear_(linear: nn.Linear) -> None:
 
 MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 """Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
-past it the kernel is bound by arithmetic (bfloat16 widens each weight once per row), not
-by reading the weight, and torch's matmul on packed weights is faster (benchmarks.md)."""
+past it the kernel is bound by arithmetic (bfloat16 widens each weight element once per
+four rows), not by reading the weight, and oneDNN's matmul is as fast (an LM head of 8-16
+rows) or faster."""
 FUSED_DECODE_ROWS = 16
 """Decode steps of at most this many rows go through the compiled decoder stack
 (`use_fused_decode`), in either dtype: there every product of the step shares one parallel
