@@ -245,9 +245,9 @@ def run_pagedkv(
         step_tokens.append(input_ids.shape[0])
         return forward(input_ids, *args)
 
-    def recording_logits(hidden: torch.Tensor) -> torch.Tensor:
-        logit_rows.append(hidden.shape[0])
-        return compute_logits(hidden)
+    def recording_logits(hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        logit_rows.append(hidden.shape[0] if rows is None else len(rows))
+        return compute_logits(hidden, rows)
 
     model.forward, model.compute_logits = recording_forward, recording_logits
     for i, (prompt, max_tokens) in enumerate(

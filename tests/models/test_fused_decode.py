@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_hf_model
-from test_llama_models import VARIANTS, PagedBatch, _prompt
+from test_llama_models import BLOCK_SIZE, VARIANTS, PagedBatch, _prompt
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
@@ -63,6 +63,34 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
         )
         prompts = {seq: [int(out[-1].argmax())] for seq, out in enumerate(logits[0])}
     assert count_fused == ([2] * 5 if applies else [])
+
+
+@torch.inference_mode()
+def test_the_logits_of_the_rows_asked_for_come_from_the_stack(tmp_path, count_fused):
+    plain, fused = _pair(make_hf_model(tmp_path, "qwen2"), torch.float32)
+    assert fused.use_fused_decode()
+    outputs = []
+    for model in (plain, fused):
+        batch = PagedBatch(model, seed=3)
+        batch.step(model, {0: _prompt(9, seed=1), 1: _prompt(5, seed=2), 2: _prompt(3, seed=3)})
+        slots, tables, lens = [], [], []
+        for seq, token_count in batch.lens.items():  # each sequence's next token by hand
+            table = batch.tables[seq]
+            if token_count // BLOCK_SIZE == len(table):
+                table.append(batch.free.pop())
+            slots.append(table[token_count // BLOCK_SIZE] * BLOCK_SIZE + token_count % BLOCK_SIZE)
+            tables.append(table)
+            lens.append(token_count + 1)
+        metadata = AttentionMetadata.build(tables, lens, [1, 1, 1], slots)
+        positions = torch.tensor([n - 1 for n in lens])
+        hidden = model(torch.tensor([7, 8, 9]), positions, batch.cache, metadata)
+        outputs.append([model.compute_logits(hidden, rows) for rows in ([2, 0], [0, 1], None)])
+    assert count_fused == [3]
+    for a, b in zip(*outputs, strict=True):
+        torch.testing.assert_close(b, a, **TOL[torch.float32])
+    assert outputs[1][0].shape == (2, plain.config.vocab_size)
+    # A tensor that is not the last forward's output gets its own products.
+    torch.testing.assert_close(fused.compute_logits(hidden.clone()), outputs[1][2])
 
 
 @torch.inference_mode()

@@ -4,7 +4,6 @@ prompt logprobs of the rows that ask for them."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
@@ -167,8 +166,8 @@ class ModelRunner:
         rows: list[dict[int, float]] = []
         for begin in range(0, len(targets), _LOGIT_ROWS):
             ids = targets[begin : begin + _LOGIT_ROWS]
-            chunk = hidden[first_row + begin : first_row + begin + len(ids)]
-            logits = self._compute_logits(chunk)
+            start = first_row + begin
+            logits = self._compute_logits(hidden, list(range(start, start + len(ids))))
             if not self.is_driver:
                 continue
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -189,8 +188,7 @@ class ModelRunner:
         if not samples:
             return {}
         rows, seq_ids, params, seeds = map(list, zip(*samples, strict=True))
-        row_index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        logits = self._compute_logits(hidden.index_select(0, row_index))
+        logits = self._compute_logits(hidden, rows)
         if not self.is_driver:
             return {}
         generators = [
@@ -202,14 +200,13 @@ class ModelRunner:
     def _num_rows(self, num_tokens: int) -> int:
         return bucket_num_tokens(num_tokens) if self.token_buckets else num_tokens
 
-    def _compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [n, hidden_size] -> float32 logits [n, vocab_size]; the LM head's matmul
-        runs at the bucketed row count (zero rows appended, their logits dropped)."""
-        num_rows = rows.shape[0]
-        padded = self._num_rows(num_rows)
-        if padded > num_rows:
-            rows = F.pad(rows, (0, 0, 0, padded - num_rows))
-        return self.model.compute_logits(rows)[:num_rows]
+    def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Float32 logits [n, vocab_size] of the forward's output `rows`; the LM head's
+        matmul runs at the bucketed row count (row 0 again as padding, its logits
+        dropped)."""
+        num_rows = len(rows)
+        padding = self._num_rows(num_rows) - num_rows
+        return self.model.compute_logits(hidden, rows + [0] * padding)[:num_rows]
 
     def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
         request_id, index = seq_id

@@ -18,6 +18,7 @@ share and the sizes (`num_heads`, `q_size`, ...) are that share's. The decoder b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,6 +90,8 @@ class CausalLM(nn.Module):
         # A tied LM head as a layer of its own (`use_matvec`, `pack_weights`), made on demand.
         self.tied_head: nn.Linear | None = None
         self.decoder_weights: DecoderWeights | None = None  # set by `use_fused_decode`
+        # The last forward's output and logits where the compiled stack computed both.
+        self._stack_logits: tuple[Tensor, Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -143,11 +146,14 @@ class CausalLM(nn.Module):
                 f"input_ids: expected at least attn_metadata.num_tokens="
                 f"{attn_metadata.num_tokens} rows, got {input_ids.shape[0]}"
             )
+        self._stack_logits = None
         hidden = self._embed(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        if not self._decode_fused(hidden, cos, sin, kv_cache, attn_metadata):
-            for layer in self.model.layers:
-                hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
+        self._stack_logits = self._decode_fused(hidden, cos, sin, kv_cache, attn_metadata)
+        if self._stack_logits is not None:
+            return self._stack_logits[0]
+        for layer in self.model.layers:
+            hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm.forward(hidden)
 
     def _decode_fused(
@@ -157,11 +163,12 @@ class CausalLM(nn.Module):
         sin: Tensor,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
-    ) -> bool:
-        """Every layer in one compiled call where `use_fused_decode` applies to this
-        step (a few rows, all decoding, on the CPU backend); False where it does not."""
+    ) -> tuple[Tensor, Tensor] | None:
+        """Every layer, the final norm and the LM head in one compiled call where
+        `use_fused_decode` applies to this step (a few rows, all decoding, on the CPU
+        backend): the final hidden states and float32 logits; None where it does not."""
         if self.decoder_weights is None or hidden.shape[0] > FUSED_DECODE_ROWS:
-            return False
+            return None
         from pagedkv.ops import cpu, cpu_dense
 
         attention = self.model.layers[0].self_attn
@@ -174,12 +181,11 @@ class CausalLM(nn.Module):
         _, _, _, backend, plan = attn_metadata.plans[window]
         num_real = attn_metadata.num_tokens
         if backend is not cpu or not cpu.is_decode_only(plan, num_real):
-            return False
-        cpu_dense.decode_layers(
+            return None
+        return cpu_dense.decode_layers(
             hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
             kv_cache.key_pool, kv_cache.value_pool, plan, attention.scale,
         )  # fmt: skip
-        return True
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         """[T] -> [T, hidden_size]; under tensor parallelism each rank looks up the ids in
@@ -193,13 +199,19 @@ class CausalLM(nn.Module):
         hidden = F.embedding(local.masked_fill(outside, 0), table)
         return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [n, hidden_size] in the model dtype -> logits [n, vocab_size] float32.
+    def compute_logits(self, hidden: Tensor, rows: Sequence[int] | None = None) -> Tensor:
+        """Float32 logits [n, vocab_size] of hidden's `rows` (every row where None).
 
-        The matmul runs in the model dtype (as HF does), only the result is upcast. Under
-        tensor parallelism every rank computes its vocabulary rows' logits and every rank
-        gets all of them (a collective: each rank must call this with the same rows).
+        hidden: [num_tokens, hidden_size] in the model dtype. The matmul runs in the model
+        dtype (as HF does), only the result is upcast. Where `hidden` is the output of the
+        last forward and the compiled stack ran it, the stack computed the logits too: they
+        are returned as it did. Under tensor parallelism every rank computes its vocabulary
+        rows' logits and every rank gets all of them (a collective: each rank must call
+        this with the same rows).
         """
+        if self._stack_logits is not None and hidden is self._stack_logits[0]:
+            return _select_rows(self._stack_logits[1], rows)
+        hidden = _select_rows(hidden, rows)
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is None:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
@@ -247,9 +259,10 @@ class CausalLM(nn.Module):
         return True
 
     def use_fused_decode(self) -> bool:
-        """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer in one
-        compiled call (`ops.cpu_dense.decode_layers`: the same operations and roundings, no
-        Python between them). Call it before `pack_weights`: it reads the plain weights.
+        """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer, the
+        final norm and the LM head in one compiled call (`ops.cpu_dense.decode_layers`: the
+        same operations and roundings, no Python between them; `compute_logits` returns
+        its logits). Call it before `pack_weights`: it reads the plain weights.
 
         Returns:
             Whether it applies: float32 or bfloat16 on the CPU, one rank, and one sliding
@@ -276,7 +289,10 @@ class CausalLM(nn.Module):
                 "gate_up": mlp.gate_up_proj.weight,
                 "down": mlp.down_proj.weight,
             })  # fmt: skip
-        self.decoder_weights = DecoderWeights.create(layers, self.config.rms_norm_eps)
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        self.decoder_weights = DecoderWeights.create(
+            layers, self.model.norm.weight, head.weight, self.config.rms_norm_eps
+        )
         return True
 
     def _make_tied_head(self) -> None:
@@ -287,3 +303,13 @@ class CausalLM(nn.Module):
             del head.weight
             head.register_buffer("weight", self.model.embed_tokens.weight.detach())
             self.tied_head = head
+
+
+def _select_rows(t: Tensor, rows: Sequence[int] | None) -> Tensor:
+    """t's `rows` (every row where None); a view where they are its first rows in order
+    (a decode step's: no gather, which after the compiled stack would run from cold code)."""
+    if rows is None:
+        return t
+    if list(rows) == list(range(len(rows))):
+        return t[: len(rows)]
+    return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))

@@ -259,8 +259,9 @@ def _compile(dtype: torch.dtype, cpu_dense: ModuleType) -> None:
     sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
              "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
     weights = cpu_dense.DecoderWeights.create(
-        [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}], 1e-6
-    )
+        [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}],
+        torch.zeros(8, dtype=dtype), torch.zeros(5, 8, dtype=dtype), 1e-6,
+    )  # fmt: skip
     row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
     slots = torch.zeros(1, dtype=torch.int64)
     cpu_dense.decode_layers(

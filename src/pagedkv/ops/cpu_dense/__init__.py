@@ -75,7 +75,7 @@ def linear_rows(
 class DecoderWeights:
     """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
     list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
-    as empty arrays."""
+    as empty arrays; then the final norm's and the LM head's."""
 
     in_norm: Sequence[np.ndarray]
     qkv: Sequence[np.ndarray]
@@ -86,13 +86,22 @@ class DecoderWeights:
     post_norm: Sequence[np.ndarray]
     gate_up: Sequence[np.ndarray]
     down: Sequence[np.ndarray]
+    final_norm: np.ndarray
+    head: np.ndarray
     eps: float
     dtype: torch.dtype
 
     @classmethod
-    def create(cls, layers: Sequence[dict[str, torch.Tensor | None]], eps: float) -> DecoderWeights:
-        """layers: per layer a dict of the fields' tensors (plain, C-contiguous, one dtype:
-        float32 or bfloat16; None for an absent one). The tensors are read in place."""
+    def create(
+        cls,
+        layers: Sequence[dict[str, torch.Tensor | None]],
+        final_norm: torch.Tensor,
+        head: torch.Tensor,
+        eps: float,
+    ) -> DecoderWeights:
+        """layers: per layer a dict of the fields' tensors; final_norm [hidden], head [vocab,
+        hidden] (all plain, C-contiguous, one dtype: float32 or bfloat16; None for an absent
+        one). The tensors are read in place."""
         dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
         empty = torch.empty(0, dtype=dtype)
         fields = {}
@@ -100,7 +109,13 @@ class DecoderWeights:
                      "gate_up", "down"):  # fmt: skip
             views = [as_numpy(_plain(layer[name], name, dtype, empty)) for layer in layers]
             fields[name] = numba.typed.List(views)
-        return cls(**fields, eps=eps, dtype=dtype)
+        return cls(
+            **fields,
+            final_norm=as_numpy(_plain(final_norm, "final_norm", dtype, empty)),
+            head=as_numpy(_plain(head, "head", dtype, empty)),
+            eps=eps,
+            dtype=dtype,
+        )
 
 
 def _plain(
@@ -123,8 +138,9 @@ def decode_layers(
     value_pool: torch.Tensor,
     plan: CpuPlan,
     scale: float,
-) -> None:
-    """A decode step's rows through every layer (`layers.py`), in place.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's rows through every layer, the final norm and the LM head
+    (`layers.py`); `hidden` is the residual stream, updated in place.
 
     Args:
         hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
@@ -134,6 +150,10 @@ def decode_layers(
         plan: the step's plan over these pools, with every real row a kernel row
             (`is_decode_only`).
         scale: softmax scale.
+
+    Returns:
+        (the final norm's output [T, hidden_size] in hidden's dtype, float32 logits [T,
+        vocab]; a bfloat16 model's are rounded to bfloat16 first, as its matmul gives them).
     """
     if not is_decode_only(plan, slot_mapping.shape[0]):
         raise checks.fail("plan", "kernel rows only (a decode step)", "prefill sequences")
@@ -148,15 +168,19 @@ def decode_layers(
     slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
     threads = _team.threads(sync_threads())
+    final = torch.empty_like(hidden)
+    logits = torch.empty(hidden.shape[0], weights.head.shape[0], dtype=torch.float32)
     went_alone = _layers.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
-        weights.gate_up, weights.down, as_numpy(key_pool.view(pool_rows)),
-        as_numpy(value_pool.view(pool_rows)), plan.block_tables, plan.items, plan.row_items,
-        key_pool.shape[2], weights.eps, scale, threads,
+        weights.gate_up, weights.down, weights.final_norm, weights.head,
+        as_numpy(key_pool.view(pool_rows)), as_numpy(value_pool.view(pool_rows)),
+        plan.block_tables, plan.items, plan.row_items, key_pool.shape[2], weights.eps, scale,
+        threads, as_numpy(final), logits.numpy(),
     )  # fmt: skip
     _team.record(threads, went_alone)
+    return final, logits
 
 
 class TeamBackoff:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder stack for a decode step of a few rows: every layer in one call.
+"""A Llama-family decoder stack for a decode step of a few rows: every layer and the LM head
+in one call.
 
 At batch 1 a step's arithmetic is small (each weight is read once) and driving ~15 torch
 operations and kernel calls per layer from Python costs about as much as the products.
@@ -9,14 +10,21 @@ computes it:
     write k, v at the rows' slots;  x += o_proj(attention(q, the paged cache))
     n = rms_norm(x);  gate|up = gate_up_proj(n);  x += down_proj(silu(gate) * up)
 
+and after the last layer the final norm and the LM head, whose logits the sampler reads:
+
+    logits = lm_head(rms_norm(x))
+
 In bfloat16 every value is rounded where torch rounds it (after each operation), sums
-run in float32; products and attention are `matvec.py`'s and `kernels.py`'s own.
-The final norm and the LM head stay with the model.
+run in float32; products and attention are `matvec.py`'s and `kernels.py`'s own. The LM
+head belongs in the region although it is one product: after the layers have streamed
+their weights through the caches, whatever runs next starts from cold code and data, and
+the final norm and the head's own parallel call, made from Python, paid that twice.
 
 One parallel region per step. Each layer is eight *phases* (input norm, one chunk per
 q/k/v head, attention items, merging them, o_proj rows, post norm, gate/up rows, down
-rows); every thread of the region walks the phases in order, claims a phase's chunks from
-shared counters, and waits until all of them are done before the next phase. A sleeping
+rows), and two more follow the last layer (final norm, LM head rows); every thread of
+the region walks the phases in order, claims a phase's chunks from shared counters, and
+waits until all of them are done before the next phase. A sleeping
 worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per step, not once per product,
 and a thread that arrives late (or is preempted) only leaves its chunks to the others.
 A waiting thread spins briefly, then yields its core. A wait of about a millisecond
@@ -46,6 +54,8 @@ _products = _matvec._products
 PHASES = 8
 """Phases per layer: input norm, q/k/v heads, attention items, merge, o_proj, post norm,
 gate/up, down."""
+FINAL_NORM, HEAD = PHASES, PHASES + 1
+"""The kinds of the two phases after the last layer."""
 CHUNK_WORK = 32_768
 """Multiply-adds per input row in one claimed chunk of a product: small enough that two
 threads share even a small model's projection evenly, large enough that claiming (one
@@ -65,10 +75,11 @@ a virtual CPU preempted once, several mean that another process holds a core."""
 @njit(cache=True, fastmath=True, parallel=True)
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
-    gate_up, down, key_pool, value_pool, block_tables, items, row_items, block_size, eps,
-    scale, threads,
+    gate_up, down, final_norm, head, key_pool, value_pool, block_tables, items, row_items,
+    block_size, eps, scale, threads, final, logits,
 ):  # fmt: skip  # pragma: no cover
-    """Pass x through every layer, in place; write each layer's K/V of the real rows.
+    """Pass x through every layer, in place, writing each layer's K/V of the real rows; then
+    its final norm into `final` and the LM head's logits into `logits`.
 
     Args:
         x: [T, hidden] hidden states (rows past `num_real` only pad the products).
@@ -77,11 +88,14 @@ def decode_layers(
             qkv_bias [(H + 2 KV) * D] or empty.  q_norm, k_norm: per layer [D] or empty.
         o_proj: [hidden, H * D].  gate_up: [2 I, hidden].  down: [hidden, I].  (Numba
             typed lists, one entry per layer, x's dtype.)
+        final_norm: [hidden].  head: [vocab, hidden].  (x's dtype.)
         key_pool, value_pool: [L, num_slots, KV, D], x's dtype.
         block_tables, items, row_items: the step's `CpuPlan` (every real row a kernel row).
         block_size: tokens per block of the pools.
         eps, scale: RMSNorm epsilon and softmax scale.
         threads: threads to share the step (1: the calling one alone, no parallel region).
+        final: [T, hidden], x's dtype.  logits: float32 [T, vocab] (a bfloat16 model's
+            rounded to bfloat16 first, as its matmul gives them).
 
     Returns:
         Whether a thread finished the step alone because another was off its core.
@@ -103,12 +117,16 @@ def decode_layers(
         np.empty_like(x),  # update: a residual branch's output
         np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
         np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
+        final,
+        np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
+        logits,
     )
-    weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down)
+    weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
+               final_norm, head)  # fmt: skip
     pools = (key_pool, value_pool, block_tables, items, row_items, block_size)
     # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
     # tries to go alone, and the thread that did
-    counters = np.zeros((len(qkv) * PHASES * (threads + 1) + 3) * LINE, dtype=np.int64)
+    counters = np.zeros(((len(qkv) * PHASES + 2) * (threads + 1) + 3) * LINE, dtype=np.int64)
     # Thread ids as int64 on both paths (a constant, or prange's unsigned index, would make
     # Numba compile `_take_part` once more for its type).
     if threads == 1:
@@ -124,18 +142,19 @@ def decode_layers(
 @njit(cache=True, fastmath=True)
 def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffers, eps, scale,
                counters):  # fmt: skip  # pragma: no cover
-    """Thread `me`'s walk through every layer's phases (the whole step where it is alone)."""
-    for layer in range(len(weights[1])):
-        for kind in range(PHASES):
-            phase = layer * PHASES + kind
-            n, step = _chunks(kind, x, num_real, weights, pools, buffers)
-            c = _claim(counters, phase, n, me, threads)
-            while c < n:
-                _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools,
-                           buffers, eps, scale)  # fmt: skip
-                c = _finish(counters, phase, n, me, threads)
-            if not _wait(counters, phase, n, me, threads):
-                return
+    """Thread `me`'s walk through every phase (the whole step where it is alone)."""
+    num_layers = len(weights[1])
+    for phase in range(num_layers * PHASES + 2):
+        layer = min(phase // PHASES, num_layers - 1)
+        kind = phase - layer * PHASES  # after the last layer's: FINAL_NORM, HEAD
+        n, step = _chunks(kind, x, num_real, weights, pools, buffers)
+        c = _claim(counters, phase, n, me, threads)
+        while c < n:
+            _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools,
+                       buffers, eps, scale)  # fmt: skip
+            c = _finish(counters, phase, n, me, threads)
+        if not _wait(counters, phase, n, me, threads):
+            return
 
 
 @njit(cache=True)
@@ -143,7 +162,7 @@ def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
     """(chunks, rows of a product per chunk) of a phase of `kind`: one for a norm, a head
     of q|k|v, an attention item, a row to merge, or `CHUNK_WORK` of a product."""
     head_dim, items, mid = pools[0].shape[3], pools[3], buffers[11]
-    if kind == 0 or kind == 5:
+    if kind == 0 or kind == 5 or kind == FINAL_NORM:
         return 1, 1
     if kind == 1:
         return weights[1][0].shape[0] // head_dim, head_dim
@@ -155,6 +174,8 @@ def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
         size, outputs = weights[5][0].shape[1], x.shape[1]
     elif kind == 6:  # gate|up, by rows of each
         size, outputs = x.shape[1], mid.shape[1]
+    elif kind == HEAD:
+        size, outputs = x.shape[1], weights[10].shape[0]
     else:  # down
         size, outputs = mid.shape[1], x.shape[1]
     step = max(1, CHUNK_WORK // size)
@@ -165,11 +186,13 @@ def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
 def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools, buffers,
                eps, scale):  # fmt: skip  # pragma: no cover
     """Chunk c of layer `layer`'s phase of `kind` (`_chunks`)."""
-    in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights
+    in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
+    final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
     normed, wide, fused, query, acc, row_max, row_sum, attended, heads, update, mlp_in, mid = (
-        buffers
+        buffers[:12]
     )
+    final, head_out, logits = buffers[12:]
     keys, values = key_pool[layer], value_pool[layer]
     first = c * step
     if kind == 0:
@@ -188,6 +211,14 @@ def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pool
                 heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
     elif kind == 5:
         _norm_rows(x, post_norm[layer], eps, normed, wide)
+    elif kind == FINAL_NORM:
+        _norm_rows(x, final_norm, eps, final, wide)
+    elif kind == HEAD:
+        end = min(head.shape[0], first + step)
+        _products(wide, head, qkv_bias[0][:0], head_out, first, end)
+        for r in range(x.shape[0]):
+            for i in range(first, end):
+                logits[r, i] = as_float32(head_out[r, i])
     elif kind == 6:
         size = mid.shape[1]
         end = min(size, first + step)
