@@ -149,13 +149,18 @@ def test_torchrun_launch_matches_one_process(tmp_path):
     ranks = []
     for rank in (1, 0):
         env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            "PYTHONFAULTHANDLER": "1"}  # fmt: skip  # a crash shows its stack
         ranks.append(subprocess.Popen(
             [*command, "--tensor-parallel-size", "2"], env=env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         ))  # fmt: skip
     outputs = [process.communicate(timeout=120) for process in ranks]
-    assert [process.returncode for process in ranks] == [0, 0], outputs
+    codes = [process.returncode for process in ranks]
+    assert codes == [0, 0], "\n".join(
+        f"rank {rank} exited {code}; stderr ends:\n{err[-2000:]}"
+        for rank, code, (_, err) in zip((1, 0), codes, outputs, strict=True)
+    )
     assert outputs[1][0] == alone.stdout and alone.stdout.split()
     assert outputs[0][0] == ""  # rank 1 printed nothing: it only ran steps
 

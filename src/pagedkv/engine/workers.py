@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -30,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -238,12 +239,21 @@ def _shut_down(
 ) -> None:
     """Rank 0's end of the group: a None step ends the workers' loop (unless one failed:
     the others may be stuck in a collective, and are terminated), then the group goes and
-    torch gets its threads back."""
+    torch gets its threads back.
+
+    Rank 0 leaves last. A rank whose peer closes its connections while it is itself
+    tearing the group down (or exiting) can abort in gloo's threads ("terminate called
+    without an active exception"); one that is merely waiting sees the close and goes on.
+    So the workers leave first, and rank 0 waits until each has recorded in the rendezvous
+    store that it left."""
     if state["error"] is None and dist.is_initialized():
         try:
             tp.broadcast_object(None)
+            tp.store.wait(
+                [_left_key(rank) for rank in range(1, tp.size)], timedelta(seconds=_EXIT_GRACE_S)
+            )
         except RuntimeError:
-            pass  # a worker already gone: nothing left to stop
+            pass  # a worker already gone (or too slow to leave): nothing left to wait for
     for worker in workers:
         worker.process.join(timeout=_EXIT_GRACE_S)
         if worker.process.is_alive():
@@ -253,8 +263,15 @@ def _shut_down(
     torch.set_num_threads(num_threads)
 
 
-def run_worker(args: EngineArgs) -> None:
-    """Serve as rank RANK of a `torchrun` launch until rank 0 closes the engine.
+def run_worker(args: EngineArgs) -> NoReturn:
+    """Serve as rank RANK of a `torchrun` launch until rank 0 closes the engine, then end
+    the process (exit status 0).
+
+    The process ends as a spawned worker's does (multiprocessing ends its children with
+    `os._exit`): once the rank has left the group nothing remains to save, and an ordinary
+    exit runs the interpreter's and C++ runtime's teardown, where a thread of
+    torch.distributed still being stopped now and then aborts the process ("terminate
+    called without an active exception").
 
     Raises:
         ValueError: not launched by torchrun, or as rank 0.
@@ -263,6 +280,10 @@ def run_worker(args: EngineArgs) -> None:
     if launch is None or launch.rank == 0:
         raise ValueError("run_worker: expected RANK >= 1 and WORLD_SIZE from torchrun")
     _serve_steps(args, launch, _init_group(launch, args.device, []))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
@@ -283,6 +304,11 @@ def _serve_steps(args: EngineArgs, launch: Launch, tp: TensorParallel) -> None:
     while (step := tp.broadcast_object()) is not None:
         runner.execute(step)
     dist.destroy_process_group()
+    tp.store.set(_left_key(tp.rank), "1")  # rank 0 may leave now (`_shut_down`)
+
+
+def _left_key(rank: int) -> str:
+    return f"pagedkv/left/{rank}"
 
 
 def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorParallel:
@@ -298,12 +324,21 @@ def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorPar
         torch.cuda.set_device(launch.local_rank)
     backend = "nccl" if on_gpu else "gloo"
     errors: list[BaseException] = []
+    stores: list[dist.Store] = []
 
     def init() -> None:
         try:
+            # The rendezvous as init_process_group makes it, but keeping the store (the
+            # group's keys under the same prefix): it tells rank 0 when the others left.
+            rendezvous = dist.rendezvous(
+                launch.init_method, launch.rank, launch.size, timeout=_IDLE_TIMEOUT
+            )
+            store, _, _ = next(rendezvous)
+            store.set_timeout(_IDLE_TIMEOUT)
+            stores.append(store)
             dist.init_process_group(
                 backend,
-                init_method=launch.init_method,
+                store=dist.PrefixStore("default_pg", store),
                 rank=launch.rank,
                 world_size=launch.size,
                 timeout=_IDLE_TIMEOUT,
@@ -324,7 +359,7 @@ def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorPar
     world = dist.group.WORLD
     # Steps are Python objects: they cross over gloo even when the tensors use NCCL.
     cpu_group = dist.new_group(backend="gloo") if on_gpu else world
-    return TensorParallel(launch.rank, launch.size, world, cpu_group)
+    return TensorParallel(launch.rank, launch.size, world, cpu_group, stores[0])
 
 
 def _free_port() -> int:

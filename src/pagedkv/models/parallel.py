@@ -52,12 +52,15 @@ class TensorParallel:
             CPU, NCCL on CUDA); None when size is 1.
         cpu_group: a gloo group over the same ranks for Python objects (the step); the
             same group as `group` on the CPU.
+        store: the group's rendezvous store (hosted by rank 0, or by torchrun's agent),
+            where ranks > 0 record that they left the group; None when size is 1.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
     cpu_group: Any = None
+    store: Any = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

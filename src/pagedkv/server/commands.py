@@ -107,8 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     _check_model_dir(engine_args.model)
     if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not HTTP
-        run_worker(engine_args)
-        return 0
+        run_worker(engine_args)  # then ends the process
     name = args.served_model_name or Path(engine_args.model).resolve().name
     started = time.perf_counter()
     engine = AsyncEngine(LLMEngine.from_engine_args(engine_args), args.max_waiting_requests)
@@ -137,8 +136,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     _check_model_dir(engine_args.model)
     if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not the prompt
-        run_worker(engine_args)
-        return 0
+        run_worker(engine_args)  # then ends the process
     engine = LLMEngine.from_engine_args(engine_args)
     prompt = _generate_prompt(args, engine.tokenizer)
     params = SamplingParams(

@@ -148,11 +148,8 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
         layer = min(phase // PHASES, num_layers - 1)
         kind = phase - layer * PHASES  # after the last layer's: FINAL_NORM, HEAD
         n, step = _chunks(kind, x, num_real, weights, pools, buffers)
-        c = _claim(counters, phase, n, me, threads)
-        while c < n:
-            _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools,
-                       buffers, eps, scale)  # fmt: skip
-            c = _finish(counters, phase, n, me, threads)
+        _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
+                   slots, weights, pools, buffers, eps, scale)  # fmt: skip
         if not _wait(counters, phase, n, me, threads):
             return
 
@@ -183,9 +180,13 @@ def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pools, buffers,
-               eps, scale):  # fmt: skip  # pragma: no cover
-    """Chunk c of layer `layer`'s phase of `kind` (`_chunks`)."""
+def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
+               slots, weights, pools, buffers, eps, scale):  # fmt: skip  # pragma: no cover
+    """Thread `me`'s chunks of layer `layer`'s phase of `kind` (`_chunks`), claimed one by
+    one until none is left.
+
+    The arrays are taken out of their tuples and typed lists once per phase, not once per
+    chunk: each reference taken is an atomic count on an array that every thread shares."""
     in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
@@ -194,48 +195,64 @@ def _run_chunk(kind, c, step, layer, x, cos, sin, num_real, slots, weights, pool
     )
     final, head_out, logits = buffers[12:]
     keys, values = key_pool[layer], value_pool[layer]
-    first = c * step
-    if kind == 0:
-        _norm_rows(x, in_norm[layer], eps, normed, wide)
-    elif kind == 1:
-        _products(wide, qkv[layer], qkv_bias[layer], fused, first, first + step)
-        _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
-                    query, keys, values)  # fmt: skip
-    elif kind == 2:
-        _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
-                       row_max[c], row_sum[c])  # fmt: skip
-    elif kind == 3:
-        _kernels._merge(c, row_items, acc, row_max, row_sum, attended)
-        for h in range(attended.shape[1]):
-            for d in range(attended.shape[2]):
-                heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
-    elif kind == 5:
-        _norm_rows(x, post_norm[layer], eps, normed, wide)
-    elif kind == FINAL_NORM:
-        _norm_rows(x, final_norm, eps, final, wide)
-    elif kind == HEAD:
-        end = min(head.shape[0], first + step)
-        _products(wide, head, qkv_bias[0][:0], head_out, first, end)
-        for r in range(x.shape[0]):
-            for i in range(first, end):
-                logits[r, i] = as_float32(head_out[r, i])
-    elif kind == 6:
-        size = mid.shape[1]
-        end = min(size, first + step)
-        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, first, end)
-        _products(wide, gate_up[layer], qkv_bias[0][:0], mlp_in, size + first, size + end)
-        for r in range(x.shape[0]):
-            for i in range(first, end):
-                gate = as_float32(mlp_in[r, i])
-                act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
-                mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
-    else:  # o_proj (4) or down (7), each with its residual add
-        inputs, weight = (heads, o_proj[layer]) if kind == 4 else (mid, down[layer])
-        end = min(x.shape[1], first + step)
-        _products(inputs, weight, qkv_bias[0][:0], update, first, end)
-        for r in range(x.shape[0]):
-            for i in range(first, end):
-                x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+    # the phase's product (for a norm or attention, unused), taken once
+    if kind == 1:
+        weight, bias = qkv[layer], qkv_bias[layer]
+    else:
+        bias = qkv_bias[0][:0]
+        if kind == 4:
+            weight = o_proj[layer]
+        elif kind == 6:
+            weight = gate_up[layer]
+        elif kind == 7:
+            weight = down[layer]
+        else:
+            weight = head
+    c = _claim(counters, phase, n, me, threads)
+    while c < n:
+        first = c * step
+        if kind == 0:
+            _norm_rows(x, in_norm[layer], eps, normed, wide)
+        elif kind == 1:
+            _products(wide, weight, bias, fused, first, first + step)
+            _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
+                        query, keys, values)  # fmt: skip
+        elif kind == 2:
+            _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
+                           row_max[c], row_sum[c])  # fmt: skip
+        elif kind == 3:
+            _kernels._merge(c, row_items, acc, row_max, row_sum, attended)
+            for h in range(attended.shape[1]):
+                for d in range(attended.shape[2]):
+                    heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
+        elif kind == 5:
+            _norm_rows(x, post_norm[layer], eps, normed, wide)
+        elif kind == FINAL_NORM:
+            _norm_rows(x, final_norm, eps, final, wide)
+        elif kind == HEAD:
+            end = min(head.shape[0], first + step)
+            _products(wide, weight, bias, head_out, first, end)
+            for r in range(x.shape[0]):
+                for i in range(first, end):
+                    logits[r, i] = as_float32(head_out[r, i])
+        elif kind == 6:
+            size = mid.shape[1]
+            end = min(size, first + step)
+            _products(wide, weight, bias, mlp_in, first, end)
+            _products(wide, weight, bias, mlp_in, size + first, size + end)
+            for r in range(x.shape[0]):
+                for i in range(first, end):
+                    gate = as_float32(mlp_in[r, i])
+                    act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
+                    mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
+        else:  # o_proj (4) or down (7), each with its residual add
+            inputs = heads if kind == 4 else mid
+            end = min(x.shape[1], first + step)
+            _products(inputs, weight, bias, update, first, end)
+            for r in range(x.shape[0]):
+                for i in range(first, end):
+                    x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+        c = _finish(counters, phase, n, me, threads)
 
 
 @njit(cache=True)
