@@ -247,7 +247,8 @@ def run_pagedkv(
 
     def recording_logits(hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         logit_rows.append(hidden.shape[0] if rows is None else len(rows))
-        return compute_logits(hidden, rows)
+        # older commits' runners pass the rows' hidden states only (compare_commits.py)
+        return compute_logits(hidden) if rows is None else compute_logits(hidden, rows)
 
     model.forward, model.compute_logits = recording_forward, recording_logits
     for i, (prompt, max_tokens) in enumerate(

@@ -29,6 +29,7 @@ from pagedkv.config import ModelConfig
 from pagedkv.models.decoder import DecoderModel
 from pagedkv.models.layers import (
     FUSED_DECODE_ROWS,
+    MATVEC_ROWS,
     RotaryEmbedding,
     can_pack_linear,
     compute_inv_freq,
@@ -91,7 +92,7 @@ class CausalLM(nn.Module):
         self.tied_head: nn.Linear | None = None
         self.decoder_weights: DecoderWeights | None = None  # set by `use_fused_decode`
         # The last forward's output and logits where the compiled stack computed both.
-        self._stack_logits: tuple[Tensor, Tensor] | None = None
+        self._stack_logits: tuple[Tensor, Tensor | None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,10 +164,13 @@ class CausalLM(nn.Module):
         sin: Tensor,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
-    ) -> tuple[Tensor, Tensor] | None:
+    ) -> tuple[Tensor, Tensor | None] | None:
         """Every layer, the final norm and the LM head in one compiled call where
         `use_fused_decode` applies to this step (a few rows, all decoding, on the CPU
-        backend): the final hidden states and float32 logits; None where it does not."""
+        backend): the final hidden states and float32 logits; None where it does not.
+        The head joins the call at most at `MATVEC_ROWS` rows, as it would go to the
+        matrix-vector kernel outside it; for more, oneDNN's matmul runs it after the call
+        (logits None)."""
         if self.decoder_weights is None or hidden.shape[0] > FUSED_DECODE_ROWS:
             return None
         from pagedkv.ops import cpu, cpu_dense
@@ -185,6 +189,7 @@ class CausalLM(nn.Module):
         return cpu_dense.decode_layers(
             hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
             kv_cache.key_pool, kv_cache.value_pool, plan, attention.scale,
+            hidden.shape[0] <= MATVEC_ROWS[hidden.dtype],
         )  # fmt: skip
 
     def _embed(self, input_ids: Tensor) -> Tensor:
@@ -209,8 +214,9 @@ class CausalLM(nn.Module):
         rows' logits and every rank gets all of them (a collective: each rank must call
         this with the same rows).
         """
-        if self._stack_logits is not None and hidden is self._stack_logits[0]:
-            return _select_rows(self._stack_logits[1], rows)
+        stack = self._stack_logits
+        if stack is not None and stack[1] is not None and hidden is stack[0]:
+            return _select_rows(stack[1], rows)
         hidden = _select_rows(hidden, rows)
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is None:

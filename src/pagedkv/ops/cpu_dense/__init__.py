@@ -138,7 +138,8 @@ def decode_layers(
     value_pool: torch.Tensor,
     plan: CpuPlan,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's rows through every layer, the final norm and the LM head
     (`layers.py`); `hidden` is the residual stream, updated in place.
 
@@ -150,6 +151,7 @@ def decode_layers(
         plan: the step's plan over these pools, with every real row a kernel row
             (`is_decode_only`).
         scale: softmax scale.
+        with_head: run the LM head too (else its logits are None, for the caller's matmul).
 
     Returns:
         (the final norm's output [T, hidden_size] in hidden's dtype, float32 logits [T,
@@ -169,18 +171,19 @@ def decode_layers(
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
     threads = _team.threads(sync_threads())
     final = torch.empty_like(hidden)
-    logits = torch.empty(hidden.shape[0], weights.head.shape[0], dtype=torch.float32)
+    head = weights.head if with_head else weights.head[:0]  # no rows: an empty phase
+    logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
     went_alone = _layers.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
-        weights.gate_up, weights.down, weights.final_norm, weights.head,
+        weights.gate_up, weights.down, weights.final_norm, head,
         as_numpy(key_pool.view(pool_rows)), as_numpy(value_pool.view(pool_rows)),
         plan.block_tables, plan.items, plan.row_items, key_pool.shape[2], weights.eps, scale,
         threads, as_numpy(final), logits.numpy(),
     )  # fmt: skip
     _team.record(threads, went_alone)
-    return final, logits
+    return final, (logits if with_head else None)
 
 
 class TeamBackoff:
