@@ -66,13 +66,20 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
 
 
 @torch.inference_mode()
-def test_the_logits_of_the_rows_asked_for_come_from_the_stack(tmp_path, count_fused):
-    plain, fused = _pair(make_hf_model(tmp_path, "qwen2"), torch.float32)
+@pytest.mark.parametrize(
+    ("dtype", "num_seqs"),
+    # 3 float32 rows: the head runs in the stack; 6 bfloat16 rows (past MATVEC_ROWS): after it
+    [(torch.float32, 3), (torch.bfloat16, 6)],
+)
+def test_the_logits_of_the_rows_asked_for_come_from_the_stack(
+    tmp_path, count_fused, dtype, num_seqs
+):
+    plain, fused = _pair(make_hf_model(tmp_path, "qwen2"), dtype)
     assert fused.use_fused_decode()
     outputs = []
     for model in (plain, fused):
         batch = PagedBatch(model, seed=3)
-        batch.step(model, {0: _prompt(9, seed=1), 1: _prompt(5, seed=2), 2: _prompt(3, seed=3)})
+        batch.step(model, {i: _prompt(9 - i, seed=1 + i) for i in range(num_seqs)})
         slots, tables, lens = [], [], []
         for seq, token_count in batch.lens.items():  # each sequence's next token by hand
             table = batch.tables[seq]
@@ -81,13 +88,13 @@ def test_the_logits_of_the_rows_asked_for_come_from_the_stack(tmp_path, count_fu
             slots.append(table[token_count // BLOCK_SIZE] * BLOCK_SIZE + token_count % BLOCK_SIZE)
             tables.append(table)
             lens.append(token_count + 1)
-        metadata = AttentionMetadata.build(tables, lens, [1, 1, 1], slots)
+        metadata = AttentionMetadata.build(tables, lens, [1] * num_seqs, slots)
         positions = torch.tensor([n - 1 for n in lens])
-        hidden = model(torch.tensor([7, 8, 9]), positions, batch.cache, metadata)
+        hidden = model(torch.tensor(range(7, 7 + num_seqs)), positions, batch.cache, metadata)
         outputs.append([model.compute_logits(hidden, rows) for rows in ([2, 0], [0, 1], None)])
-    assert count_fused == [3]
+    assert count_fused == [num_seqs]
     for a, b in zip(*outputs, strict=True):
-        torch.testing.assert_close(b, a, **TOL[torch.float32])
+        torch.testing.assert_close(b, a, **TOL[dtype])
     assert outputs[1][0].shape == (2, plain.config.vocab_size)
     # A tensor that is not the last forward's output gets its own products.
     torch.testing.assert_close(fused.compute_logits(hidden.clone()), outputs[1][2])
