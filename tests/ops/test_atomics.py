@@ -14,7 +14,8 @@ def _count(counters, times, threads):  # pragma: no cover
     seen = np.zeros(threads, dtype=np.int64)
     for me in prange(threads):
         for _ in range(times):
-            atomics.fetch_add(counters, 0)
+            atomics.fetch_add(counters, 0, 1)
+            atomics.fetch_add(counters, 1, 3)
         atomics.pause()
         atomics.yield_cpu()
         seen[me] = atomics.load(counters, 0)
@@ -34,7 +35,7 @@ def test_no_increment_is_lost_between_threads():
     threads = max(2, sync_threads())
     counters = np.zeros(8, dtype=np.int64)
     seen = _count(counters, 200_000, threads)
-    assert counters[0] == 200_000 * threads
+    assert counters[0] == 200_000 * threads and counters[1] == 3 * 200_000 * threads
     # Each thread read the counter after its own increments: at least its share.
     assert (seen >= 200_000).all() and (seen <= 200_000 * threads).all()
 

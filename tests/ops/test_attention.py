@@ -240,17 +240,24 @@ def test_serial_and_parallel_kernels_agree(dtype: torch.dtype, block_size: int) 
 @pytest.mark.parametrize("policy", ["PASSIVE", "ACTIVE"])
 def test_one_short_sequence_takes_every_thread_where_the_workers_spin(policy, monkeypatch):
     """Spinning workers start at once: a 600-token decode is split in balanced items and
-    run on every thread; sleeping ones must be woken, so it stays on one."""
+    run on every thread; sleeping ones must be woken, so it stays on one, still cut in
+    balanced items for the decoder stack's region, whose threads are awake. A batch that
+    reads enough KV to go parallel with sleeping workers keeps items of MIN_CHUNK."""
     monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     monkeypatch.setattr(cpu, "sync_threads", lambda: 2)
-    case = make_case([600], [1], block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
-    tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
-    cpu_plan = cpu.plan(AttentionMetadata.build(tables, [600], [1], [0]), case.key_cache, 9, None)
-    lengths = (cpu_plan.items[:, 3] - cpu_plan.items[:, 2]).tolist()
-    if policy == "ACTIVE":
-        assert cpu_plan.parallel and lengths == [160, 160, 160, 120]
-    else:
-        assert not cpu_plan.parallel and lengths == [256, 256, 88]
+    for kv_heads, head_dim in ((3, 64), (8, 128)):
+        case = make_case([600], [1], block_size=16, num_heads=kv_heads * 3,
+                         num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+        tables = [[b for b in row if b >= 0] for row in case.block_tables.tolist()]
+        metadata = AttentionMetadata.build(tables, [600], [1], [0])
+        cpu_plan = cpu.plan(metadata, case.key_cache, kv_heads * 3, None)
+        lengths = (cpu_plan.items[:, 3] - cpu_plan.items[:, 2]).tolist()
+        big = 600 * 2 * kv_heads * head_dim * 4 >= cpu.SERIAL_BYTES
+        assert cpu_plan.parallel == (policy == "ACTIVE" or big)
+        if policy == "PASSIVE" and big:
+            assert lengths == [256, 256, 88]
+        else:
+            assert lengths == [160, 160, 160, 120]
 
 
 def test_plain_decode_batch_rejects_bad_block_ids() -> None:

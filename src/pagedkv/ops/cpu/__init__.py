@@ -47,9 +47,10 @@ parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchm
 Where the workers spin (`workers_spin`) a parallel call costs about a microsecond, and any
 batch of more than one item takes every thread."""
 MIN_CHUNK = {False: 256, True: 64}
-"""Fewest key positions worth an item of their own, with sleeping / spinning workers: an
-item is merged at the end, and where waking a thread costs more than scoring 256 tokens
-(sleeping workers) a short sequence stays one item."""
+"""Fewest key positions worth an item of their own in a parallel batch, with sleeping /
+spinning workers: an item is merged at the end, and where waking a thread costs more than
+scoring 256 tokens (sleeping workers) a short sequence stays one item. A serial batch is
+cut finer (`kernels.plan_items`)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _kernels = kernel_cache.load_kernels()
@@ -93,16 +94,18 @@ def plan(
     num_tokens = metadata.num_tokens
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     spin = workers_spin()
+    row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
+    serial_total = -(-SERIAL_BYTES // row_bytes)
     items, row_items, rows, prefill, total, error, seq = _kernels.plan_items(
         starts, lens, tables, num_tokens, num_blocks, block_size, sliding_window or 0,
         MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, sync_threads(), MIN_CHUNK[spin],
+        serial_total,
     )  # fmt: skip
     if error == _kernels.BAD_BLOCK:
         raise checks.bad_block(tables, lens, seq, num_blocks, block_size)
     if error != _kernels.OK:
         checks.check_lengths(starts, lens, num_tokens, tables.shape[1] * block_size)
         raise AssertionError(f"plan_items reported error {error} that check_lengths missed")
-    row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
     return CpuPlan(
         cache_shape=key_cache.shape,
         dtype=key_cache.dtype,
@@ -115,7 +118,7 @@ def plan(
         block_tables=tables,
         seq_lens=lens,
         query_start_loc=starts,
-        parallel=total * row_bytes >= SERIAL_BYTES or (spin and items.shape[0] > 1),
+        parallel=total >= serial_total or (spin and items.shape[0] > 1),
         rows_index=None if rows.shape[0] == num_tokens else torch.from_numpy(rows),
     )
 

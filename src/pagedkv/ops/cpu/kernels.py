@@ -38,7 +38,7 @@ NEG_INIT = -1e30
 @njit(cache=True)
 def plan_items(
     query_start_loc, seq_lens, block_tables, num_tokens, num_blocks, block_size, window,
-    max_decode_query, num_threads, min_chunk,
+    max_decode_query, num_threads, min_chunk, serial_total,
 ):  # fmt: skip  # pragma: no cover
     """Check a batch's lengths and block ids, and split it into items and prefill sequences.
 
@@ -50,7 +50,10 @@ def plan_items(
         max_decode_query: sequences with at most this many new tokens become kernel rows;
             longer ones are returned in `prefill`.
         num_threads: threads the parallel kernel will run on.
-        min_chunk: fewest key positions worth an item of their own.
+        min_chunk: fewest key positions worth an item of their own in a batch of at least
+            `serial_total` key positions; a smaller one is cut into items of a `SPAN` or
+            more (it runs on one thread, where an item costs only its merge, or in the
+            decoder stack's region, whose threads are awake).
 
     Returns:
         (items int64 [n, 4] of (row, seq, start, end), row_items int64 [num_rows + 1] (row
@@ -76,7 +79,7 @@ def plan_items(
         if q_len <= max_decode_query:
             num_rows += q_len
             total += q_len * (seq_lens[s] if window <= 0 else min(seq_lens[s], window))
-    chunk = max(-(-total // (2 * num_threads)), min_chunk)
+    chunk = max(-(-total // (2 * num_threads)), min_chunk if total >= serial_total else SPAN)
     chunk = -(-chunk // block_size) * block_size
     # A row of x positions makes at most x // chunk + 2 items (its ends need not align).
     items = np.empty((2 * num_rows + total // chunk + 1, 4), dtype=np.int64)
@@ -168,6 +171,10 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
             bf16.prefetch_head(key_cache, value_cache, ahead, (j0, j1, j2, j3), g)
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
+                if end - h == 3:  # a group of three (or the last three of an odd one)
+                    _score_three(q, k, j0, j1, j2, j3, g, h, t, scale, scores)
+                    h += 3
+                    continue
                 a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
                 for d in range(head_dim):
                     k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
@@ -186,7 +193,7 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
                 scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
                 scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
                 h += 2
-            if h < end:  # an odd group
+            if h < end:  # a group of one
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
                     qd = q[h, d]
@@ -204,6 +211,35 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
             for d in range(head_dim):
                 s += q[h, d] * as_float32(k[j, h // group, d])
             scores[h, rest] = s * scale
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _score_three(q, k, j0, j1, j2, j3, g, h, t, scale, scores):  # pragma: no cover
+    """`_score_span`'s loop for heads h, h + 1, h + 2 of KV head g: each K load feeds
+    three heads (a pair and a lone head would load every K row twice)."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = np.float32(0.0)
+    for d in range(q.shape[1]):
+        k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
+        k2, k3 = as_float32(k[j2, g, d]), as_float32(k[j3, g, d])
+        qa, qb, qc = q[h, d], q[h + 1, d], q[h + 2, d]
+        a0 += qa * k0
+        a1 += qa * k1
+        a2 += qa * k2
+        a3 += qa * k3
+        b0 += qb * k0
+        b1 += qb * k1
+        b2 += qb * k2
+        b3 += qb * k3
+        c0 += qc * k0
+        c1 += qc * k1
+        c2 += qc * k2
+        c3 += qc * k3
+    scores[h, t], scores[h, t + 1] = a0 * scale, a1 * scale
+    scores[h, t + 2], scores[h, t + 3] = a2 * scale, a3 * scale
+    scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
+    scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
+    scores[h + 2, t], scores[h + 2, t + 1] = c0 * scale, c1 * scale
+    scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * scale, c3 * scale
 
 
 @njit(cache=True, fastmath=True)
@@ -265,6 +301,10 @@ def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
         for g in range(num_kv_heads):
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
+                if end - h == 3:  # a group of three (or the last three of an odd one)
+                    _accumulate_three(v, j0, j1, j2, j3, g, h, t, weights, acc)
+                    h += 3
+                    continue
                 a0, a1 = weights[h, t], weights[h, t + 1]
                 a2, a3 = weights[h, t + 2], weights[h, t + 3]
                 b0, b1 = weights[h + 1, t], weights[h + 1, t + 1]
@@ -275,7 +315,7 @@ def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
                     acc[h, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
                     acc[h + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
                 h += 2
-            if h < end:  # an odd group
+            if h < end:  # a group of one
                 a0, a1 = weights[h, t], weights[h, t + 1]
                 a2, a3 = weights[h, t + 2], weights[h, t + 3]
                 for d in range(head_dim):
@@ -290,6 +330,22 @@ def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
             p = weights[h, rest]
             for d in range(head_dim):
                 acc[h, d] += p * as_float32(v[j, h // group, d])
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _accumulate_three(v, j0, j1, j2, j3, g, h, t, weights, acc):  # pragma: no cover
+    """`_accumulate_span`'s loop for heads h, h + 1, h + 2 of KV head g, one V load each."""
+    a0, a1, a2, a3 = weights[h, t], weights[h, t + 1], weights[h, t + 2], weights[h, t + 3]
+    b0, b1 = weights[h + 1, t], weights[h + 1, t + 1]
+    b2, b3 = weights[h + 1, t + 2], weights[h + 1, t + 3]
+    c0, c1 = weights[h + 2, t], weights[h + 2, t + 1]
+    c2, c3 = weights[h + 2, t + 2], weights[h + 2, t + 3]
+    for d in range(acc.shape[1]):
+        v0, v1 = as_float32(v[j0, g, d]), as_float32(v[j1, g, d])
+        v2, v3 = as_float32(v[j2, g, d]), as_float32(v[j3, g, d])
+        acc[h, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+        acc[h + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+        acc[h + 2, d] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
 
 
 @njit(cache=True, fastmath=True)

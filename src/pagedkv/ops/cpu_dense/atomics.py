@@ -26,14 +26,15 @@ def _element(context, builder, signature, args):
 
 
 @intrinsic
-def fetch_add(typingctx, array, index):
-    """array[index] += 1 atomically (sequentially consistent); the value before."""
+def fetch_add(typingctx, array, index, value):
+    """array[index] += value (an int64) atomically (sequentially consistent); the value
+    before."""
 
     def codegen(context, builder, signature, args):
-        pointer = _element(context, builder, signature, args)
-        return builder.atomic_rmw("add", pointer, ir.Constant(_I64, 1), "seq_cst")
+        pointer = _element(context, builder, signature, args[:2])
+        return builder.atomic_rmw("add", pointer, args[2], "seq_cst")
 
-    return types.int64(array, index), codegen
+    return types.int64(array, index, types.int64), codegen
 
 
 @intrinsic

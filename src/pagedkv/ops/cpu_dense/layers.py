@@ -20,11 +20,14 @@ head belongs in the region although it is one product: after the layers have str
 their weights through the caches, whatever runs next starts from cold code and data, and
 the final norm and the head's own parallel call, made from Python, paid that twice.
 
-One parallel region per step. Each layer is eight *phases* (input norm, one chunk per
-q/k/v head, attention items, merging them, o_proj rows, post norm, gate/up rows, down
-rows), and two more follow the last layer (final norm, LM head rows); every thread of
-the region walks the phases in order, claims a phase's chunks from shared counters, and
-waits until all of them are done before the next phase. A sleeping
+One parallel region per step. Each layer is five *phases* (q|k|v by heads, attention
+items, o_proj rows, gate/up rows, down rows), and the LM head's rows follow the last
+layer; every thread of the region walks the phases in order, claims a phase's chunks from
+shared counters, and waits until all of them are done before the next phase. What a
+product reads that costs less than a hand-off (a norm of the step's rows, the merge of
+their attention items) every thread computes for itself, into its own buffers, before its
+first chunk of the phase: a phase boundary is a wait for the slower thread and a few
+cache lines passed between cores, and a norm is cheaper than either. A sleeping
 worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per step, not once per product,
 and a thread that arrives late (or is preempted) only leaves its chunks to the others.
 A waiting thread spins briefly, then yields its core. A wait of about a millisecond
@@ -51,11 +54,10 @@ _matvec = kernel_cache.load_kernels("matvec")
 _narrow = _matvec.narrow
 _products = _matvec._products
 
-PHASES = 8
-"""Phases per layer: input norm, q/k/v heads, attention items, merge, o_proj, post norm,
-gate/up, down."""
-FINAL_NORM, HEAD = PHASES, PHASES + 1
-"""The kinds of the two phases after the last layer."""
+QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
+"""The kinds of phases: a layer's five, then the LM head's after the last layer."""
+PHASES = HEAD
+"""Phases per layer."""
 CHUNK_WORK = 32_768
 """Multiply-adds per input row in one claimed chunk of a product: small enough that two
 threads share even a small model's projection evenly, large enough that claiming (one
@@ -105,15 +107,16 @@ def decode_layers(
     num_items = items.shape[0]
     f32 = np.float32
     buffers = (
-        np.empty_like(x),  # normed: a norm's output in x's dtype
-        np.empty((rows, hidden), dtype=f32),  # wide: the same as float32, a product's input
+        np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
+        np.empty((threads, rows, hidden), dtype=f32),  # wide: the same as float32
         np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
         np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
         np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
         np.empty((num_items, num_heads), dtype=f32),  # row_max
         np.empty((num_items, num_heads), dtype=f32),  # row_sum
-        np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
-        np.zeros((rows, o_proj[0].shape[1]), dtype=f32),  # heads: o_proj's input; pad rows 0
+        np.empty((threads, num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
+        # heads: each thread's o_proj input, the attended rows rounded; pad rows stay 0
+        np.zeros((threads, rows, o_proj[0].shape[1]), dtype=f32),
         np.empty_like(x),  # update: a residual branch's output
         np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
         np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
@@ -126,7 +129,7 @@ def decode_layers(
     pools = (key_pool, value_pool, block_tables, items, row_items, block_size)
     # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
     # tries to go alone, and the thread that did
-    counters = np.zeros(((len(qkv) * PHASES + 2) * (threads + 1) + 3) * LINE, dtype=np.int64)
+    counters = np.zeros(((len(qkv) * PHASES + 1) * (threads + 1) + 3) * LINE, dtype=np.int64)
     # Thread ids as int64 on both paths (a constant, or prange's unsigned index, would make
     # Numba compile `_take_part` once more for its type).
     if threads == 1:
@@ -144,10 +147,10 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
                counters):  # fmt: skip  # pragma: no cover
     """Thread `me`'s walk through every phase (the whole step where it is alone)."""
     num_layers = len(weights[1])
-    for phase in range(num_layers * PHASES + 2):
+    for phase in range(num_layers * PHASES + 1):
         layer = min(phase // PHASES, num_layers - 1)
-        kind = phase - layer * PHASES  # after the last layer's: FINAL_NORM, HEAD
-        n, step = _chunks(kind, x, num_real, weights, pools, buffers)
+        kind = phase - layer * PHASES  # after the last layer's: HEAD
+        n, step = _chunks(kind, x, weights, pools, buffers)
         _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
                    slots, weights, pools, buffers, eps, scale)  # fmt: skip
         if not _wait(counters, phase, n, me, threads):
@@ -155,24 +158,21 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
 
 
 @njit(cache=True)
-def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
-    """(chunks, rows of a product per chunk) of a phase of `kind`: one for a norm, a head
-    of q|k|v, an attention item, a row to merge, or `CHUNK_WORK` of a product."""
+def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
+    """(chunks, rows of a product per chunk) of a phase of `kind`: one for a head of q|k|v
+    or an attention item, `CHUNK_WORK` of a product; the head's phase has at least one
+    (its thread writes the final norm) even where the head has no rows."""
     head_dim, items, mid = pools[0].shape[3], pools[3], buffers[11]
-    if kind == 0 or kind == 5 or kind == FINAL_NORM:
-        return 1, 1
-    if kind == 1:
+    if kind == QKV:
         return weights[1][0].shape[0] // head_dim, head_dim
-    if kind == 2:
+    if kind == ATTEND:
         return items.shape[0], 1
-    if kind == 3:
-        return num_real, 1
-    if kind == 4:  # o_proj
+    if kind == O_PROJ:
         size, outputs = weights[5][0].shape[1], x.shape[1]
-    elif kind == 6:  # gate|up, by rows of each
+    elif kind == GATE_UP:  # by rows of each
         size, outputs = x.shape[1], mid.shape[1]
     elif kind == HEAD:
-        size, outputs = x.shape[1], weights[10].shape[0]
+        size, outputs = x.shape[1], max(1, weights[10].shape[0])
     else:  # down
         size, outputs = mid.shape[1], x.shape[1]
     step = max(1, CHUNK_WORK // size)
@@ -183,76 +183,77 @@ def _chunks(kind, x, num_real, weights, pools, buffers):  # pragma: no cover
 def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
                slots, weights, pools, buffers, eps, scale):  # fmt: skip  # pragma: no cover
     """Thread `me`'s chunks of layer `layer`'s phase of `kind` (`_chunks`), claimed one by
-    one until none is left.
+    one until none is left; before the first, the product's input in its own buffers.
 
     The arrays are taken out of their tuples and typed lists once per phase, not once per
     chunk: each reference taken is an atomic count on an array that every thread shares."""
+    c = _claim(counters, phase, n, me, threads)
+    if c >= n:
+        return
     in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
-    normed, wide, fused, query, acc, row_max, row_sum, attended, heads, update, mlp_in, mid = (
-        buffers[:12]
-    )
-    final, head_out, logits = buffers[12:]
+    fused, query, acc, row_max, row_sum = buffers[2:7]
+    update, mlp_in, mid, final, head_out, logits = buffers[9:]
+    normed, wide, attended, heads = buffers[0][me], buffers[1][me], buffers[7][me], buffers[8][me]
     keys, values = key_pool[layer], value_pool[layer]
-    # the phase's product (for a norm or attention, unused), taken once
-    if kind == 1:
+    # the phase's product (for attention, unused) and its input, taken once
+    bias = qkv_bias[0][:0]
+    if kind == QKV:
         weight, bias = qkv[layer], qkv_bias[layer]
-    else:
-        bias = qkv_bias[0][:0]
-        if kind == 4:
-            weight = o_proj[layer]
-        elif kind == 6:
-            weight = gate_up[layer]
-        elif kind == 7:
-            weight = down[layer]
-        else:
-            weight = head
-    c = _claim(counters, phase, n, me, threads)
+        _norm_rows(x, in_norm[layer], eps, normed, wide)
+    elif kind == O_PROJ:
+        weight = o_proj[layer]
+        _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x)
+    elif kind == GATE_UP:
+        weight = gate_up[layer]
+        _norm_rows(x, post_norm[layer], eps, normed, wide)
+    elif kind == DOWN:
+        weight = down[layer]
+    elif kind == HEAD:
+        weight = head
+        _norm_rows(x, final_norm, eps, normed, wide)
+    else:  # attention: no product
+        weight = head
+    # gate/up's activations, a chunk at a time
+    scratch = np.empty(step if kind == GATE_UP else 0, dtype=np.float32)
+    pow2 = np.empty(scratch.shape[0], dtype=np.int32)
+    done = 0
     while c < n:
         first = c * step
-        if kind == 0:
-            _norm_rows(x, in_norm[layer], eps, normed, wide)
-        elif kind == 1:
+        if kind == QKV:
             _products(wide, weight, bias, fused, first, first + step)
             _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
                         query, keys, values)  # fmt: skip
-        elif kind == 2:
+        elif kind == ATTEND:
             _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
                            row_max[c], row_sum[c])  # fmt: skip
-        elif kind == 3:
-            _kernels._merge(c, row_items, acc, row_max, row_sum, attended)
-            for h in range(attended.shape[1]):
-                for d in range(attended.shape[2]):
-                    heads[c, h * attended.shape[2] + d] = as_float32(_narrow(attended[c, h, d], x))
-        elif kind == 5:
-            _norm_rows(x, post_norm[layer], eps, normed, wide)
-        elif kind == FINAL_NORM:
-            _norm_rows(x, final_norm, eps, final, wide)
         elif kind == HEAD:
+            if c == 0:
+                final[:] = normed
             end = min(head.shape[0], first + step)
             _products(wide, weight, bias, head_out, first, end)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
-        elif kind == 6:
+        elif kind == GATE_UP:
             size = mid.shape[1]
             end = min(size, first + step)
             _products(wide, weight, bias, mlp_in, first, end)
             _products(wide, weight, bias, mlp_in, size + first, size + end)
-            for r in range(x.shape[0]):
-                for i in range(first, end):
-                    gate = as_float32(mlp_in[r, i])
-                    act = as_float32(_narrow(gate / (np.float32(1.0) + np.exp(-gate)), x))
-                    mid[r, i] = as_float32(_narrow(act * as_float32(mlp_in[r, size + i]), x))
-        else:  # o_proj (4) or down (7), each with its residual add
-            inputs = heads if kind == 4 else mid
+            _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2)
+        else:  # o_proj or down, each with its residual add
+            inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
             _products(inputs, weight, bias, update, first, end)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
-        c = _finish(counters, phase, n, me, threads)
+        done += 1
+        c = _claim(counters, phase, n, me, threads)
+    # Counted once, after their writes: the count's line is the one that waiting threads
+    # poll, and adding to it per chunk would pass it between the cores every chunk.
+    atomics.fetch_add(counters, (phase * (threads + 1) + threads) * LINE, done)
 
 
 @njit(cache=True)
@@ -271,17 +272,10 @@ def _claim(counters, phase, n, me, threads):  # pragma: no cover
         lane = (me + k) % threads
         counter = (phase * (threads + 1) + lane) * LINE
         if atomics.load(counters, counter) < lane_size:
-            c = lane * lane_size + atomics.fetch_add(counters, counter)
+            c = lane * lane_size + atomics.fetch_add(counters, counter, 1)
             if c < min(n, (lane + 1) * lane_size):
                 return c
     return n
-
-
-@njit(cache=True)
-def _finish(counters, phase, n, me, threads):  # pragma: no cover
-    """Count a chunk of `phase` done (its writes visible first); claim the next."""
-    atomics.fetch_add(counters, (phase * (threads + 1) + threads) * LINE)
-    return _claim(counters, phase, n, me, threads)
 
 
 @njit(cache=True)
@@ -305,8 +299,8 @@ def _wait(counters, phase, n, me, threads):  # pragma: no cover
             continue
         if waited > LONG_TICKS and not counted:
             counted = True
-            if (atomics.fetch_add(counters, long_waits) + 1 >= LONG_WAITS and owner == 0
-                    and atomics.fetch_add(counters, tries) == 0):  # fmt: skip
+            if (atomics.fetch_add(counters, long_waits, 1) + 1 >= LONG_WAITS and owner == 0
+                    and atomics.fetch_add(counters, tries, 1) == 0):  # fmt: skip
                 counters[alone] = me + 1
         atomics.yield_cpu()
     owner = atomics.load(counters, alone)
@@ -345,6 +339,43 @@ def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
         _rms_norm(x[r], weight, eps, normed[r])
         for i in range(x.shape[1]):
             wide[r, i] = as_float32(normed[r, i])
+
+
+@njit(cache=True, fastmath=True)
+def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cover
+    """mid[:, first:end] = silu(gate) * up, gate|up = mlp_in, each rounded to x's dtype
+    where torch rounds (after the activation, after the product).
+
+    silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
+    below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
+    (`kernels._exp_span`): libm's expf is a scalar call per element, which kept the whole
+    loop scalar."""
+    n = end - first
+    size = mid.shape[1]
+    one = np.float32(1.0)
+    for r in range(mid.shape[0]):
+        for j in range(n):
+            scratch[j] = -abs(as_float32(mlp_in[r, first + j]))
+        _kernels._exp_span(scratch, n, np.float32(0.0), pow2)
+        for j in range(n):
+            gate, e = as_float32(mlp_in[r, first + j]), scratch[j]
+            act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (one + e), x))
+            mid[r, first + j] = as_float32(
+                _narrow(act * as_float32(mlp_in[r, size + first + j]), x)
+            )
+
+
+@njit(cache=True, fastmath=True)
+def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):  # pragma: no cover
+    """attended = each real row's attention items merged; heads = the same as o_proj reads
+    it, [rows, H * D] float32 with the values rounded to x's dtype (pad rows left as they
+    are)."""
+    num_heads, head_dim = attended.shape[1], attended.shape[2]
+    for r in range(num_real):
+        _kernels._merge(r, row_items, acc, row_max, row_sum, attended)
+        for h in range(num_heads):
+            for d in range(head_dim):
+                heads[r, h * head_dim + d] = as_float32(_narrow(attended[r, h, d], x))
 
 
 @njit(cache=True, fastmath=True)
