@@ -148,8 +148,9 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
 # keeps Numba's per-call reference counting off the hot path. Both loops take four tokens
 # and two heads of a GQA group at once: they are bound by loads, not arithmetic, and so
 # each K or V load feeds two heads, each q load four tokens, and each load and store of an
-# accumulator four V rows. (Four heads per V load did not pay: the four accumulator
-# streams' loads and stores cost what the shared V loads save.)
+# accumulator four V rows. A group of three takes its heads together (a pair and a lone
+# head would read every K and V row twice). (Four heads per V load did not pay: the four
+# accumulator streams' loads and stores cost what the shared V loads save.)
 
 
 @njit(cache=True, fastmath=True)
