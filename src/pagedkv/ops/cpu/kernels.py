@@ -172,28 +172,9 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
             bf16.prefetch_head(key_cache, value_cache, ahead, (j0, j1, j2, j3), g)
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
-                if end - h == 3:  # a group of three (or the last three of an odd one)
-                    _score_three(q, k, j0, j1, j2, j3, g, h, t, scale, scores)
-                    h += 3
-                    continue
-                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-                for d in range(head_dim):
-                    k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
-                    k2, k3 = as_float32(k[j2, g, d]), as_float32(k[j3, g, d])
-                    qa, qb = q[h, d], q[h + 1, d]
-                    a0 += qa * k0
-                    a1 += qa * k1
-                    a2 += qa * k2
-                    a3 += qa * k3
-                    b0 += qb * k0
-                    b1 += qb * k1
-                    b2 += qb * k2
-                    b3 += qb * k3
-                scores[h, t], scores[h, t + 1] = a0 * scale, a1 * scale
-                scores[h, t + 2], scores[h, t + 3] = a2 * scale, a3 * scale
-                scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
-                scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
-                h += 2
+                three = end - h == 3  # a group of three, or the last three of an odd one
+                _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores)
+                h += 3 if three else 2
             if h < end:  # a group of one
                 s0 = s1 = s2 = s3 = np.float32(0.0)
                 for d in range(head_dim):
@@ -215,14 +196,15 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _score_three(q, k, j0, j1, j2, j3, g, h, t, scale, scores):  # pragma: no cover
-    """`_score_span`'s loop for heads h, h + 1, h + 2 of KV head g: each K load feeds
-    three heads (a pair and a lone head would load every K row twice)."""
+def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma: no cover
+    """`_score_span`'s loop for heads h, h + 1 (and h + 2 where `three`) of KV head g: each
+    K load feeds every head (a pair and a lone head would load every K row twice). The
+    condition is the same for the whole loop, which LLVM compiles twice, once per case."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = np.float32(0.0)
     for d in range(q.shape[1]):
         k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
         k2, k3 = as_float32(k[j2, g, d]), as_float32(k[j3, g, d])
-        qa, qb, qc = q[h, d], q[h + 1, d], q[h + 2, d]
+        qa, qb = q[h, d], q[h + 1, d]
         a0 += qa * k0
         a1 += qa * k1
         a2 += qa * k2
@@ -231,16 +213,19 @@ def _score_three(q, k, j0, j1, j2, j3, g, h, t, scale, scores):  # pragma: no co
         b1 += qb * k1
         b2 += qb * k2
         b3 += qb * k3
-        c0 += qc * k0
-        c1 += qc * k1
-        c2 += qc * k2
-        c3 += qc * k3
+        if three:
+            qc = q[h + 2, d]
+            c0 += qc * k0
+            c1 += qc * k1
+            c2 += qc * k2
+            c3 += qc * k3
     scores[h, t], scores[h, t + 1] = a0 * scale, a1 * scale
     scores[h, t + 2], scores[h, t + 3] = a2 * scale, a3 * scale
     scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
     scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
-    scores[h + 2, t], scores[h + 2, t + 1] = c0 * scale, c1 * scale
-    scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * scale, c3 * scale
+    if three:
+        scores[h + 2, t], scores[h + 2, t + 1] = c0 * scale, c1 * scale
+        scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * scale, c3 * scale
 
 
 @njit(cache=True, fastmath=True)
