@@ -76,12 +76,12 @@ def test_empty_query_sequences_are_skipped() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(4, 2, 72), (10, 2, 40), (14, 2, 16), (3, 3, 24)]
+    "heads,kv_heads,head_dim", [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24)]
 )
 def test_cpu_decode_kernel_head_layouts(heads, kv_heads, head_dim, dtype) -> None:
-    """GQA groups 2, 5 and 7 (the last tile of each group completed by the sink row), no
-    GQA with an odd head count, head_dim not a multiple of 16: decode rows only, one long
-    enough to be split across threads."""
+    """GQA groups 2, 3, 5 and 7 (the kernel's loops take heads in pairs and a group's last
+    three together), no GQA with an odd head count, head_dim not a multiple of 16: decode
+    rows only, one long enough to be split across threads."""
     case = make_case([1, 7, 300, 2100], [1, 1, 1, 1], block_size=16, num_heads=heads,
                      num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)  # fmt: skip
     out = paged_attention(*case.args(), backend="cpu")

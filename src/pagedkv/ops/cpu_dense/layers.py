@@ -350,19 +350,15 @@ def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cove
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
     (`kernels._exp_span`): libm's expf is a scalar call per element, which kept the whole
     loop scalar."""
-    n = end - first
-    size = mid.shape[1]
-    one = np.float32(1.0)
+    n, size = end - first, mid.shape[1]
     for r in range(mid.shape[0]):
         for j in range(n):
             scratch[j] = -abs(as_float32(mlp_in[r, first + j]))
         _kernels._exp_span(scratch, n, np.float32(0.0), pow2)
         for j in range(n):
-            gate, e = as_float32(mlp_in[r, first + j]), scratch[j]
-            act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (one + e), x))
-            mid[r, first + j] = as_float32(
-                _narrow(act * as_float32(mlp_in[r, size + first + j]), x)
-            )
+            gate, e, up = as_float32(mlp_in[r, first + j]), scratch[j], mlp_in[r, size + first + j]
+            act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (np.float32(1) + e), x))
+            mid[r, first + j] = as_float32(_narrow(act * as_float32(up), x))
 
 
 @njit(cache=True, fastmath=True)
