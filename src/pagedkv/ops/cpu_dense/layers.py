@@ -123,6 +123,9 @@ def decode_layers(
         final,
         np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
         logits,
+        # each thread's scratch for a gate/up chunk's activations (`_chunks`' step)
+        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=f32),
+        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=np.int32),
     )
     weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
                final_norm, head)  # fmt: skip
@@ -194,7 +197,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
     fused, query, acc, row_max, row_sum = buffers[2:7]
-    update, mlp_in, mid, final, head_out, logits = buffers[9:]
+    update, mlp_in, mid, final, head_out, logits = buffers[9:15]
     normed, wide, attended, heads = buffers[0][me], buffers[1][me], buffers[7][me], buffers[8][me]
     keys, values = key_pool[layer], value_pool[layer]
     # the phase's product (for attention, unused) and its input, taken once
@@ -215,9 +218,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
         _norm_rows(x, final_norm, eps, normed, wide)
     else:  # attention: no product
         weight = head
-    # gate/up's activations, a chunk at a time
-    scratch = np.empty(step if kind == GATE_UP else 0, dtype=np.float32)
-    pow2 = np.empty(scratch.shape[0], dtype=np.int32)
+    scratch, pow2 = buffers[15][me], buffers[16][me]
     done = 0
     while c < n:
         first = c * step
