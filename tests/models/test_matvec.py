@@ -33,11 +33,12 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6])
-@pytest.mark.parametrize("shape", [(64, 200), (65, 256)])
+@pytest.mark.parametrize("shape", [(64, 200), (65, 256), (33, 75)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias):
     """Products of bfloat16 values are exact in float32; the sum (bias included) is rounded
-    once at the end, so the result is within half a bfloat16 step of the float64 value."""
+    once at the end, so the result is within half a bfloat16 step of the float64 value.
+    Rows of an even size are read two elements per word, an odd size one by one."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(*shape, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, shape[1], generator=generator).to(torch.bfloat16)

@@ -68,6 +68,34 @@ def _float32_to_bits(typingctx, x):  # pragma: no cover
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def bits_as_float32(typingctx, bits):  # pragma: no cover
+    """The low 32 bits of an integer read as the float32 they are the bits of (a bit cast,
+    no conversion; Numba widens uint32 arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _F32)
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def pair_bits(typingctx, bits, at):  # pragma: no cover
+    """The bfloat16 elements at flat offsets `at` and `at + 1` of a C-contiguous array of
+    their bits (uint16) as one uint32 word, the first in its low half (little-endian): a
+    load, not an array view (a view made per weight row costs reference counting)."""
+    if not (isinstance(bits, types.Array) and bits.dtype == types.uint16 and bits.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I32)
+        return builder.load(word, align=2)
+
+    return types.uint32(bits, at), codegen
+
+
 @njit(inline="always")
 def round_to_bf16(x):  # pragma: no cover
     """A finite float32 rounded to the nearest bfloat16 (ties to even), as its bits in the

@@ -53,6 +53,7 @@ _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")
 _narrow = _matvec.narrow
 _products = _matvec._products
+_place_inputs = _matvec.place_inputs
 
 QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
 """The kinds of phases: a layer's five, then the LM head's after the last layer."""
@@ -338,14 +339,13 @@ def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
     """normed = rms_norm(x) row by row, and wide = normed as float32."""
     for r in range(x.shape[0]):
         _rms_norm(x[r], weight, eps, normed[r])
-        for i in range(x.shape[1]):
-            wide[r, i] = as_float32(normed[r, i])
+        _place_inputs(normed[r], wide[r], 0, x)
 
 
 @njit(cache=True, fastmath=True)
 def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cover
-    """mid[:, first:end] = silu(gate) * up, gate|up = mlp_in, each rounded to x's dtype
-    where torch rounds (after the activation, after the product).
+    """mid[:, first:end] = silu(gate) * up (placed for down's product), gate|up = mlp_in,
+    each rounded to x's dtype where torch rounds (after the activation, after the product).
 
     silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
@@ -359,20 +359,20 @@ def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cove
         for j in range(n):
             gate, e, up = as_float32(mlp_in[r, first + j]), scratch[j], mlp_in[r, size + first + j]
             act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (np.float32(1) + e), x))
-            mid[r, first + j] = as_float32(_narrow(act * as_float32(up), x))
+            scratch[j] = as_float32(_narrow(act * as_float32(up), x))
+        _place_inputs(scratch[:n], mid[r], first, x)
 
 
 @njit(cache=True, fastmath=True)
 def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):  # pragma: no cover
-    """attended = each real row's attention items merged; heads = the same as o_proj reads
-    it, [rows, H * D] float32 with the values rounded to x's dtype (pad rows left as they
-    are)."""
-    num_heads, head_dim = attended.shape[1], attended.shape[2]
+    """attended = each real row's attention items merged, rounded to x's dtype; heads = the
+    same as o_proj reads it, [rows, H * D] float32 (pad rows left as they are)."""
     for r in range(num_real):
         _kernels._merge(r, row_items, acc, row_max, row_sum, attended)
-        for h in range(num_heads):
-            for d in range(head_dim):
-                heads[r, h * head_dim + d] = as_float32(_narrow(attended[r, h, d], x))
+        flat = attended[r].reshape(heads.shape[1])
+        for i in range(flat.shape[0]):
+            flat[i] = as_float32(_narrow(flat[i], x))
+        _place_inputs(flat, heads[r], 0, x)
 
 
 @njit(cache=True, fastmath=True)

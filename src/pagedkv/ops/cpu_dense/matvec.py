@@ -9,10 +9,16 @@ with no hand-off. Where the workers spin between parallel regions instead of sle
 user chose ``OMP_WAIT_POLICY=ACTIVE``: a machine of its own), the hand-off is cheap and
 `matvec_parallel` gives each thread a contiguous share of the weight's rows.
 
-Sums run in float32 in index order; bfloat16 values (their bits, uint16) are widened
-exactly, and a bfloat16 result is the float32 sum (bias included) rounded once, as torch's
-bfloat16 matmul gives it. Both kernels compute every output the same way, so they agree
-bit for bit.
+Sums run in float32; bfloat16 values (their bits, uint16) are widened exactly, and a
+bfloat16 result is the float32 sum (bias included) rounded once, as torch's bfloat16 matmul
+gives it. Both kernels compute every output the same way, so they agree bit for bit.
+
+A bfloat16 weight row is read as 32-bit words of two elements: the even element is the
+word shifted left by 16 bits, the odd one the word with its low half cleared, two plain
+vector operations per word. (Widening element by element zero-extends 16-bit lanes to 32,
+a shuffle across the vector, which left the loop short of the memory's speed.) The input
+row is therefore held in *pair order*, its even elements first and then its odd ones
+(`place_inputs`), so that both halves of a word meet their inputs with plain loads.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from pagedkv.ops.cpu.bf16 import as_float32, round_to_bf16
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, pair_bits, round_to_bf16
 
 
 @njit(cache=True, fastmath=True)
@@ -47,21 +53,71 @@ def matvec_parallel(x, weight, bias, out, parts):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _widen(x):  # pragma: no cover
-    """The input rows as float32."""
-    rows, size = x.shape
-    wide = np.empty((rows, size), dtype=np.float32)
-    for m in range(rows):
-        for k in range(size):
-            wide[m, k] = as_float32(x[m, k])
+    """The input rows as float32, in `_products`' order for x's dtype."""
+    wide = np.empty(x.shape, dtype=np.float32)
+    for m in range(x.shape[0]):
+        place_inputs(x[m], wide[m], 0, x)
     return wide
 
 
-@njit(cache=True, fastmath=True)
+def place_inputs(values, row, first, like):  # pragma: no cover
+    """row[first + j] = values[j] as float32, for `_products` with weights of `like`'s dtype:
+    for bfloat16 of an even row size, at its place in pair order (element k of the row at
+    k // 2 for even k, size // 2 + k // 2 for odd k)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(place_inputs)
+def _place_inputs_impl(values, row, first, like):  # pragma: no cover
+    if like.dtype != types.uint16:
+        return lambda values, row, first, like: _place_in_order(values, row, first, like)
+
+    def in_pair_order(values, row, first, like):  # type: ignore[no-untyped-def]
+        size = row.shape[0]
+        if size % 2:
+            _place_in_order(values, row, first, like)
+            return
+        pairs = row.reshape((2, size >> 1))
+        for j in range(values.shape[0]):
+            at = first + j
+            pairs[at & 1, at >> 1] = as_float32(values[j])
+
+    return in_pair_order
+
+
+@njit(inline="always")
+def _place_in_order(values, row, first, like):  # pragma: no cover
+    for j in range(values.shape[0]):
+        row[first + j] = as_float32(values[j])
+
+
 def _products(wide, weight, bias, out, first, end):  # pragma: no cover
-    """out[:, n] for weight rows first <= n < end (inputs already float32).
+    """out[:, n] for weight rows first <= n < end (inputs already float32, placed by
+    `place_inputs`).
 
     Input rows four at a time: each element of the weight row is loaded (and widened) once
     for four sums, not once per row, which at a few rows is what bounds the loop."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_products)
+def _products_impl(wide, weight, bias, out, first, end):  # pragma: no cover
+    if weight.dtype == types.uint16:
+
+        def pairs_where_even(wide, weight, bias, out, first, end):  # type: ignore[no-untyped-def]
+            if wide.shape[1] % 2 == 0:
+                _products_pairs(wide, weight, bias, out, first, end)
+            else:
+                _products_widened(wide, weight, bias, out, first, end)
+
+        return pairs_where_even
+    return lambda wide, weight, bias, out, first, end: _products_widened(
+        wide, weight, bias, out, first, end)  # fmt: skip
+
+
+@njit(cache=True, fastmath=True)
+def _products_widened(wide, weight, bias, out, first, end):  # pragma: no cover
+    """`_products` widening each weight element by itself (float32: as it is)."""
     rows, size = wide.shape
     for n in range(first, end):
         w = weight[n]
@@ -85,6 +141,44 @@ def _products(wide, weight, bias, out, first, end):  # pragma: no cover
             for k in range(size):
                 total += as_float32(w[k]) * xr[k]
             out[r, n] = narrow(total + shift, out)
+
+
+@njit(cache=True, fastmath=True)
+def _products_pairs(wide, weight, bias, out, first, end):  # pragma: no cover
+    """`_products` for bfloat16 weights of an even row size, a word of two elements at a
+    time (`_pair`)."""
+    rows, size = wide.shape
+    half = size >> 1
+    # [row, even or odd, k], C-contiguous: with `wide[m, half + k]` the loops would check
+    # the index for wraparound, with a slice `wide[:, half:]` not know its unit stride, and
+    # either keeps LLVM from vectorizing them.
+    x = wide.reshape((rows, 2, half))
+    for n in range(first, end):
+        at = n * size  # weight row n's first element
+        shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
+        m = 0
+        while m + 2 <= rows:
+            t0 = t1 = np.float32(0.0)
+            for k in range(half):
+                we, wo = _pair(weight, at + 2 * k)
+                t0 += we * x[m, 0, k] + wo * x[m, 1, k]
+                t1 += we * x[m + 1, 0, k] + wo * x[m + 1, 1, k]
+            out[m, n], out[m + 1, n] = narrow(t0 + shift, out), narrow(t1 + shift, out)
+            m += 2
+        if m < rows:
+            total = np.float32(0.0)
+            for k in range(half):
+                we, wo = _pair(weight, at + 2 * k)
+                total += we * x[m, 0, k] + wo * x[m, 1, k]
+            out[m, n] = narrow(total + shift, out)
+
+
+@njit(inline="always")
+def _pair(weight, at):  # pragma: no cover
+    """The bfloat16 elements at flat offsets at and at + 1 of `weight`, widened from one
+    32-bit load: (even, odd)."""
+    word = pair_bits(weight, at)
+    return bits_as_float32(word << np.uint32(16)), bits_as_float32(word & np.uint32(0xFFFF0000))
 
 
 def narrow(value, like):  # pragma: no cover
