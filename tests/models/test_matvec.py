@@ -32,7 +32,7 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9])
 @pytest.mark.parametrize("shape", [(64, 200), (65, 256), (33, 75)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias):

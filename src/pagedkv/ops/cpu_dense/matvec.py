@@ -157,6 +157,19 @@ def _products_pairs(wide, weight, bias, out, first, end):  # pragma: no cover
         at = n * size  # weight row n's first element
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         m = 0
+        # Four input rows per pass only in batches of eight or more: there they halve the
+        # widening of an L1-resident weight row, while a batch of four ran faster in pairs.
+        while rows >= 8 and m + 4 <= rows:
+            t0 = t1 = t2 = t3 = np.float32(0.0)
+            for k in range(half):
+                we, wo = _pair(weight, at + 2 * k)
+                t0 += we * x[m, 0, k] + wo * x[m, 1, k]
+                t1 += we * x[m + 1, 0, k] + wo * x[m + 1, 1, k]
+                t2 += we * x[m + 2, 0, k] + wo * x[m + 2, 1, k]
+                t3 += we * x[m + 3, 0, k] + wo * x[m + 3, 1, k]
+            out[m, n], out[m + 1, n] = narrow(t0 + shift, out), narrow(t1 + shift, out)
+            out[m + 2, n], out[m + 3, n] = narrow(t2 + shift, out), narrow(t3 + shift, out)
+            m += 4
         while m + 2 <= rows:
             t0 = t1 = np.float32(0.0)
             for k in range(half):
