@@ -336,7 +336,7 @@ def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query,
 
 @njit(cache=True, fastmath=True)
 def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
-    """normed = rms_norm(x) row by row, and wide = normed as float32."""
+    """normed = rms_norm(x) row by row, and wide = normed as float32 (`place_inputs`)."""
     for r in range(x.shape[0]):
         _rms_norm(x[r], weight, eps, normed[r])
         _place_inputs(normed[r], wide[r], 0, x)

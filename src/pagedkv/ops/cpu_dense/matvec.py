@@ -95,8 +95,9 @@ def _products(wide, weight, bias, out, first, end):  # pragma: no cover
     """out[:, n] for weight rows first <= n < end (inputs already float32, placed by
     `place_inputs`).
 
-    Input rows four at a time: each element of the weight row is loaded (and widened) once
-    for four sums, not once per row, which at a few rows is what bounds the loop."""
+    Input rows a few at a time (four widened, two or four in pairs): each element of the
+    weight row is loaded and widened once for several sums, not once per row, which at a few
+    rows is what bounds the loop."""
     raise NotImplementedError("compiled only")
 
 
