@@ -74,7 +74,7 @@ def _place_inputs_impl(values, row, first, like):  # pragma: no cover
 
     def in_pair_order(values, row, first, like):  # type: ignore[no-untyped-def]
         size = row.shape[0]
-        if size % 2:
+        if not _in_pairs(size):
             _place_in_order(values, row, first, like)
             return
         pairs = row.reshape((2, size >> 1))
@@ -83,6 +83,13 @@ def _place_inputs_impl(values, row, first, like):  # pragma: no cover
             pairs[at & 1, at >> 1] = as_float32(values[j])
 
     return in_pair_order
+
+
+@njit(inline="always")
+def _in_pairs(size):  # pragma: no cover
+    """Whether bfloat16 rows of `size` elements are read a word of two at a time (and their
+    inputs placed in pair order): an even size, which a word never straddles."""
+    return size % 2 == 0
 
 
 @njit(inline="always")
@@ -106,7 +113,7 @@ def _products_impl(wide, weight, bias, out, first, end):  # pragma: no cover
     if weight.dtype == types.uint16:
 
         def pairs_where_even(wide, weight, bias, out, first, end):  # type: ignore[no-untyped-def]
-            if wide.shape[1] % 2 == 0:
+            if _in_pairs(wide.shape[1]):
                 _products_pairs(wide, weight, bias, out, first, end)
             else:
                 _products_widened(wide, weight, bias, out, first, end)
