@@ -75,7 +75,8 @@ def linear_rows(
 class DecoderWeights:
     """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
     list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
-    as empty arrays; then the final norm's and the LM head's."""
+    as empty arrays; then the final norm's and the LM head's. It also keeps the working
+    arrays of the stack's steps (`step_buffers`)."""
 
     in_norm: Sequence[np.ndarray]
     qkv: Sequence[np.ndarray]
