@@ -176,44 +176,6 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
     assert count_fused == [2] * 10
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@torch.inference_mode()
-def test_buffers_kept_across_steps_give_the_bits_of_fresh_ones(tmp_path, dtype, count_fused):
-    # The stack keeps its working arrays per row count: a step with more attention items
-    # than they hold, then one with a pad row after steps whose rows were all real, must
-    # compute what arrays made for the step compute.
-    model_dir = make_hf_model(tmp_path, "llama", dtype=dtype)
-    outputs = []
-    for keep in (True, False):
-        model = load_model(model_dir, dtype=dtype)
-        assert model.use_matvec() and model.use_fused_decode()
-        if not keep:
-            forward = model.forward
-
-            def fresh(*args, forward=forward, weights=model.decoder_weights):
-                weights.workspaces.clear()
-                return forward(*args)
-
-            model.forward = fresh
-        batch = PagedBatch(model, seed=3)
-        batch.step(model, {0: _prompt(5, seed=1), 1: _prompt(7, seed=2)})
-        batch.step(model, {2: _prompt(90, seed=3), 3: _prompt(100, seed=4)})
-        logits = [batch.step(model, {0: [5], 1: [6]}), batch.step(model, {2: [7], 3: [8]})]
-        table, length = batch.tables[0], batch.lens[0]  # sequence 0's next token, padded
-        slot = table[length // BLOCK_SIZE] * BLOCK_SIZE + length % BLOCK_SIZE
-        metadata = AttentionMetadata.build([table], [length + 1], [1], [slot])
-        hidden = model(torch.tensor([9, 0]), torch.tensor([length, 0]), batch.cache, metadata)
-        logits.append([model.compute_logits(hidden, [0])])
-        outputs.append((logits, batch.cache.key_pool.clone(), batch.cache.value_pool.clone()))
-        if keep:  # the second step's two items were too few for the third's
-            assert [items for *_, items in model.decoder_weights.workspaces.values()] == [4]
-    (kept, keys_1, values_1), (fresh, keys_2, values_2) = outputs
-    for a, b in zip(kept, fresh, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert torch.equal(keys_1, keys_2) and torch.equal(values_1, values_2)
-    assert count_fused == [2, 2, 2] * 2
-
-
 def test_after_a_step_finished_alone_the_next_ones_run_on_one_thread_for_longer_each_time():
     team = cpu_dense.TeamBackoff()
     assert team.threads(2) == 2

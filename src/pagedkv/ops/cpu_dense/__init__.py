@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -75,8 +75,7 @@ def linear_rows(
 class DecoderWeights:
     """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
     list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
-    as empty arrays; then the final norm's and the LM head's. It also keeps the working
-    arrays of the stack's steps (`step_buffers`)."""
+    as empty arrays; then the final norm's and the LM head's."""
 
     in_norm: Sequence[np.ndarray]
     qkv: Sequence[np.ndarray]
@@ -91,10 +90,6 @@ class DecoderWeights:
     head: np.ndarray
     eps: float
     dtype: torch.dtype
-    # `step_buffers`' arrays per (rows, threads), with the attention items they hold
-    workspaces: dict[tuple[int, int], tuple[tuple, np.ndarray, int]] = field(
-        default_factory=dict, repr=False
-    )
 
     @classmethod
     def create(
@@ -121,23 +116,6 @@ class DecoderWeights:
             eps=eps,
             dtype=dtype,
         )
-
-    def step_buffers(
-        self, x: np.ndarray, key_pool: torch.Tensor, num_items: int, threads: int
-    ) -> tuple[tuple, np.ndarray]:
-        """`layers.step_buffers` for a step of x's rows, kept for the next steps of as many
-        rows; made anew, for twice as many items, when a step has more items than they
-        hold."""
-        key = (x.shape[0], threads)
-        kept = self.workspaces.get(key)
-        if kept is None or kept[2] < num_items:
-            items = max(num_items, 2 * kept[2] if kept else num_items)
-            work, counters = _layers.step_buffers(
-                x, self.qkv, self.o_proj, self.gate_up, self.down, self.head,
-                key_pool.shape[-1], items, threads,
-            )  # fmt: skip
-            kept = self.workspaces[key] = (work, counters, items)
-        return kept[0], kept[1]
 
 
 def _plain(
@@ -195,16 +173,14 @@ def decode_layers(
     final = torch.empty_like(hidden)
     head = weights.head if with_head else weights.head[:0]  # no rows: an empty phase
     logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
-    x = as_numpy(hidden)
-    work, counters = weights.step_buffers(x, key_pool, plan.items.shape[0], threads)
     went_alone = _layers.decode_layers(
-        x, as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
+        as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
         weights.gate_up, weights.down, weights.final_norm, head,
         as_numpy(key_pool.view(pool_rows)), as_numpy(value_pool.view(pool_rows)),
         plan.block_tables, plan.items, plan.row_items, key_pool.shape[2], weights.eps, scale,
-        threads, work, counters, as_numpy(final), logits.numpy(),
+        threads, as_numpy(final), logits.numpy(),
     )  # fmt: skip
     _team.record(threads, went_alone)
     return final, (logits if with_head else None)

@@ -75,56 +75,11 @@ LONG_WAITS = 3
 a virtual CPU preempted once, several mean that another process holds a core."""
 
 
-PRANGE_ONLY = {
-    "prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
-    "setitem": False, "numpy": False, "stencil": False, "fusion": False,
-}  # fmt: skip
-"""Numba's parallel options for the step's region: only its `prange` runs in parallel. By
-default Numba also turns array expressions and `np.zeros` into parallel loops, each a
-region of its own that wakes the other threads."""
-
-
-@njit(cache=True)
-def step_buffers(x, qkv, o_proj, gate_up, down, head, head_dim, num_items, threads):
-    """The working arrays of `decode_layers` for steps of x's rows (at most `num_items`
-    attention items, `threads` threads), and its counters: made once and reused, as fresh
-    ones each step cost page faults (the allocator gives freed memory back to the system).
-
-    Returns:
-        (buffers, counters): the arrays `decode_layers` takes, x and the weights as it does.
-    """
-    rows, hidden = x.shape
-    num_heads = o_proj[0].shape[1] // head_dim
-    f32 = np.float32
-    buffers = (
-        np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
-        np.empty((threads, rows, hidden), dtype=f32),  # wide: the same as float32
-        np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
-        np.empty((rows, num_heads, head_dim), dtype=f32),  # query of the real rows
-        np.empty((num_items, num_heads, head_dim), dtype=f32),  # acc
-        np.empty((num_items, num_heads), dtype=f32),  # row_max
-        np.empty((num_items, num_heads), dtype=f32),  # row_sum
-        np.empty((threads, rows, num_heads, head_dim), dtype=f32),  # attended
-        np.empty((threads, rows, o_proj[0].shape[1]), dtype=f32),  # heads: o_proj's input
-        np.empty_like(x),  # update: a residual branch's output
-        np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
-        np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
-        np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
-        # each thread's scratch for a gate/up chunk's activations (`_chunks`' step)
-        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=f32),
-        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=np.int32),
-    )
-    # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
-    # tries to go alone, and the thread that did
-    counters = np.zeros(((len(qkv) * PHASES + 1) * (threads + 1) + 3) * LINE, dtype=np.int64)
-    return buffers, counters
-
-
-@njit(cache=True, fastmath=True, parallel=PRANGE_ONLY)
+@njit(cache=True, fastmath=True, parallel=True)
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
     gate_up, down, final_norm, head, key_pool, value_pool, block_tables, items, row_items,
-    block_size, eps, scale, threads, work, counters, final, logits,
+    block_size, eps, scale, threads, final, logits,
 ):  # fmt: skip  # pragma: no cover
     """Pass x through every layer, in place, writing each layer's K/V of the real rows; then
     its final norm into `final` and the LM head's logits into `logits`.
@@ -142,20 +97,43 @@ def decode_layers(
         block_size: tokens per block of the pools.
         eps, scale: RMSNorm epsilon and softmax scale.
         threads: threads to share the step (1: the calling one alone, no parallel region).
-        work, counters: `step_buffers` for T rows, at least the plan's items and `threads`
-            (overwritten).
         final: [T, hidden], x's dtype.  logits: float32 [T, vocab] (a bfloat16 model's
             rounded to bfloat16 first, as its matmul gives them).
 
     Returns:
         Whether a thread finished the step alone because another was off its core.
     """
-    buffers = work + (final, logits)
+    rows, hidden = x.shape
+    num_heads = o_proj[0].shape[1] // key_pool.shape[3]
+    num_items = items.shape[0]
+    f32 = np.float32
+    buffers = (
+        np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
+        np.empty((threads, rows, hidden), dtype=f32),  # wide: the same as float32
+        np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
+        np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
+        np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
+        np.empty((num_items, num_heads), dtype=f32),  # row_max
+        np.empty((num_items, num_heads), dtype=f32),  # row_sum
+        np.empty((threads, num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
+        # heads: each thread's o_proj input, the attended rows rounded; pad rows stay 0
+        np.zeros((threads, rows, o_proj[0].shape[1]), dtype=f32),
+        np.empty_like(x),  # update: a residual branch's output
+        np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
+        np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
+        final,
+        np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
+        logits,
+        # each thread's scratch for a gate/up chunk's activations (`_chunks`' step)
+        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=f32),
+        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=np.int32),
+    )
     weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
                final_norm, head)  # fmt: skip
     pools = (key_pool, value_pool, block_tables, items, row_items, block_size)
-    for i in range(counters.shape[0]):
-        counters[i] = 0
+    # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
+    # tries to go alone, and the thread that did
+    counters = np.zeros(((len(qkv) * PHASES + 1) * (threads + 1) + 3) * LINE, dtype=np.int64)
     # Thread ids as int64 on both paths (a constant, or prange's unsigned index, would make
     # Numba compile `_take_part` once more for its type).
     if threads == 1:
@@ -220,8 +198,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
     fused, query, acc, row_max, row_sum = buffers[2:7]
-    update, mlp_in, mid, head_out = buffers[9:13]
-    final, logits = buffers[15:]
+    update, mlp_in, mid, final, head_out, logits = buffers[9:15]
     normed, wide, attended, heads = buffers[0][me], buffers[1][me], buffers[7][me], buffers[8][me]
     keys, values = key_pool[layer], value_pool[layer]
     # the phase's product (for attention, unused) and its input, taken once
@@ -242,7 +219,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
         _norm_rows(x, final_norm, eps, normed, wide)
     else:  # attention: no product
         weight = head
-    scratch, pow2 = buffers[13][me], buffers[14][me]
+    scratch, pow2 = buffers[15][me], buffers[16][me]
     done = 0
     while c < n:
         first = c * step
@@ -389,15 +366,13 @@ def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cove
 @njit(cache=True, fastmath=True)
 def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):  # pragma: no cover
     """attended = each real row's attention items merged, rounded to x's dtype; heads = the
-    same as o_proj reads it, [rows, H * D] float32 (pad rows zero: the buffer is reused by
-    steps with more real rows)."""
+    same as o_proj reads it, [rows, H * D] float32 (pad rows left as they are)."""
     for r in range(num_real):
         _kernels._merge(r, row_items, acc, row_max, row_sum, attended)
         flat = attended[r].reshape(heads.shape[1])
         for i in range(flat.shape[0]):
             flat[i] = as_float32(_narrow(flat[i], x))
         _place_inputs(flat, heads[r], 0, x)
-    heads[num_real:] = 0.0
 
 
 @njit(cache=True, fastmath=True)
