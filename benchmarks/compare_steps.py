@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2)")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--batches", nargs="*", type=int, default=[1])
-    parser.add_argument("--workloads", nargs="*", default=[], choices=["fixed", "variable"],
+    parser.add_argument("--workloads", nargs="*", default=[], choices=["fixed", "variable", "long"],
                         help="bench_engine.py's, on its 125M random model")  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -3,7 +3,7 @@
 NumPy has no bfloat16, so bfloat16 tensors reach Numba as their uint16 bits. A bfloat16 is
 the high half of a float32, so widening is a shift and a bit cast (`as_float32`), which
 LLVM vectorizes like any other load; `round_to_bf16` is the inverse, rounding to nearest
-even. `prefetch_head` asks for the K and V rows ahead of the score loop (both dtypes).
+even. `prefetch_head` asks for K and V rows ahead of the loops that read them (both dtypes).
 Standard Numba extension API only: `numba.extending` (intrinsic, overload) and `llvmlite`.
 """
 
@@ -127,19 +127,15 @@ def _prefetch(typingctx, cache, offset):  # pragma: no cover
 
 
 @njit(inline="always")
-def prefetch_head(key_cache, value_cache, next_slots, slots, g):  # pragma: no cover
-    """Before KV head g of the tokens at `slots` (a tuple) is scored, prefetch that head's K
-    rows of the tokens at `next_slots` (the next group's) and its V rows of `slots` (read
-    after the span's softmax). Blocks are scattered, so the hardware prefetcher does not run
+def prefetch_head(cache, slots, g):  # pragma: no cover
+    """Prefetch KV head g's rows of the tokens at `slots` (a tuple) of a cache [slots, kv
+    heads, D], C-contiguous. Blocks are scattered, so the hardware prefetcher does not run
     across them; and one head at a time, not whole token rows, spreads the requests over the
-    score loop instead of queueing a burst of them that stalls it. Caches [slots, kv heads,
-    D], C-contiguous."""
-    head_dim = key_cache.shape[2]
-    row = key_cache.shape[1] * head_dim
-    line = 64 // key_cache.itemsize
+    loop that asks for them instead of queueing a burst that stalls it."""
+    head_dim = cache.shape[2]
+    row = cache.shape[1] * head_dim
+    line = 64 // cache.itemsize
     for i in range(len(slots)):
-        ahead = next_slots[i] * row + g * head_dim
-        here = slots[i] * row + g * head_dim
+        at = slots[i] * row + g * head_dim
         for c in range(0, head_dim, line):
-            _prefetch(key_cache, ahead + c)
-            _prefetch(value_cache, here + c)
+            _prefetch(cache, at + c)

@@ -125,26 +125,41 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
     table = block_tables[seq]
-    slots = np.empty(SPAN + bf16.TOKENS, dtype=np.int64)
+    slots = np.empty(2 * SPAN, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
-    pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_span`
+    pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_parts`
     acc[:] = 0.0
     row_max[:] = NEG_INIT
     row_sum[:] = 0.0
     for t0 in range(start, end, SPAN):
         n = min(SPAN, end - t0)
-        known = min(n + bf16.TOKENS, end - t0)  # and the next span's first, to prefetch
-        for t in range(known):
-            pos = t0 + t
-            slots[t] = table[pos // block_size] * block_size + pos % block_size
+        known = min(n + SPAN, end - t0)  # and the next span's, to prefetch
+        _fill_slots(table, block_size, t0, known, slots)
         _score_span(query[row], key_cache, value_cache, slots, n, known, np.float32(scale),
                     scores)  # fmt: skip
         _softmax_span(scores, n, acc, row_max, row_sum, pow2)
-        _accumulate_span(value_cache, slots, n, scores, acc)
+        _accumulate_span(key_cache, value_cache, slots, n, known, scores, acc)
+
+
+@njit(cache=True)
+def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
+    """slots[t] = the cache slot of position first + t, t < count (one division, not one
+    per position)."""
+    b, offset = first // block_size, first % block_size
+    base = table[b] * block_size
+    for t in range(count):
+        slots[t] = base + offset
+        offset += 1
+        if offset == block_size and t + 1 < count:
+            offset = 0
+            b += 1
+            base = table[b] * block_size
 
 
 # The span steps are separate functions: each one's inner loop then vectorizes (in one
-# large function LLVM left the dot products scalar). One call per span, not per token,
+# large function LLVM left the dot products scalar). The memory stays busy through both
+# loops: the score loop asks for the V rows that the accumulate loop will read, and the
+# accumulate loop for the K rows of the next span's score loop. One call per span, not per token,
 # keeps Numba's per-call reference counting off the hot path. Both loops take four tokens
 # and two heads of a GQA group at once: they are bound by loads, not arithmetic, and so
 # each K or V load feeds two heads, each q load four tokens, and each load and store of an
@@ -156,7 +171,8 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
 @njit(cache=True, fastmath=True)
 def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
     """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches as it goes
-    (`bf16.prefetch_head`; slots[n:known] are the next span's first)."""
+    (the K rows a group of tokens ahead, slots[n:known] being the next span's, and the V
+    rows of the group)."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -169,7 +185,8 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
         ahead = (slots[min(t + 4, last)], slots[min(t + 5, last)], slots[min(t + 6, last)],
                  slots[min(t + 7, last)])  # fmt: skip
         for g in range(num_kv_heads):
-            bf16.prefetch_head(key_cache, value_cache, ahead, (j0, j1, j2, j3), g)
+            bf16.prefetch_head(key_cache, ahead, g)
+            bf16.prefetch_head(value_cache, (j0, j1, j2, j3), g)
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
                 three = end - h == 3  # a group of three, or the last three of an odd one
@@ -232,13 +249,16 @@ def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma
 def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
     """Online softmax: raise each head's max over the span's n scores, rescale acc and
     row_sum, and turn the scores into weights exp(score - max)."""
+    two_to = pow2.view(np.float32)
     for h in range(scores.shape[0]):
         new_max = row_max[h]
         for t in range(n):
             new_max = max(new_max, scores[h, t])
-        _exp_span(scores[h], n, new_max, pow2)
+        for t in range(n):
+            scores[h, t], pow2[t] = _exp_parts(scores[h, t] - new_max)
         total = np.float32(0.0)
         for t in range(n):
+            scores[h, t] *= two_to[t]
             total += scores[h, t]
         correction = np.exp(row_max[h] - new_max)
         row_sum[h] = row_sum[h] * correction + total
@@ -249,42 +269,53 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _exp_span(x, n, shift, pow2):  # pragma: no cover
-    """x[t] = exp(x[t] - shift) for t < n, all arguments <= 0; vectorized.
+    """x[t] = exp(x[t] - shift) for t < n, all arguments <= 0; vectorized (`_exp_parts`)."""
+    for t in range(n):
+        x[t], pow2[t] = _exp_parts(x[t] - shift)
+    two_to = pow2.view(np.float32)
+    for t in range(n):
+        x[t] *= two_to[t]
 
-    libm's expf is a scalar call per score. Here exp(y) = 2^k * 2^f with k = round(y /
-    ln 2) and |f| <= 1/2: a degree-7 polynomial gives 2^f to float32 rounding, and 2^k is
-    built from its exponent bits in `pow2` (an int32 buffer read back as float32).
-    Arguments below -87 give about 1e-38 instead of smaller numbers.
-    """
-    scale = pow2.view(np.float32)
-    for t in range(n):
-        y = max(x[t] - shift, np.float32(-87.0)) * np.float32(1.4426950408889634)
-        k = np.floor(y + np.float32(0.5))
-        f = (y - k) * np.float32(0.6931471805599453)  # f = ln(2^(y - k)), |f| <= ln2 / 2
-        p = np.float32(1.0 / 5040.0)
-        p = p * f + np.float32(1.0 / 720.0)
-        p = p * f + np.float32(1.0 / 120.0)
-        p = p * f + np.float32(1.0 / 24.0)
-        p = p * f + np.float32(1.0 / 6.0)
-        p = p * f + np.float32(0.5)
-        p = p * f + np.float32(1.0)
-        x[t] = p * f + np.float32(1.0)
-        pow2[t] = (np.int32(k) + 127) << 23
-    for t in range(n):
-        x[t] *= scale[t]
+
+@njit(fastmath=True, inline="always")
+def _exp_parts(y):  # pragma: no cover
+    """exp(y) for y <= 0 as two factors: 2^f and the bits of 2^k, which the caller writes to
+    an int32 buffer and multiplies in read back as float32 (NumPy-level code has no scalar
+    bit cast that LLVM vectorizes). libm's expf is a scalar call per element; here y / ln 2 =
+    k + f with k an integer and |f| <= 1/2, and a degree-7 polynomial gives 2^f to float32
+    rounding. Arguments below -87 give about 1e-38 instead of smaller numbers."""
+    x = max(y, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    k = np.floor(x + np.float32(0.5))
+    f = (x - k) * np.float32(0.6931471805599453)  # f = ln(2^(x - k)), |f| <= ln2 / 2
+    p = np.float32(1.0 / 5040.0)
+    p = p * f + np.float32(1.0 / 720.0)
+    p = p * f + np.float32(1.0 / 120.0)
+    p = p * f + np.float32(1.0 / 24.0)
+    p = p * f + np.float32(1.0 / 6.0)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1.0)
+    return p * f + np.float32(1.0), (np.int32(k) + 127) << 23
 
 
 @njit(cache=True, fastmath=True)
-def _accumulate_span(value_cache, slots, n, weights, acc):  # pragma: no cover
-    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n."""
+def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # pragma: no cover
+    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n; prefetches the K rows of
+    the next span's tokens (slots[n:known]) as it goes."""
     num_heads, head_dim = acc.shape
     num_kv_heads = value_cache.shape[1]
     group = num_heads // num_kv_heads
     v = value_cache
+    last = known - 1
     t = 0
     while t + bf16.TOKENS <= n:
         j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
+        # The next span's tokens t..t + 3 (n + t < known while there are any): as many
+        # tokens ahead as this loop takes, so its requests spread over it.
+        ahead = (slots[min(n + t, last)], slots[min(n + t + 1, last)],
+                 slots[min(n + t + 2, last)], slots[min(n + t + 3, last)])  # fmt: skip
         for g in range(num_kv_heads):
+            if n + t < known:
+                bf16.prefetch_head(key_cache, ahead, g)
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
                 if end - h == 3:  # a group of three (or the last three of an odd one)
