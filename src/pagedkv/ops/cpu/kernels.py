@@ -15,9 +15,9 @@ still uses every core:
 
 Each item leaves an unnormalized partial state per query head (running max `row_max`, sum
 of weights `row_sum`, weighted values `acc`); `_merge` combines a row's items into its
-output. Within an item, tokens are
-scored a span at a time (up to `SPAN` tokens, across block boundaries) before one online-
-softmax update per head, so small blocks do not pay a rescale each.
+output. Within an item, tokens are scored a span at a time (up to `SPAN` tokens, across
+block boundaries) before one online-softmax update per head, so small blocks do not pay a
+rescale each.
 """
 
 from __future__ import annotations
@@ -117,11 +117,9 @@ def _failed(code, seq):  # pragma: no cover
 @njit(cache=True, fastmath=True)
 def _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc,
           row_max, row_sum):  # fmt: skip  # pragma: no cover
-    """Attend item i's query row to its key range; leave its partial state.
-
-    query: float32 [num_rows, H, D]; caches: [num_slots, num_kv_heads, D], float32 or
-    bfloat16 bits as uint16; acc: [H, D], row_max and row_sum: [H], all overwritten.
-    """
+    """Attend item i's query row to its key range; leave its partial state. query: float32
+    [num_rows, H, D]; caches [num_slots, num_kv_heads, D], float32 or bfloat16 bits (uint16);
+    acc [H, D], row_max and row_sum [H], all overwritten."""
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
     table = block_tables[seq]
@@ -143,36 +141,30 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
 
 @njit(cache=True)
 def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
-    """slots[t] = the cache slot of position first + t, t < count (one division, not one
-    per position)."""
+    """slots[t] = the cache slot of position first + t, t < count (one division per span,
+    not one per position)."""
     b, offset = first // block_size, first % block_size
-    base = table[b] * block_size
     for t in range(count):
-        slots[t] = base + offset
+        slots[t] = table[b] * block_size + offset
         offset += 1
-        if offset == block_size and t + 1 < count:
-            offset = 0
-            b += 1
-            base = table[b] * block_size
+        if offset == block_size:
+            b, offset = b + 1, 0
 
 
-# The span steps are separate functions: each one's inner loop then vectorizes (in one
-# large function LLVM left the dot products scalar). The memory stays busy through both
-# loops: the score loop asks for the V rows that the accumulate loop will read, and the
-# accumulate loop for the K rows of the next span's score loop. One call per span, not per token,
-# keeps Numba's per-call reference counting off the hot path. Both loops take four tokens
-# and two heads of a GQA group at once: they are bound by loads, not arithmetic, and so
-# each K or V load feeds two heads, each q load four tokens, and each load and store of an
-# accumulator four V rows. A group of three takes its heads together (a pair and a lone
-# head would read every K and V row twice). (Four heads per V load did not pay: the four
+# The span steps are separate functions, each called once per span: their inner loops then
+# vectorize (in one large function LLVM left the dot products scalar), and Numba's per-call
+# reference counting stays off the hot path. Each loop asks for the rows the other reads
+# next (V rows in the score loop, the next span's K rows in the accumulate loop), so the
+# memory is busy through both. Both take four tokens and two heads of a GQA group at once,
+# three for a group of three: each K or V load feeds every head, each q load four tokens,
+# each accumulator's load and store four V rows. (Four heads per V load did not pay: four
 # accumulator streams' loads and stores cost what the shared V loads save.)
 
 
 @njit(cache=True, fastmath=True)
 def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
-    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches as it goes
-    (the K rows a group of tokens ahead, slots[n:known] being the next span's, and the V
-    rows of the group)."""
+    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches the K rows a
+    group of tokens ahead (slots[n:known] are the next span's) and the V rows of the group."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -214,9 +206,8 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
 
 @njit(cache=True, fastmath=True, inline="always")
 def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma: no cover
-    """`_score_span`'s loop for heads h, h + 1 (and h + 2 where `three`) of KV head g: each
-    K load feeds every head (a pair and a lone head would load every K row twice). The
-    condition is the same for the whole loop, which LLVM compiles twice, once per case."""
+    """`_score_span`'s loop for heads h, h + 1 (and h + 2 where `three`) of KV head g, one K
+    load for all; `three` is fixed for the loop, which LLVM compiles once per case."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = np.float32(0.0)
     for d in range(q.shape[1]):
         k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
@@ -267,23 +258,12 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
             acc[h, d] *= correction
 
 
-@njit(cache=True, fastmath=True)
-def _exp_span(x, n, shift, pow2):  # pragma: no cover
-    """x[t] = exp(x[t] - shift) for t < n, all arguments <= 0; vectorized (`_exp_parts`)."""
-    for t in range(n):
-        x[t], pow2[t] = _exp_parts(x[t] - shift)
-    two_to = pow2.view(np.float32)
-    for t in range(n):
-        x[t] *= two_to[t]
-
-
 @njit(fastmath=True, inline="always")
 def _exp_parts(y):  # pragma: no cover
-    """exp(y) for y <= 0 as two factors: 2^f and the bits of 2^k, which the caller writes to
-    an int32 buffer and multiplies in read back as float32 (NumPy-level code has no scalar
-    bit cast that LLVM vectorizes). libm's expf is a scalar call per element; here y / ln 2 =
-    k + f with k an integer and |f| <= 1/2, and a degree-7 polynomial gives 2^f to float32
-    rounding. Arguments below -87 give about 1e-38 instead of smaller numbers."""
+    """exp(y), y <= 0, as 2^f and the bits of 2^k (y / ln 2 = k + f, k an integer, |f| <=
+    1/2), which the caller stores to an int32 buffer and multiplies in read back as float32:
+    unlike libm's expf (a scalar call) this vectorizes. A degree-7 polynomial gives 2^f to
+    float32 rounding; arguments below -87 give about 1e-38 instead of smaller numbers."""
     x = max(y, np.float32(-87.0)) * np.float32(1.4426950408889634)
     k = np.floor(x + np.float32(0.5))
     f = (x - k) * np.float32(0.6931471805599453)  # f = ln(2^(x - k)), |f| <= ln2 / 2
@@ -309,8 +289,7 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
     t = 0
     while t + bf16.TOKENS <= n:
         j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
-        # The next span's tokens t..t + 3 (n + t < known while there are any): as many
-        # tokens ahead as this loop takes, so its requests spread over it.
+        # The next span's tokens t..t + 3 (while n + t < known): requests spread over the loop
         ahead = (slots[min(n + t, last)], slots[min(n + t + 1, last)],
                  slots[min(n + t + 2, last)], slots[min(n + t + 3, last)])  # fmt: skip
         for g in range(num_kv_heads):
@@ -396,8 +375,7 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, row_item
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
-        # int64, as the serial callers pass it: prange's unsigned index would compile
-        # `_item` once more
+        # int64 as the serial callers pass it (an unsigned prange index compiles `_item` again)
         _item(np.int64(i), query, key_cache, value_cache, block_tables, items, block_size,
               scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
@@ -407,11 +385,9 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, row_item
 @njit(cache=True, fastmath=True)
 def decode_serial(query, key_cache, value_cache, block_tables, items, row_items, block_size,
                   scale, out):  # fmt: skip  # pragma: no cover
-    """Attention of the plan's kernel rows: out[r] for query row r of `query`.
-
-    query: float32 [num_rows, H, D] (the kernel rows only); caches float32 or bfloat16 bits
-    (uint16); out: float32 [num_rows, H, D].
-    """
+    """Attention of the plan's kernel rows: out[r] for query row r of `query`. query: float32
+    [num_rows, H, D] (the kernel rows only); caches float32 or bfloat16 bits (uint16); out:
+    float32 [num_rows, H, D]."""
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)

@@ -349,15 +349,16 @@ def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cove
 
     silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
-    (`kernels._exp_span`): libm's expf is a scalar call per element, which kept the whole
+    (`kernels._exp_parts`): libm's expf is a scalar call per element, which kept the whole
     loop scalar."""
     n, size = end - first, mid.shape[1]
+    two_to = pow2.view(np.float32)
     for r in range(mid.shape[0]):
         for j in range(n):
-            scratch[j] = -abs(as_float32(mlp_in[r, first + j]))
-        _kernels._exp_span(scratch, n, np.float32(0.0), pow2)
+            scratch[j], pow2[j] = _kernels._exp_parts(-abs(as_float32(mlp_in[r, first + j])))
         for j in range(n):
-            gate, e, up = as_float32(mlp_in[r, first + j]), scratch[j], mlp_in[r, size + first + j]
+            gate, up = as_float32(mlp_in[r, first + j]), mlp_in[r, size + first + j]
+            e = scratch[j] * two_to[j]
             act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (np.float32(1) + e), x))
             scratch[j] = as_float32(_narrow(act * as_float32(up), x))
         _place_inputs(scratch[:n], mid[r], first, x)
