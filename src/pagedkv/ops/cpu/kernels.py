@@ -133,16 +133,15 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
         n = min(SPAN, end - t0)
         known = min(n + SPAN, end - t0)  # and the next span's, to prefetch
         _fill_slots(table, block_size, t0, known, slots)
-        _score_span(query[row], key_cache, value_cache, slots, n, known, np.float32(scale),
-                    scores)  # fmt: skip
+        _score_span(query[row], key_cache, value_cache, slots, n, t0 == start,
+                    np.float32(scale), scores)  # fmt: skip
         _softmax_span(scores, n, acc, row_max, row_sum, pow2)
         _accumulate_span(key_cache, value_cache, slots, n, known, scores, acc)
 
 
 @njit(cache=True)
 def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
-    """slots[t] = the cache slot of position first + t, t < count (one division per span,
-    not one per position)."""
+    """slots[t] = the cache slot of position first + t, t < count (one division, not one each)."""
     b, offset = first // block_size, first % block_size
     for t in range(count):
         slots[t] = table[b] * block_size + offset
@@ -155,21 +154,22 @@ def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
 # vectorize (in one large function LLVM left the dot products scalar), and Numba's per-call
 # reference counting stays off the hot path. Each loop asks for the rows the other reads
 # next (V rows in the score loop, the next span's K rows in the accumulate loop), so the
-# memory is busy through both. Both take four tokens and two heads of a GQA group at once,
-# three for a group of three: each K or V load feeds every head, each q load four tokens,
-# each accumulator's load and store four V rows. (Four heads per V load did not pay: four
-# accumulator streams' loads and stores cost what the shared V loads save.)
+# memory is busy through both. Both take four tokens and two heads of a GQA group at once
+# (three for a group of three): each K or V load feeds every head, each q load four tokens,
+# each accumulator's load and store four V rows (four heads per V load did not pay: their
+# four accumulator streams cost what it saves).
 
 
 @njit(cache=True, fastmath=True)
-def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # pragma: no cover
-    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches the K rows a
-    group of tokens ahead (slots[n:known] are the next span's) and the V rows of the group."""
+def _score_span(q, key_cache, value_cache, slots, n, first, scale, scores):  # pragma: no cover
+    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches the V rows of
+    each group of tokens and, in an item's `first` span, the K rows a group ahead (the
+    accumulate loop asks for the other spans' K rows)."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     k = key_cache
-    last = known - 1
+    last = n - 1
     t = 0
     while t + bf16.TOKENS <= n:
         j0, j1, j2, j3 = slots[t], slots[t + 1], slots[t + 2], slots[t + 3]
@@ -177,7 +177,8 @@ def _score_span(q, key_cache, value_cache, slots, n, known, scale, scores):  # p
         ahead = (slots[min(t + 4, last)], slots[min(t + 5, last)], slots[min(t + 6, last)],
                  slots[min(t + 7, last)])  # fmt: skip
         for g in range(num_kv_heads):
-            bf16.prefetch_head(key_cache, ahead, g)
+            if first:
+                bf16.prefetch_head(key_cache, ahead, g)
             bf16.prefetch_head(value_cache, (j0, j1, j2, j3), g)
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
