@@ -10,10 +10,9 @@ layers is one indexed copy)::
 
 The host pool has the same layout with `num_host_blocks` blocks (pinned memory on CUDA).
 
-On the CPU the device pool asks the kernel for 2 MiB pages (`_zeros_on_huge_pages`): a
-decode step reads each sequence's blocks scattered over the pool, and with 4 KiB pages the
-jump to every block misses the TLB; on 2 MiB pages blocks of 16 rows read about as fast as
-blocks of 32.
+On the CPU the device pool asks the kernel for 2 MiB pages (`huge_pages`): a decode step
+reads each sequence's blocks scattered over the pool, and with 4 KiB pages the jump to every
+block misses the TLB; on 2 MiB pages blocks of 16 rows read about as fast as blocks of 32.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import math
 import torch
 
 from pagedkv.cache.huge_pages import empty_on_huge_pages
+from pagedkv.memory.sequence import positive_int
 
 _DTYPES = {
     "float32": torch.float32,
@@ -43,20 +43,6 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     return dtype
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on transparent huge pages (`huge_pages`), committed up
-    front as `torch.zeros` commits it."""
-    element = torch.empty((), dtype=dtype).element_size()
-    memory = empty_on_huge_pages(math.prod(shape) * element)
-    return memory.view(dtype).view(shape).zero_()
-
-
-def _positive(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
 
 
 class PagedKVCache:
@@ -85,18 +71,20 @@ class PagedKVCache:
         Raises:
             ValueError: a size is not a positive int, or the dtype is unsupported.
         """
-        self.num_layers = _positive("num_layers", num_layers)
-        self.num_blocks = _positive("num_blocks", num_blocks)
-        self.block_size = _positive("block_size", block_size)
-        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive("head_dim", head_dim)
-        self.num_host_blocks = _positive("num_host_blocks", num_host_blocks, minimum=0)
+        self.num_layers = positive_int("num_layers", num_layers)
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_size = positive_int("block_size", block_size)
+        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks, minimum=0)
         self.dtype = _as_dtype(dtype)
         self.device = torch.device(device)
         block_shape = (block_size, num_kv_heads, head_dim)
         pool_shape = (2, num_layers, num_blocks, *block_shape)
         if self.device.type == "cpu":
-            self._pool = _zeros_on_huge_pages(pool_shape, self.dtype)
+            # Written once here so that its pages are committed up front, as by `torch.zeros`.
+            memory = empty_on_huge_pages(math.prod(pool_shape) * self.dtype.itemsize)
+            self._pool = memory.view(self.dtype).view(pool_shape).zero_()
         else:
             self._pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
         self.key_caches: list[torch.Tensor] = list(self._pool[0].unbind(0))
@@ -117,8 +105,7 @@ class PagedKVCache:
         dtype: torch.dtype | str,
     ) -> int:
         """Bytes of one block, all layers: 2 (K, V) x layers x block_size x heads x dim x elem."""
-        element = torch.empty((), dtype=_as_dtype(dtype)).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * _as_dtype(dtype).itemsize
 
     @classmethod
     def num_blocks_for_memory(

@@ -9,65 +9,14 @@ neither free nor held) cannot hide. O(num_blocks + tokens held): for tests and d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pagedkv.memory.prefix import ROOT_UID
 from pagedkv.memory.sequence import SeqId, SeqState
 
 if TYPE_CHECKING:
     from pagedkv.memory.manager import KVCacheManager
-
-
-def check_manager(manager: KVCacheManager) -> None:
-    """Assert every invariant of `manager` (see `KVCacheManager.check`).
-
-    Raises:
-        AssertionError: naming the first broken invariant.
-    """
-    pool, host, index = manager._pool, manager._host, manager._index
-    block_size = manager.block_size
-    holders = [0] * pool.num_blocks
-    host_holders = [0] * host.num_blocks
-    for seq_id, seq in manager._seqs.items():
-        num_tokens = len(seq.token_ids)
-        assert num_tokens > 0, f"sequence {seq_id!r} holds no token"
-        num_blocks = -(-num_tokens // block_size)
-        if seq.host_block_ids is not None:
-            assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
-            assert seq.table is None, f"swapped-out {seq_id!r} still hands out a block table"
-            assert not seq.is_tail_own, f"swapped-out {seq_id!r} is marked as owning its tail"
-            assert len(seq.host_block_ids) == num_blocks, (
-                f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for "
-                f"{num_tokens} tokens"
-            )
-            _count(host_holders, seq.host_block_ids, seq_id)
-            continue
-        assert len(seq.block_ids) == num_blocks, (
-            f"{seq_id!r}: {len(seq.block_ids)} blocks for {num_tokens} tokens "
-            f"(block_size {block_size})"
-        )
-        _count(holders, seq.block_ids, seq_id)
-        assert seq.table is None or seq.table == seq.block_ids.tolist(), (
-            f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
-        )
-        if seq.is_tail_own:
-            assert isinstance(seq.token_ids, list), f"{seq_id!r}: tail own but tokens a tuple"
-            assert not num_tokens % block_size or not pool.is_shared(seq.block_ids[-1]), (
-                f"{seq_id!r}: its partial last block is shared but marked its own"
-            )
-        if index is not None:
-            assert seq.num_keyed == num_tokens // block_size, (
-                f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"
-            )
-            _check_keys(manager, seq_id, seq)
-    pool.check(holders)
-    host.check(host_holders)
-    if index is not None:
-        index.check()
-    for src, dst in manager._copies:
-        assert 0 <= src < pool.num_blocks and 0 <= dst < pool.num_blocks, (
-            f"queued copy ({src}, {dst}) names a block outside the pool"
-        )
+    from pagedkv.memory.prefix import PrefixIndex
 
 
 def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None:
@@ -79,52 +28,28 @@ def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None
         holders[b] += 1
 
 
-def _check_keys(manager: KVCacheManager, seq_id: object, seq: SeqState) -> None:
+def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState) -> None:
     """Each indexed block of the sequence holds exactly its key's tokens and parent."""
-    index, block_size = manager._index, manager.block_size
-    assert index is not None
-    block_ids, tokens = seq.block_ids, seq.token_ids
+    tokens = seq.token_ids
     parent_uid: int | None = ROOT_UID
-    for i, b in enumerate(block_ids):
-        key = index.key_of(b)
-        if key is not None:
-            expected = index.block_tokens(tokens[i * block_size : (i + 1) * block_size])
-            assert i < len(tokens) // block_size, (
-                f"{seq_id!r}: partial block {b} (position {i}) is in the prefix index"
-            )
-            assert key[1] == expected, (
-                f"{seq_id!r}: block {b} (position {i}) is indexed under other tokens"
-            )
-            assert parent_uid is None or key[0] == parent_uid, (
-                f"{seq_id!r}: block {b} (position {i}) chains from uid {key[0]}, "
-                f"its predecessor is {parent_uid}"
-            )
-        parent_uid = index.uid_of(b) if key is not None else None
-
-
-def manager_stats(manager: KVCacheManager) -> dict[str, int]:
-    """The counters behind `KVCacheManager.stats` (see there for the keys)."""
-    pool, host, index = manager._pool, manager._host, manager._index
-    num_swapped = sum(s.host_block_ids is not None for s in manager._seqs.values())
-    return {
-        "num_blocks": pool.num_blocks,
-        "num_free_blocks": pool.num_free_blocks,
-        "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
-        "num_cached_blocks": pool.num_cached_blocks,
-        "num_indexed_blocks": len(index) if index is not None else 0,
-        "num_host_blocks": host.num_blocks,
-        "num_free_host_blocks": host.num_free_blocks,
-        "num_seqs": len(manager._seqs),
-        "num_swapped_seqs": num_swapped,
-        "prefix_cache_queries": manager._num_queries,
-        "prefix_cache_hits": manager._num_hits,
-        "num_forked_blocks": manager._num_forked,
-        "num_cow_copies": manager._num_cow,
-        "num_evictions": pool.num_evictions,
-        "num_swapped_out_blocks": manager._num_swapped_out,
-        "num_swapped_in_blocks": manager._num_swapped_in,
-        "num_pending_copies": len(manager._copies),
-    }
+    for i, b in enumerate(seq.block_ids):
+        entry = index.block_entries[b]
+        if entry is None:
+            parent_uid = None
+            continue
+        _, uid, (key_parent, key_tokens) = entry
+        assert i < len(tokens) // block_size, (
+            f"{seq_id!r}: partial block {b} (position {i}) is in the prefix index"
+        )
+        expected = index.block_tokens(tokens[i * block_size : (i + 1) * block_size])
+        assert key_tokens == expected, (
+            f"{seq_id!r}: block {b} (position {i}) is indexed under other tokens"
+        )
+        assert parent_uid is None or key_parent == parent_uid, (
+            f"{seq_id!r}: block {b} (position {i}) chains from uid {key_parent}, "
+            f"its predecessor is {parent_uid}"
+        )
+        parent_uid = uid
 
 
 class ViewsMixin:
@@ -174,16 +99,58 @@ class ViewsMixin:
         return slots
 
     def check(self) -> None:
-        """Prove the state consistent, or raise AssertionError naming what is wrong.
+        """Prove the state consistent, or raise AssertionError naming the first thing wrong.
 
         Every block's count equals its number of holders; no block is both free and held;
         free + cached + held = num_blocks (device and host); every indexed block held by a
         sequence holds exactly its key's tokens after its key's parent.
 
-        Raises:
-            AssertionError: the first inconsistency found.
         """
-        check_manager(self)  # type: ignore[arg-type]
+        manager = cast("KVCacheManager", self)
+        pool, host, index = manager._pool, manager._host, manager._index
+        block_size = manager.block_size
+        holders = [0] * pool.num_blocks
+        host_holders = [0] * host.num_blocks
+        for seq_id, seq in manager._seqs.items():
+            num_tokens = len(seq.token_ids)
+            assert num_tokens > 0, f"sequence {seq_id!r} holds no token"
+            num_blocks = -(-num_tokens // block_size)
+            if seq.host_block_ids is not None:
+                assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
+                assert seq.table is None, f"swapped-out {seq_id!r} still hands out a block table"
+                assert not seq.is_tail_own, f"swapped-out {seq_id!r} is marked as owning its tail"
+                assert len(seq.host_block_ids) == num_blocks, (
+                    f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for "
+                    f"{num_tokens} tokens"
+                )
+                _count(host_holders, seq.host_block_ids, seq_id)
+                continue
+            assert len(seq.block_ids) == num_blocks, (
+                f"{seq_id!r}: {len(seq.block_ids)} blocks for {num_tokens} tokens "
+                f"(block_size {block_size})"
+            )
+            _count(holders, seq.block_ids, seq_id)
+            assert seq.table is None or seq.table == seq.block_ids.tolist(), (
+                f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
+            )
+            if seq.is_tail_own:
+                assert isinstance(seq.token_ids, list), f"{seq_id!r}: tail own but tokens a tuple"
+                assert not num_tokens % block_size or not pool.is_shared(seq.block_ids[-1]), (
+                    f"{seq_id!r}: its partial last block is shared but marked its own"
+                )
+            if index is not None:
+                assert seq.num_keyed == num_tokens // block_size, (
+                    f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"
+                )
+                _check_keys(index, block_size, seq_id, seq)
+        pool.check(holders)
+        host.check(host_holders)
+        if index is not None:
+            index.check()
+        for src, dst in manager._copies:
+            assert 0 <= src < pool.num_blocks and 0 <= dst < pool.num_blocks, (
+                f"queued copy ({src}, {dst}) names a block outside the pool"
+            )
 
     def stats(self) -> dict[str, int]:
         """Counts of blocks and events since construction (prefix counts in tokens).
@@ -194,4 +161,25 @@ class ViewsMixin:
         (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
         num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
         """
-        return manager_stats(self)  # type: ignore[arg-type]
+        manager = cast("KVCacheManager", self)
+        pool, host, index = manager._pool, manager._host, manager._index
+        num_swapped = sum(s.host_block_ids is not None for s in manager._seqs.values())
+        return {
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "num_indexed_blocks": len(index) if index is not None else 0,
+            "num_host_blocks": host.num_blocks,
+            "num_free_host_blocks": host.num_free_blocks,
+            "num_seqs": len(manager._seqs),
+            "num_swapped_seqs": num_swapped,
+            "prefix_cache_queries": manager._num_queries,
+            "prefix_cache_hits": manager._num_hits,
+            "num_forked_blocks": manager._num_forked,
+            "num_cow_copies": manager._num_cow,
+            "num_evictions": pool.num_evictions,
+            "num_swapped_out_blocks": manager._num_swapped_out,
+            "num_swapped_in_blocks": manager._num_swapped_in,
+            "num_pending_copies": len(manager._copies),
+        }

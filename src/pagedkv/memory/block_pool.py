@@ -71,9 +71,7 @@ class BlockPool:
         # ref_count - 1 for a held block, 0 on the free stack, -1 when cached. Counting the
         # *extra* references lets allocation skip a per-block write, and a prefix hit is one
         # increment whether the block was held (k -> k + 1) or cached (-1 -> 0). A list, not
-        # an array: CPython's specialized list[int] load/store speed up the per-block steps
-        # of a hit and a free, and the small ints it holds are shared singletons (8 bytes
-        # per block, one pointer).
+        # an array: see the module docstring.
         self._extra = [0] * num_blocks
         # Cached queue (oldest at _head) and, per block, the position of its newest entry.
         self._queue = array("i")
@@ -178,16 +176,14 @@ class BlockPool:
         else:
             released = list(block_ids)[::-1]
         index = self.index
-        if index is None or not len(index):
-            self._stack.extend(released)
-            return
-        entries = index.block_entries
-        cached = [b for b in released if entries[b] is not None]
-        if not cached:
-            self._stack.extend(released)
-            return
-        self._stack.extend([b for b in released if entries[b] is None])
-        self._push_cached(cached)
+        if index is not None and len(index):
+            entries = index.block_entries
+            cached = [b for b in released if entries[b] is not None]
+            if cached:
+                self._stack.extend([b for b in released if entries[b] is None])
+                self._push_cached(cached)
+                return
+        self._stack.extend(released)
 
     def _release(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one reference to each block; the ones left with none, in reverse order."""
@@ -232,19 +228,13 @@ class BlockPool:
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each held block (a fork)."""
-        extra = self._extra
-        num_shared = 0
-        for b in block_ids:
-            count = extra[b]
-            extra[b] = count + 1
-            num_shared += not count
-        self._num_shared += num_shared
+        self.touch(block_ids)
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each indexed block (a prefix hit); cached ones become held.
+        """Add one reference to each block (a prefix hit); cached ones become held.
 
         Args:
-            block_ids: indexed blocks, held or cached, each at most once.
+            block_ids: held or cached (then indexed) blocks, each at most once.
         """
         extra = self._extra
         num_cached = num_shared = 0
@@ -268,10 +258,6 @@ class BlockPool:
     def is_shared(self, block_id: int) -> bool:
         """Whether a held block has more than one holder."""
         return self._extra[block_id] > 0
-
-    def is_cached_free(self, block_id: int) -> bool:
-        """Whether `block_id` is cached-but-free (findable by the prefix index, evictable)."""
-        return self._extra[block_id] < 0
 
     def free_block_ids(self) -> list[int]:
         """Free (never cached) blocks in the order the next allocations take them."""

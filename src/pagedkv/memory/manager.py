@@ -21,7 +21,7 @@ from pagedkv.errors import OutOfBlocks
 from pagedkv.memory._introspect import ViewsMixin
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
-from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_list, token_tuple
+from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_tuple
 from pagedkv.memory.swap import SwapMixin
 
 
@@ -123,12 +123,15 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         return seq
 
     # ----- prefix lookups -------------------------------------------------------------------
-    def _lookup(self, token_ids: Sequence[Any]) -> tuple[list[int], int]:
+    def _lookup(
+        self, token_ids: Sequence[Any], with_rest: bool = False
+    ) -> tuple[list[int], int, Sequence[Any]]:
+        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index."""
         if self._index is None:
-            return [], ROOT_UID
+            return [], ROOT_UID, ()
         # The last token is always computed (its logits are needed): at most n - 1 cached.
         max_blocks = (len(token_ids) - 1) // self._block_size
-        return self._index.match(token_ids, self._block_size, max_blocks)
+        return self._index.lookup(token_ids, self._block_size, max_blocks, with_rest)
 
     def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
         """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
@@ -144,7 +147,7 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
         """
-        hits, _ = self._lookup(token_ids)
+        hits = self._lookup(token_ids)[0]
         num_needed = -(-len(token_ids) // self._block_size)
         return num_needed - len(hits) + self._pool.num_evictable(hits)
 
@@ -190,42 +193,32 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
-        index, block_size = self._index, self._block_size
-        hits: list[int]
-        keys: Sequence[Any]
-        if index is None:
-            hits, chain_uid, keys = [], ROOT_UID, ()
-        else:
-            max_blocks = (len(tokens) - 1) // block_size  # the last token is always computed
-            hits, chain_uid, keys = index.lookup(tokens, block_size, max_blocks)
-        num_fresh = -(-len(tokens) // self._block_size) - len(hits)
-        pool = self._pool
+        hits, chain_uid, keys = self._lookup(tokens, with_rest=True)
+        index, block_size, pool = self._index, self._block_size, self._pool
+        num_hits = len(hits)
+        num_fresh = -(-len(tokens) // block_size) - num_hits
         # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
-        if num_fresh + len(hits) > pool.num_free_blocks - pool.num_cached_blocks and (
+        if num_fresh + num_hits > pool.num_free_blocks - pool.num_cached_blocks and (
             num_fresh + pool.num_evictable(hits) > pool.num_free_blocks
         ):
             raise OutOfBlocks(
-                f"allocate {seq_id!r}: need {num_fresh} new blocks after {len(hits)} cached, "
-                f"{self._pool.num_free_blocks} free"
+                f"allocate {seq_id!r}: need {num_fresh} new blocks after {num_hits} cached, "
+                f"{pool.num_free_blocks} free"
             )
         # Take the hits first (cached ones become held) so the fresh blocks cannot evict them.
-        self._pool.touch(hits)
+        pool.touch(hits)
         block_ids = array("i", hits)
-        block_ids += self._pool.allocate(num_fresh)
-        seq = SeqState(block_ids, tokens, len(hits), chain_uid)
-        self._seqs[seq_id] = seq
-        if keys:
-            assert index is not None, "allocate: block keys without a prefix index"
-            num_hits = len(hits)
-            seq.chain_uid = index.insert_keys(
+        block_ids += pool.allocate(num_fresh)
+        num_keyed = 0
+        if index is not None:  # `keys` holds the full blocks after the hits
+            chain_uid = index.insert_keys(
                 chain_uid, keys, block_ids[num_hits : num_hits + len(keys)]
             )
-        seq.num_keyed = len(tokens) // block_size if index is not None else 0
-        num_cached = len(hits) * self._block_size
-        if index is not None:
+            num_keyed = len(tokens) // block_size
             self._num_queries += len(tokens)
-            self._num_hits += num_cached
-        return num_cached
+            self._num_hits += num_hits * block_size
+        self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid)
+        return num_hits * block_size
 
     def append(self, seq_id: SeqId, token_ids: Sequence[Any]) -> None:
         """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk).
@@ -240,7 +233,7 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         """
         seq = self._resident(seq_id, "append")
         # A decode step appends one token to every sequence: keep the common path short.
-        tokens = token_ids if type(token_ids) is list else token_list(token_ids)
+        tokens = token_ids if type(token_ids) is list else list(token_tuple(token_ids))
         num_blocks, is_cow = self._append_cost(seq, len(tokens))
         if num_blocks:
             pool = self._pool

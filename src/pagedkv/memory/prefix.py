@@ -50,17 +50,8 @@ _MAX_FORMATS = 4096
 def iter_full_blocks(
     token_ids: Sequence[Any], block_size: int, start: int = 0, stop: int | None = None
 ) -> Iterator[tuple[Any, ...]]:
-    """Yield the token tuples of full blocks ``start <= i < stop`` (stop: all full blocks).
-
-    Args:
-        token_ids: the sequence's tokens.
-        block_size: tokens per block.
-        start: first block index.
-        stop: one past the last block index; None for every full block.
-
-    Returns:
-        An iterator of tuples of exactly ``block_size`` tokens (a partial last block is skipped).
-    """
+    """Yield the token tuples of full blocks ``start <= i < stop`` (stop None: every full
+    block), each exactly ``block_size`` tokens (a partial last block is skipped)."""
     num_full = len(token_ids) // block_size
     stop = num_full if stop is None else min(stop, num_full)
     if stop <= start:
@@ -92,13 +83,11 @@ class PrefixIndex:
         # block_id -> its entry while indexed, else None: 8 bytes per block.
         self.block_entries: list[Entry | None] = [None] * num_blocks
         self._next_uid = ROOT_UID + 1
-        # Spans: key of a chain's block -> (getter, tokens, entries, block_ids, uid of the
-        # last) for the `span_blocks` blocks from it: a chain segment a lookup already walked,
-        # matched again with one dict lookup, one memcmp of the tokens and a C-level check
-        # that each block still holds its entry (``getter(block_entries) == entries``; an
-        # entry equals only itself, so a key evicted and indexed again does not pass). Dead
-        # spans fail that check and are swept; nothing else depends on them. Only chains of
-        # bytes keys get spans; `span_blocks` >= 2 (tests lower it).
+        # Spans (see the module docstring): key of a chain's block -> (getter, tokens,
+        # entries, block_ids, uid of the last) for the `span_blocks` blocks from it. Live iff
+        # ``getter(block_entries) == entries`` (an entry equals only itself, so a key evicted
+        # and indexed again does not pass); dead spans are swept, nothing else depends on
+        # them. Only chains of bytes keys get spans; `span_blocks` >= 2 (tests lower it).
         self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], int]] = {}
         self.span_blocks = span_blocks
         # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
@@ -141,13 +130,7 @@ class PrefixIndex:
     def keys_of(
         self, token_ids: Sequence[Any], block_size: int, start: int = 0, stop: int | None = None
     ) -> Sequence[BlockTokens]:
-        """Canonical tokens of full blocks ``start <= i < stop`` (stop: all full blocks).
-
-        Args:
-            token_ids: the sequence's tokens.
-            block_size: tokens per block.
-            start: first block index.
-            stop: one past the last block index; None for every full block.
+        """Canonical tokens of full blocks ``start <= i < stop`` (stop None: every full block).
 
         Returns:
             One `block_tokens` per full block in the range, equal to what `block_tokens`
@@ -177,8 +160,6 @@ class PrefixIndex:
         ``i`` matches only if blocks ``0 .. i-1`` matched.
 
         Args:
-            token_ids: the prompt.
-            block_size: tokens per block.
             max_blocks: look at most this many leading blocks.
 
         Returns:
@@ -212,11 +193,13 @@ class PrefixIndex:
         rest = self._split(packed, width, len(block_ids), num_full) if with_rest else ()
         return block_ids, uid, rest
 
-    def match_keys(self, keys: Sequence[BlockTokens], max_blocks: int) -> tuple[list[int], int]:
-        """`match` on block tokens from `keys_of`: the first ``max_blocks`` of `keys`."""
+    def match_keys(
+        self, keys: Sequence[BlockTokens], max_blocks: int, uid: int = ROOT_UID
+    ) -> tuple[list[int], int]:
+        """`match` on block tokens from `keys_of`: the first ``max_blocks`` of `keys`, the
+        first of them chained from `uid`."""
         get = self._entries.get
         block_ids: list[int] = []
-        uid = ROOT_UID
         for tokens in keys[:max_blocks]:
             entry = get((uid, tokens))
             if entry is None:
@@ -231,11 +214,11 @@ class PrefixIndex:
         Walks `span_blocks` blocks at a time: a live span (see `_spans`) matches a whole
         chunk at once; else block by block, and a chunk walked whole becomes a span.
         """
-        get, spans, block_entries = self._entries.get, self._spans, self.block_entries
+        spans, block_entries = self._spans, self.block_entries
         num_span = self.span_blocks
         span_width, end = width * num_span, width * num
         block_ids: list[int] = []
-        append, uid = block_ids.append, ROOT_UID
+        uid = ROOT_UID
         for start in range(0, end, span_width):
             stop = min(start + span_width, end)
             if stop - start == span_width:
@@ -251,12 +234,11 @@ class PrefixIndex:
                     block_ids += span[3]
                     uid = span[4]
                     continue
-            for tokens in self._split(packed, width, start // width, stop // width):
-                entry = get((uid, tokens))
-                if entry is None:
-                    return block_ids, uid
-                append(entry[0])
-                uid = entry[1]
+            chunk = self._split(packed, width, start // width, stop // width)
+            walked, uid = self.match_keys(chunk, len(chunk), uid)
+            block_ids += walked
+            if len(walked) < len(chunk):
+                return block_ids, uid
             if stop - start == span_width:
                 self._add_span(block_ids[-num_span:], uid)
         return block_ids, uid
@@ -315,11 +297,6 @@ class PrefixIndex:
         assert entry is not None, f"block {block_id} is not indexed"
         del self._entries[entry[2]]
         self.block_entries[block_id] = None
-
-    def key_of(self, block_id: int) -> BlockKey | None:
-        """The key ``(parent_uid, block_tokens)`` `block_id` is indexed under, or None."""
-        entry = self.block_entries[block_id]
-        return None if entry is None else entry[2]
 
     def uid_of(self, block_id: int) -> int | None:
         """The uid of the entry `block_id` holds, or None if it is not indexed."""

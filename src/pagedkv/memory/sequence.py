@@ -4,44 +4,35 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 SeqId = Hashable
 
 
+@dataclass(slots=True, eq=False)
 class SeqState:
     """One sequence's state: its blocks (device or host, ``array('i')``) and its tokens."""
 
-    __slots__ = ("block_ids", "token_ids", "num_keyed", "chain_uid", "host_block_ids", "table",
-                 "is_tail_own")  # fmt: skip
-
-    def __init__(
-        self,
-        block_ids: array[int],
-        token_ids: list[Any] | tuple[Any, ...],
-        num_keyed: int,
-        chain_uid: int,
-    ) -> None:
-        self.block_ids = block_ids
-        # The prompt stays the tuple `allocate` packed its keys from (no second copy) until
-        # the first `append` turns it into a list.
-        self.token_ids = token_ids
-        # Leading full blocks already offered to the prefix index, and the uid naming the
-        # prefix through the last of them (the parent of the next full block's key).
-        self.num_keyed = num_keyed
-        self.chain_uid = chain_uid
-        # Host blocks while swapped out (block_ids is then empty), else None.
-        self.host_block_ids: array[int] | None = None
-        # `block_ids` as the list handed out by `KVCacheManager.append_token`, or None once
-        # the blocks changed: replaced, never mutated, since a step may still read the old one.
-        self.table: list[int] | None = None
-        # True when resident, `token_ids` is a list and a partially filled last block is
-        # this sequence's alone, so `append_token` writes into it without asking the pool
-        # (or, when the last block is full, takes one fresh block).
-        # Only a fork shares a partial block (prefix hits are on full blocks), and a
-        # non-empty `append` leaves the last block unshared (written in place, fresh, or
-        # copied).
-        self.is_tail_own = False
+    block_ids: array[int]
+    # The prompt stays the tuple `allocate` packed its keys from (no second copy) until
+    # the first `append` turns it into a list.
+    token_ids: list[Any] | tuple[Any, ...]
+    # Leading full blocks already offered to the prefix index, and the uid naming the
+    # prefix through the last of them (the parent of the next full block's key).
+    num_keyed: int
+    chain_uid: int
+    # Host blocks while swapped out (block_ids is then empty), else None.
+    host_block_ids: array[int] | None = None
+    # `block_ids` as the list handed out by `KVCacheManager.append_token`, or None once
+    # the blocks changed: replaced, never mutated, since a step may still read the old one.
+    table: list[int] | None = None
+    # True when resident, `token_ids` is a list and a partially filled last block is
+    # this sequence's alone, so `append_token` writes into it without asking the pool
+    # (or, when the last block is full, takes one fresh block). Only a fork shares a
+    # partial block (prefix hits are on full blocks), and a non-empty `append` leaves
+    # the last block unshared (written in place, fresh, or copied).
+    is_tail_own: bool = False
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -53,15 +44,6 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return value
-
-
-def token_list(token_ids: Sequence[Any]) -> list[Any]:
-    """Copy `token_ids` (a list, tuple, range, array, ...) into a list.
-
-    Raises:
-        ValueError: `token_ids` is not iterable, or is a str or bytes.
-    """
-    return list(token_tuple(token_ids))
 
 
 def token_tuple(token_ids: Sequence[Any]) -> tuple[Any, ...]:
