@@ -73,19 +73,21 @@ _ERRORS: dict[int | str, Any] = {
         "headers": {"Retry-After": {"schema": {"type": "integer"}}},
     },
 }
-_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# The completion routes' answers: a JSON body, or server-sent events.
+_GENERATE_RESPONSES = {
+    200: {
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "description": "JSON, or SSE with stream: true.",
+    }
+} | _ERRORS
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, shutdown_engine: bool = True) -> FastAPI:
     """Build the server app around a (not necessarily started) `AsyncEngine`.
 
-    Args:
-        engine: the engine front; started when the app starts.
-        model_name: the name `/v1/models` lists and requests must use (or omit).
-        shutdown_engine: stop the engine thread when the app shuts down.
-
-    Returns:
-        The FastAPI app; serve it with uvicorn (or `launch.serve` for a bounded shutdown).
+    The engine starts with the app (and stops with it if `shutdown_engine`); `model_name` is
+    the name `/v1/models` lists and requests must use (or omit). Serve the app with uvicorn,
+    or `launch.serve` for a bounded shutdown.
     """
 
     @asynccontextmanager
@@ -217,12 +219,7 @@ def _add_routes(app: FastAPI) -> None:
         check_model(state, model_id)
         return _card(state)
 
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={200: {"content": _STREAM, "description": "JSON, or SSE with stream: true."}}
-        | _ERRORS,
-    )
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
@@ -230,10 +227,8 @@ def _add_routes(app: FastAPI) -> None:
         # max_tokens 0 with echo: generate one token and drop it, as vLLM does.
         max_tokens = max(body.max_tokens, 1)
         for prompt in prompts:
-            num_prompt = (
-                len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(prompt)
-            )
-            check_context(state.max_model_len, num_prompt, max_tokens)
+            token_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+            check_context(state.max_model_len, len(token_ids), max_tokens)
         prompt_logprobs = body.logprobs if body.echo else None
         params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         builder = CompletionBuilder(
@@ -242,10 +237,7 @@ def _add_routes(app: FastAPI) -> None:
         return await _serve(request, state, builder, prompts, params, body.stream)
 
     @app.post(
-        "/v1/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses={200: {"content": _STREAM, "description": "JSON, or SSE with stream: true."}}
-        | _ERRORS,
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATE_RESPONSES
     )
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
@@ -269,14 +261,12 @@ def _card(state: ServerState) -> ModelCard:
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Any]:
     """Each prompt as token ids, text prompts tokenized here so their length is checked
     before admission (the engine gets {"prompt", "prompt_token_ids"} and keeps the text)."""
-    prompts: list[Any] = []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            ids = require_tokenizer(state, "prompt").encode(prompt)
-            prompts.append({"prompt": prompt, "prompt_token_ids": ids})
-        else:
-            prompts.append(prompt)
-    return prompts
+    return [
+        {"prompt": p, "prompt_token_ids": require_tokenizer(state, "prompt").encode(p)}
+        if isinstance(p, str)
+        else p
+        for p in body.prompts()
+    ]
 
 
 async def _serve(

@@ -148,11 +148,6 @@ class AsyncEngine:
             and self._drain_deadline is None
         )
 
-    @property
-    def num_in_flight(self) -> int:
-        """Requests admitted and not finished (approximate outside the engine thread)."""
-        return len(self._streams)
-
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         if self._thread is not None:
@@ -280,9 +275,7 @@ class AsyncEngine:
             raise  # the engine cannot go on: `_run` ends and fails every request with it
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             logger.exception("engine step failed; aborting %d requests", len(self._streams))
-            for request_id in list(self._streams):
-                self._fail(request_id, RuntimeError(f"engine step failed: {exc}"))
-                self.engine.abort_request(request_id)
+            self._abort_all(RuntimeError(f"engine step failed: {exc}"))
             return
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -299,10 +292,7 @@ class AsyncEngine:
         if deadline is None or time.monotonic() < deadline or not self._streams:
             return
         logger.warning("shutdown timeout: aborting %d running requests", len(self._streams))
-        error = EngineShuttingDown("the server shut down before this request finished")
-        for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
-            self._fail(request_id, error)
+        self._abort_all(EngineShuttingDown("the server shut down before this request finished"))
 
     def _refresh_stats(self) -> None:
         try:
@@ -320,6 +310,12 @@ class AsyncEngine:
         if isinstance(self.error, EngineFailed):
             return EngineFailed(f"the engine failed: {self.error}")
         return EngineDead("the engine is not running")
+
+    def _abort_all(self, exc: BaseException) -> None:
+        """Abort every running request in the engine; each stream ends with `exc`."""
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._fail(request_id, exc)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -161,8 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     if engine.tokenizer is not None
                     else "".join(f" {t}" for t in sample.token_ids)
                 )
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                print(text, end="", flush=True)
                 num_tokens = sample.num_tokens
                 finish_reason = sample.finish_reason or finish_reason
     elapsed = time.perf_counter() - started

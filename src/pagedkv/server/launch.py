@@ -26,7 +26,6 @@ def serve(app: Any, *, host: str, port: int, shutdown_timeout: float = 30.0) -> 
 
     Args:
         app: the FastAPI app; `app.state.server.engine` is its `AsyncEngine`.
-        host, port: where to listen.
         shutdown_timeout: seconds running requests may take after the signal.
 
     Raises:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -22,19 +22,13 @@ class LogprobFormatter:
 
     tokenizer: Any
     text_offset: int = 0
-    chat_content: list[ChatTokenLogprob] = field(default_factory=list)
 
     def completion(self, sample: SampleDelta) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            text = token_text(self.tokenizer, token_id)
-            out.tokens.append(text)
+            self._add_token(out, token_id)
             out.token_logprobs.append(_finite(top.get(token_id)))
-            out.top_logprobs.append(
-                {token_text(self.tokenizer, t): _finite(lp) for t, lp in _sorted(top)}
-            )
-            out.text_offset.append(self.text_offset)
-            self.text_offset += len(text)
+            out.top_logprobs.append(self._top_dict(_sorted(top)))
         return out
 
     def prompt(
@@ -46,11 +40,8 @@ class LogprobFormatter:
         """The echoed prompt's logprobs: null for the first token (nothing predicts it)."""
         out = CompletionLogprobs()
         for i, token_id in enumerate(token_ids):
-            text = token_text(self.tokenizer, token_id)
+            self._add_token(out, token_id)
             top = prompt_logprobs[i] if prompt_logprobs is not None else None
-            out.tokens.append(text)
-            out.text_offset.append(self.text_offset)
-            self.text_offset += len(text)
             if top is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -59,30 +50,33 @@ class LogprobFormatter:
             tops = [(token_id, top[token_id])] if num_top == 0 else _sorted(top)[:num_top]
             if all(t != token_id for t, _ in tops):
                 tops.append((token_id, top[token_id]))
-            out.top_logprobs.append({token_text(self.tokenizer, t): _finite(lp) for t, lp in tops})
+            out.top_logprobs.append(self._top_dict(tops))
         return out
 
     def chat(self, sample: SampleDelta, num_top: int) -> list[ChatTokenLogprob]:
         out = []
         for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            text = token_text(self.tokenizer, token_id)
-            tops = [
-                TopLogprob(
-                    token=token_text(self.tokenizer, t),
-                    logprob=_finite(lp),
-                    bytes=list(token_text(self.tokenizer, t).encode()),
-                )
-                for t, lp in _sorted(top)[:num_top]
-            ]
+            tops = [self._chat_entry(TopLogprob, t, lp) for t, lp in _sorted(top)[:num_top]]
             out.append(
-                ChatTokenLogprob(
-                    token=text,
-                    logprob=_finite(top.get(token_id)),
-                    bytes=list(text.encode()),
-                    top_logprobs=tops,
-                )
+                self._chat_entry(ChatTokenLogprob, token_id, top.get(token_id), top_logprobs=tops)
             )
         return out
+
+    def _add_token(self, out: CompletionLogprobs, token_id: int) -> None:
+        """Append a token's text and its offset in the choice's text."""
+        text = token_text(self.tokenizer, token_id)
+        out.tokens.append(text)
+        out.text_offset.append(self.text_offset)
+        self.text_offset += len(text)
+
+    def _top_dict(self, tops: list[tuple[int, float]]) -> dict[str, float]:
+        return {token_text(self.tokenizer, t): _finite(lp) for t, lp in tops}
+
+    def _chat_entry(
+        self, cls: type[Any], token_id: int, logprob: float | None, **extra: Any
+    ) -> Any:
+        text = token_text(self.tokenizer, token_id)
+        return cls(token=text, logprob=_finite(logprob), bytes=list(text.encode()), **extra)
 
 
 def _sorted(top: dict[int, float]) -> list[tuple[int, float]]:
@@ -91,6 +85,4 @@ def _sorted(top: dict[int, float]) -> list[tuple[int, float]]:
 
 def _finite(value: float | None) -> float:
     # JSON has no -inf; OpenAI clients expect a number, so clamp like vLLM does.
-    if value is None:
-        return -9999.0
-    return max(float(value), -9999.0)
+    return -9999.0 if value is None else max(float(value), -9999.0)

@@ -87,7 +87,7 @@ class _EngineStatsCollector(Collector):
         for key, name, doc in _GAUGES:
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
-        if "num_blocks" in stats and stats["num_blocks"]:
+        if stats.get("num_blocks"):
             used = float(stats.get("num_used_blocks", 0))
             yield GaugeMetricFamily(
                 "pagedkv_kv_cache_usage_ratio",
@@ -107,33 +107,25 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    """The metrics of one server; `render()` is the `/metrics` body.
-
-    Args:
-        stats_fn: returns the engine's latest stats dict (called at every scrape).
-    """
+    """The metrics of one server; `render()` is the `/metrics` body, and calls `stats_fn()`
+    (the engine's latest stats dict) at every scrape."""
 
     def __init__(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats_fn))
         reg = self.registry
-        self.time_to_first_token = Histogram(
-            "pagedkv_time_to_first_token_seconds",
-            "Request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=reg)
+
+        self.time_to_first_token = latency(
+            "pagedkv_time_to_first_token_seconds", "Request arrival to its first token."
         )
-        self.inter_token_latency = Histogram(
-            "pagedkv_inter_token_latency_seconds",
-            "Time between consecutive tokens of a sample.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+        self.inter_token_latency = latency(
+            "pagedkv_inter_token_latency_seconds", "Time between consecutive tokens of a sample."
         )
-        self.request_latency = Histogram(
-            "pagedkv_e2e_request_latency_seconds",
-            "Request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+        self.request_latency = latency(
+            "pagedkv_e2e_request_latency_seconds", "Request arrival to its last token."
         )
         self.prompt_tokens = Counter(
             "pagedkv_prompt_tokens", "Prompt tokens of finished requests.", registry=reg

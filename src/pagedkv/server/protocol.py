@@ -4,8 +4,8 @@ Requests validate their own types and ranges, so a bad field becomes a 400 namin
 the engine sees anything. Every field is either honoured or refused: an unknown field is a
 400 (`extra="forbid"`), and a known field the server cannot honour (`suffix`, `best_of`
 other than 1 or n, `response_format` other than text, `tools`, `tool_choice`) is a 400 that
-names it. Only the fields listed in `IGNORED_FIELDS` (and a message's `name`) are accepted
-and ignored.
+names it. Only `user`, `metadata`, `store`, `service_tier` and a message's `name` are accepted
+and ignored: they ask nothing of generation (bookkeeping on OpenAI's side).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # OpenAI caps `logprobs` (completions) and `top_logprobs` (chat) at 20.
 MAX_LOGPROBS = 20
-# Accepted and ignored: they ask nothing of generation (bookkeeping on OpenAI's side).
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -94,8 +92,7 @@ class SamplingRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        values = [stop] if isinstance(stop, str) else (stop or [])
-        if any(s == "" for s in values):
+        if "" in ([stop] if isinstance(stop, str) else (stop or [])):
             raise ValueError("expected non-empty stop strings, got ''")
         return stop
 
@@ -150,15 +147,14 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_not_empty(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and not prompt:
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
             raise ValueError("expected a non-empty prompt, got []")
-        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
+        if any(isinstance(p, list) and not p for p in prompt):
             raise ValueError("expected non-empty token-id prompts, got []")
-        if isinstance(prompt, list) and any(isinstance(t, int) and t < 0 for t in prompt):
-            raise ValueError("expected non-negative token ids")
-        if isinstance(prompt, list) and any(
-            isinstance(p, list) and any(t < 0 for t in p) for p in prompt
-        ):
+        token_ids = [t for p in prompt for t in (p if isinstance(p, list) else [p])]
+        if any(isinstance(t, int) and t < 0 for t in token_ids):
             raise ValueError("expected non-negative token ids")
         return prompt
 
@@ -194,14 +190,12 @@ class ChatMessage(BaseModel):
         """The content as plain text (OpenAI's list-of-parts form joined)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
                     f"content: expected text parts, got type {short(part.get('type'))}"
                 )
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)
 
 
 class TextFormat(BaseModel):

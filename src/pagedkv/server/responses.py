@@ -19,6 +19,7 @@ from pagedkv.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -34,12 +35,16 @@ from pagedkv.server.streaming import RequestDelta, SampleDelta
 class _Choice:
     formatter: LogprobFormatter
     text: list[str] = field(default_factory=list)
-    completion_logprobs: CompletionLogprobs | None = None
+    completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
 
 class _Builder:
     """Shared bookkeeping: choices by index, token counts for `usage`."""
+
+    # The body of stream chunks: one choice each, or none and the usage.
+    chunk_type: type[CompletionResponse] | type[ChatCompletionChunk]
 
     def __init__(self, request_id: str, model: str, body: SamplingRequest, tokenizer: Any) -> None:
         self.request_id = request_id
@@ -56,9 +61,14 @@ class _Builder:
             self._choices[index] = _Choice(LogprobFormatter(self.tokenizer))
         return index, self._choices[index]
 
+    @property
+    def _is_echo_only(self) -> bool:
+        return False
+
     def _count(self, prompt_index: int, delta: RequestDelta) -> None:
         self._prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
-        self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
+        if not self._is_echo_only:
+            self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt_tokens.values())
@@ -68,11 +78,16 @@ class _Builder:
             total_tokens=prompt + self._completion_tokens,
         )
 
-    def _include_usage(self) -> bool:
-        return bool(self.body.stream_options and self.body.stream_options.include_usage)
+    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> Any:
+        return self.chunk_type(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def first_chunks(self) -> list[Any]:
         return []
+
+    def usage_chunk(self) -> Any:
+        """The last chunk, with no choice and the usage, if `stream_options` asks for it."""
+        options = self.body.stream_options
+        return self._chunk([], self.usage()) if options and options.include_usage else None
 
 
 class CompletionBuilder(_Builder):
@@ -84,15 +99,11 @@ class CompletionBuilder(_Builder):
     """
 
     body: CompletionRequest
+    chunk_type = CompletionResponse
 
     @property
     def _is_echo_only(self) -> bool:
         return self.body.echo and self.body.max_tokens == 0
-
-    def _count(self, prompt_index: int, delta: RequestDelta) -> None:
-        self._prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
-        if not self._is_echo_only:
-            self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
 
     def _part(
         self, prompt_index: int, delta: RequestDelta, sample: SampleDelta
@@ -127,10 +138,7 @@ class CompletionBuilder(_Builder):
             choice.text.append(text)
             choice.finish_reason = sample.finish_reason or choice.finish_reason
             if logprobs is not None:
-                if choice.completion_logprobs is None:
-                    choice.completion_logprobs = logprobs
-                else:
-                    _extend(choice.completion_logprobs, logprobs)
+                _extend(choice.completion_logprobs, logprobs)
 
     def response(self) -> CompletionResponse:
         choices = [
@@ -138,42 +146,22 @@ class CompletionBuilder(_Builder):
                 index=i,
                 text="".join(c.text),
                 finish_reason=c.finish_reason,
-                logprobs=c.completion_logprobs
-                or (CompletionLogprobs() if self.body.logprobs is not None else None),
+                logprobs=c.completion_logprobs if self.body.logprobs is not None else None,
             )
             for i, c in sorted(self._choices.items())
         ]
-        return CompletionResponse(
-            id=self.request_id, model=self.model, choices=choices, usage=self.usage()
-        )
+        return self._chunk(choices, self.usage())
 
     def chunks(self, prompt_index: int, delta: RequestDelta) -> list[CompletionResponse]:
         self._count(prompt_index, delta)
         out = []
         for sample in delta.samples:
             index, _, text, logprobs = self._part(prompt_index, delta, sample)
-            out.append(
-                CompletionResponse(
-                    id=self.request_id,
-                    model=self.model,
-                    choices=[
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=sample.finish_reason,
-                        )
-                    ],
-                )
+            choice = CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason
             )
+            out.append(self._chunk([choice]))
         return out
-
-    def usage_chunk(self) -> CompletionResponse | None:
-        if not self._include_usage():
-            return None
-        return CompletionResponse(
-            id=self.request_id, model=self.model, choices=[], usage=self.usage()
-        )
 
 
 def _extend(logprobs: CompletionLogprobs, part: CompletionLogprobs) -> None:
@@ -185,6 +173,7 @@ class ChatBuilder(_Builder):
     """`/v1/chat/completions` bodies: assistant messages, per-token logprob objects."""
 
     body: ChatCompletionRequest
+    chunk_type = ChatCompletionChunk
 
     def _chat_logprobs(self, choice: _Choice, sample: SampleDelta) -> list[Any] | None:
         if not self.body.logprobs:
@@ -199,7 +188,7 @@ class ChatBuilder(_Builder):
             choice.finish_reason = sample.finish_reason or choice.finish_reason
             content = self._chat_logprobs(choice, sample)
             if content is not None:
-                choice.formatter.chat_content.extend(content)
+                choice.chat_logprobs.extend(content)
 
     def response(self) -> ChatCompletionResponse:
         choices = [
@@ -207,9 +196,7 @@ class ChatBuilder(_Builder):
                 index=i,
                 message=ChatResponseMessage(content="".join(c.text)),
                 finish_reason=c.finish_reason,
-                logprobs=(
-                    ChatLogprobs(content=c.formatter.chat_content) if self.body.logprobs else None
-                ),
+                logprobs=(ChatLogprobs(content=c.chat_logprobs) if self.body.logprobs else None),
             )
             for i, c in sorted(self._choices.items())
         ]
@@ -220,12 +207,8 @@ class ChatBuilder(_Builder):
     def first_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice's stream with the role, then sends content deltas.
         return [
-            ChatCompletionChunk(
-                id=self.request_id,
-                model=self.model,
-                choices=[
-                    ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                ],
+            self._chunk(
+                [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
             )
             for i in range(self.body.n)
         ]
@@ -236,25 +219,11 @@ class ChatBuilder(_Builder):
         for sample in delta.samples:
             index, choice = self._choice(prompt_index, sample)
             content = self._chat_logprobs(choice, sample)
-            out.append(
-                ChatCompletionChunk(
-                    id=self.request_id,
-                    model=self.model,
-                    choices=[
-                        ChatChunkChoice(
-                            index=index,
-                            delta=DeltaMessage(content=sample.text),
-                            logprobs=ChatLogprobs(content=content) if content is not None else None,
-                            finish_reason=sample.finish_reason,
-                        )
-                    ],
-                )
+            chunk_choice = ChatChunkChoice(
+                index=index,
+                delta=DeltaMessage(content=sample.text),
+                logprobs=ChatLogprobs(content=content) if content is not None else None,
+                finish_reason=sample.finish_reason,
             )
+            out.append(self._chunk([chunk_choice]))
         return out
-
-    def usage_chunk(self) -> ChatCompletionChunk | None:
-        if not self._include_usage():
-            return None
-        return ChatCompletionChunk(
-            id=self.request_id, model=self.model, choices=[], usage=self.usage()
-        )

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pagedkv.server.async_engine import AsyncEngine, RequestStream
@@ -24,6 +24,7 @@ from pagedkv.server.streaming import RequestDelta
 logger = logging.getLogger("pagedkv.server")
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error answered with OpenAI's body shape and an HTTP status.
 
@@ -31,25 +32,16 @@ class APIError(Exception):
     (one of `metrics.REJECT_REASONS`).
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        reason: str = "invalid_request",
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = (
-            message,
-            status,
-            type,
-            param,
-            code,
-        )
-        self.reason = reason
+    message: str
+    _: KW_ONLY
+    status: int = 400
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    reason: str = "invalid_request"
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 @dataclass
@@ -102,11 +94,8 @@ def param_of(message: str, default: str | None = None) -> str | None:
 
 
 def check_context(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
-    """400 unless the prompt and `max_tokens` new tokens fit the model's context.
-
-    Raises:
-        APIError: 400 naming both numbers (reason "context_length").
-    """
+    """A 400 naming both numbers (reason "context_length") unless the prompt and `max_tokens`
+    new tokens fit the model's context."""
     if num_prompt + max_tokens <= max_model_len:
         return
     raise APIError(

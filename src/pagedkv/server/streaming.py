@@ -24,7 +24,6 @@ class SampleDelta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float | None
     finish_reason: str | None
     num_tokens: int  # generated tokens so far, this delta's included
 
@@ -33,7 +32,6 @@ class SampleDelta:
 class RequestDelta:
     """One progress report of a request: the samples that changed, and whether it is done."""
 
-    request_id: str
     prompt_token_ids: list[int]
     samples: list[SampleDelta]
     finished: bool
@@ -53,8 +51,7 @@ class _SampleState:
 class DeltaTracker:
     """Per-request memory of what has been sent; `update` turns an output into a delta.
 
-    Args:
-        stop: the request's stop strings (text that may start one is held back).
+    Text that may start one of the request's `stop` strings is held back.
     """
 
     stop: list[str] | None = None
@@ -68,7 +65,6 @@ class DeltaTracker:
         """Delta of a `RequestOutput` (duck-typed) against what earlier calls returned."""
         samples = [self._sample_delta(c) for c in output.outputs]
         return RequestDelta(
-            request_id=output.request_id,
             prompt_token_ids=list(output.prompt_token_ids or []),
             samples=[s for s in samples if s is not None],
             finished=bool(output.finished),
@@ -103,7 +99,6 @@ class DeltaTracker:
             text=new_text,
             token_ids=token_ids,
             logprobs=logprobs,
-            cumulative_logprob=completion.cumulative_logprob,
             finish_reason=finish_reason,
             num_tokens=state.num_tokens,
         )
