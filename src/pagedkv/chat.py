@@ -14,7 +14,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.engine.args import EngineArgs
@@ -74,7 +74,6 @@ class ChatSession:
         """Add a user message, stream the reply through `write`, add it to the history.
 
         Args:
-            user_text: the user's message.
             write: called with each new piece of the reply's text.
             should_stop: polled between engine steps; True aborts the reply, and what was
                 written so far stays in the history.
@@ -86,8 +85,6 @@ class ChatSession:
             ValueError: the conversation no longer fits the model's context (the message
                 is not kept).
         """
-        from dataclasses import replace
-
         self.messages.append({"role": "user", "content": user_text})
         ids = self.prompt_token_ids()
         room = self.engine.max_model_len - len(ids)
@@ -111,15 +108,12 @@ class ChatSession:
                 if len(new_text) > len(text):
                     write(new_text[len(text) :])
                     text = new_text
-        completion = output.outputs[0] if output is not None else None
-        self.turns.append(
-            Turn(
-                len(ids),
-                output.num_cached_tokens if output is not None else 0,
-                len(completion.token_ids) if completion is not None else 0,
-                "abort" if stopped or completion is None else completion.finish_reason,
-            )
-        )
+        turn = Turn(len(ids), 0, 0, "abort")  # stopped before its first step
+        if output is not None:
+            completion = output.outputs[0]
+            reason = "abort" if stopped else completion.finish_reason
+            turn = Turn(len(ids), output.num_cached_tokens, len(completion.token_ids), reason)
+        self.turns.append(turn)
         self.messages.append({"role": "assistant", "content": text})
         return text
 
@@ -127,10 +121,10 @@ class ChatSession:
         """What `/stats` prints: the conversation's size, the KV pool, prefix-cache reuse."""
         stats = self.engine.stats()
         block_size = stats["block_size"]
-        tokens = len(self.prompt_token_ids()) - 1 if self.messages else 0
+        tokens = max(len(self.prompt_token_ids()) - 1, 0) if self.messages else 0
         lines = [
-            f"conversation  {len(self.turns)} turns, about {max(tokens, 0)} tokens "
-            f"({-(-max(tokens, 0) // block_size)} KV blocks of {block_size} tokens)",
+            f"conversation  {len(self.turns)} turns, about {tokens} tokens "
+            f"({-(-tokens // block_size)} KV blocks of {block_size} tokens)",
             f"KV pool       {stats['num_blocks']} blocks: {stats['num_used_blocks']} in use, "
             f"{stats.get('num_cached_blocks', 0)} cached for reuse, "
             f"{stats['num_free_blocks']} free or evictable",
@@ -153,9 +147,6 @@ class ChatSession:
 class _StopOnInterrupt:
     """While entered, Ctrl-C sets a flag instead of raising, so the engine is never
     interrupted in the middle of a step."""
-
-    def __init__(self) -> None:
-        self.hit = False
 
     def __enter__(self) -> _StopOnInterrupt:
         self.hit = False

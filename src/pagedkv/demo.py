@@ -118,10 +118,6 @@ def run_workload(
         engine: an `LLMEngine` (for instance `LLM(...).engine`).
         requests: the workload; each sample is seeded from (seed, request index).
         progress: show a tqdm progress bar (requests finished).
-
-    Returns:
-        Timing, token counts, peak block use and running requests, recomputed tokens,
-        final `stats()`.
     """
     from tqdm.auto import tqdm
 
@@ -331,10 +327,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print()
         print(f"a mixed workload of {len(requests)} requests (random-token prompts):")
         result = run_workload(llm.engine, requests, seed=args.seed, progress=not args.no_progress)
-    kv_bytes = config.kv_bytes_per_token(_dtype_bytes(llm)) * args.block_size
+    dtype_bytes = int(llm.engine.runner.kv_cache.key_caches[0].element_size())
+    kv_bytes = config.kv_bytes_per_token(dtype_bytes) * args.block_size
     print(format_report(requests, result, args.block_size, kv_bytes))
     return 0
-
-
-def _dtype_bytes(llm: Any) -> int:
-    return int(llm.engine.runner.kv_cache.key_caches[0].element_size())

@@ -137,14 +137,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _workloads_help() -> str:
     """The built-in workloads and their mixes, one wrapped paragraph each."""
-    lines = ["built-in workloads (--workload):"]
-    for name in WORKLOADS:
-        lines.append(
-            textwrap.fill(
-                f"{name}: {WORKLOAD_MIXES[name]}", initial_indent="  ", subsequent_indent="    "
-            )
+    mixes = [
+        textwrap.fill(
+            f"{name}: {WORKLOAD_MIXES[name]}", initial_indent="  ", subsequent_indent="    "
         )
-    return "\n".join(lines)
+        for name in WORKLOADS
+    ]
+    return "\n".join(["built-in workloads (--workload):", *mixes])
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -265,6 +264,22 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The table's columns between the policy name and the wall time: (heading, field, format).
+_COLUMNS = (
+    ("admit", "admitted", ","),
+    ("queued", "queued", ","),
+    ("reject", "rejected", ","),
+    ("preempt", "preemptions", ","),
+    ("steps", "steps", ","),
+    ("peak", "peak_concurrency", ","),
+    ("mean", "mean_concurrency", ",.1f"),
+    ("util", "mean_kv_utilization", ".1%"),
+    ("int.frag", "internal_fragmentation", ".1%"),
+    ("ext.frag", "external_fragmentation", ".1%"),
+    ("stalls", "fragmentation_stalls", ","),
+)
+
+
 def format_results(header: dict[str, Any], results: list[tuple[PolicyResult, float]]) -> str:
     """One row per policy, then the first fragmentation stalls of each policy."""
     lines = [
@@ -272,30 +287,12 @@ def format_results(header: dict[str, Any], results: list[tuple[PolicyResult, flo
         f"{header['kv_memory_bytes'] / 2**30:g} GiB KV, block {header['block_size']}, "
         f"workload {header['workload']} ({header['requests']:,} requests)"
     ]
-    cols = tuple(
-        "policy admit queued reject preempt steps peak mean util int.frag ext.frag stalls "
-        "secs".split()
-    )
-    rows = [cols]
-    for r, secs in results:
-        rows.append(
-            (
-                r.policy,
-                f"{r.admitted:,}",
-                f"{r.queued:,}",
-                f"{r.rejected:,}",
-                f"{r.preemptions:,}",
-                f"{r.steps:,}",
-                f"{r.peak_concurrency:,}",
-                f"{r.mean_concurrency:,.1f}",
-                f"{r.mean_kv_utilization:.1%}",
-                f"{r.internal_fragmentation:.1%}",
-                f"{r.external_fragmentation:.1%}",
-                f"{r.fragmentation_stalls:,}",
-                f"{secs:.2f}",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    rows = [("policy", *(heading for heading, _, _ in _COLUMNS), "secs")]
+    rows += [
+        (r.policy, *(format(getattr(r, name), spec) for _, name, spec in _COLUMNS), f"{secs:.2f}")
+        for r, secs in results
+    ]
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     for row in rows:
         lines.append(
             "  ".join(

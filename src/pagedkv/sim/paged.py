@@ -79,10 +79,6 @@ class StandInRunner:
                 sampled[seq_id] = own_token(seq_id, seq.seq_len)
         return sampled
 
-    def step_time(self, step: SchedulerOutput) -> float:
-        """Clock units `step` takes."""
-        return self.cost.time(step.num_batched_tokens)
-
 
 class _Replay:
     """The state of one paged replay; `replay` drives it."""
@@ -149,7 +145,7 @@ class _Replay:
             on_step(step)
         self.sample()
         self.scheduler.update(step, sampled)
-        self.clock += self.runner.step_time(step)
+        self.clock += self.runner.cost.time(step.num_batched_tokens)
         self.num_steps += 1
 
     def sample(self) -> None:

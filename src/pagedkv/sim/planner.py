@@ -31,14 +31,12 @@ one by one: a step's activations (hidden states, attention and MLP intermediates
 the CUDA context and the caching allocator's slack. 0.10 is the headroom of vLLM's default
 `gpu_memory_utilization=0.9`; a plan with little to spare should be checked on the device."""
 
-_CONFIG_PACKAGE = "pagedkv.sim"
-_CONFIG_DIR = "model_configs"
+_CONFIGS = importlib.resources.files("pagedkv.sim") / "model_configs"
 
 
 def builtin_models() -> list[str]:
     """Names of the model configs shipped with pagedkv (`llama-2-70b`, `qwen3-8b`, ...)."""
-    root = importlib.resources.files(_CONFIG_PACKAGE) / _CONFIG_DIR
-    return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[: -len(".json")] for p in _CONFIGS.iterdir() if p.name.endswith(".json"))
 
 
 def load_model(model: str | Path) -> ModelConfig:
@@ -50,8 +48,7 @@ def load_model(model: str | Path) -> ModelConfig:
     text = str(model)
     name = text.lower()
     if name in builtin_models():
-        root = importlib.resources.files(_CONFIG_PACKAGE) / _CONFIG_DIR
-        return ModelConfig.from_hf(Path(str(root / f"{name}.json")))
+        return ModelConfig.from_hf(Path(str(_CONFIGS / f"{name}.json")))
     path = Path(text)
     if path.exists():
         return ModelConfig.from_hf(path)
@@ -149,7 +146,6 @@ def plan_memory(
     """Split one GPU's memory into weights and KV cache for `model`.
 
     Args:
-        model: the model's shape.
         memory_bytes: memory of one GPU, bytes.
         name: label for the output.
         context: tokens per full-context sequence; default the model's max positions.
@@ -172,7 +168,8 @@ def plan_memory(
         raise ValueError(f"memory: expected > 0 bytes, got {memory_bytes}")
     if block_size <= 0:
         raise ValueError(f"block_size: expected > 0, got {block_size}")
-    context = model.max_position_embeddings if context is None else context
+    max_positions = model.max_position_embeddings
+    context = max_positions if context is None else context
     if context <= 0:
         raise ValueError(f"context: expected > 0 tokens, got {context}")
     if not 0 <= activation_margin < 1:
@@ -187,7 +184,6 @@ def plan_memory(
     budget = max(0, memory_bytes - weight_bytes - margin_bytes)
     num_blocks = budget // per_block
     blocks_per_seq = -(-context // block_size)
-    max_positions = model.max_position_embeddings
     warnings = []
     if context > max_positions:
         warnings.append(

@@ -54,7 +54,6 @@ class ContiguousPolicy:
         self.name = name
         self.capacity = capacity
         self.max_len = max_len
-        self.block_size = 1
         self._starts = [0]  # free holes, sorted by address
         self._sizes = [capacity]
         self._reserved = 0
@@ -161,7 +160,6 @@ class PagedPolicy:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.capacity = num_blocks * block_size
-        self.prefix_caching = prefix_caching
         self.scheduler_config = scheduler if scheduler is not None else SchedulerConfig()
         self.step_cost = step_cost if step_cost is not None else StepCost()
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)

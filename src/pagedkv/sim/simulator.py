@@ -69,10 +69,6 @@ class _Run:
                 self.queue.append(Live(index, request, request.prompt_len, step))
         return step
 
-    def remove(self, live: Live) -> None:
-        del self.running[live.index]
-        self.base -= live.prompt_len + 1 - live.start
-
     def admit(self, step: int) -> None:
         """Admit from the queue head in FIFO order until the head does not fit."""
         while self.queue:
@@ -122,7 +118,8 @@ class _Run:
     def finish(self, step: int) -> None:
         for live in self.finishing.pop(step, ()):
             if self.running.get(live.index) is live:
-                self.remove(live)
+                del self.running[live.index]
+                self.base -= live.prompt_len + 1 - live.start
                 self.policy.release(live)
 
     def result(self, steps: int) -> PolicyResult:

@@ -74,10 +74,11 @@ def load_trace(path: str | Path) -> list[Request]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise ValueError(f"cannot read trace {path}: {exc.strerror}") from None
-    requests = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            requests.append(_parse_line(line, f"{path}:{number}"))
+    requests = [
+        _parse_line(line, f"{path}:{number}")
+        for number, line in enumerate(lines, 1)
+        if line.strip()
+    ]
     if not requests:
         raise ValueError(f"trace {path}: expected at least one request, got none")
     return sorted(requests, key=lambda r: r.arrival)
@@ -131,24 +132,20 @@ def _lognormal_int(rng: random.Random, mean: float, sigma: float, low: int, high
     return min(high, max(low, round(rng.lognormvariate(mu, sigma))))
 
 
+def _sharegpt_lengths(rng: random.Random, max_len: int = 4096) -> tuple[int, int]:
+    """(prompt, output) lengths from lognormals fit to ShareGPT's published statistics (vLLM
+    paper, Fig. 11: mean input ~161 tokens, mean output ~338 tokens), capped at `max_len` each.
+    """
+    return _lognormal_int(rng, 161, 1.1, 4, max_len), _lognormal_int(rng, 338, 0.9, 4, max_len)
+
+
 def sharegpt_workload(
     num_requests: int, seed: int = 0, rate: float | None = None, max_len: int = 4096
 ) -> list[Request]:
-    """ShareGPT-like chat lengths: long-tailed (lognormal) prompts and outputs.
-
-    The lognormals are fit to ShareGPT's published statistics (vLLM paper, Fig. 11:
-    mean input ~161 tokens, mean output ~338 tokens), capped at `max_len` each.
-    """
+    """ShareGPT-like chat lengths: long-tailed (lognormal) prompts and outputs."""
     rng = random.Random(seed)
     arrivals = _arrivals(rng, num_requests, rate)
-    return [
-        Request(
-            arrival=a,
-            prompt_len=_lognormal_int(rng, 161, 1.1, 4, max_len),
-            output_len=_lognormal_int(rng, 338, 0.9, 4, max_len),
-        )
-        for a in arrivals
-    ]
+    return [Request(a, *_sharegpt_lengths(rng, max_len)) for a in arrivals]
 
 
 def long_context_workload(
@@ -180,12 +177,12 @@ def chat_workload(
     requests = []
     for a in arrivals:
         group = rng.randrange(num_prompts)
-        user = _lognormal_int(rng, 161, 1.1, 4, 4096)
+        user, output = _sharegpt_lengths(rng)
         requests.append(
             Request(
                 arrival=a,
                 prompt_len=system[group] + user,
-                output_len=_lognormal_int(rng, 338, 0.9, 4, 4096),
+                output_len=output,
                 prefix_group=group,
                 prefix_len=system[group],
             )
