@@ -217,16 +217,12 @@ def engine_args_signature(
     params = [inspect.Parameter("self", kind)] if method else []
     params.append(inspect.Parameter("model", kind, annotation="str | os.PathLike[str]"))
     hints = typing.get_type_hints(cls)
-    for spec in fields(cls):
-        if spec.name != "model":
-            params.append(
-                inspect.Parameter(
-                    spec.name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=spec.default,
-                    annotation=hints[spec.name],
-                )
-            )
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params += [
+        inspect.Parameter(spec.name, keyword, default=spec.default, annotation=hints[spec.name])
+        for spec in fields(cls)
+        if spec.name != "model"
+    ]
     return inspect.Signature(params)
 
 
@@ -309,12 +305,9 @@ def _add_flag(
             f"--no-{stem}", dest=spec.name, action="store_false", help=f"turn {flag} off"
         )
         return
-    kwargs: dict[str, Any] = {"dest": spec.name, "help": help_text}
+    kwargs: dict[str, Any] = {"dest": spec.name, "help": help_text, "default": spec.default}
     if spec.name == "model":
-        kwargs["required"] = model_required
-        kwargs["default"] = None
-    else:
-        kwargs["default"] = spec.default
+        kwargs.update(required=model_required, default=None)
     if _is_size(members):
         kwargs["metavar"] = "BYTES"  # parsed (and checked) by EngineArgs
     elif int in members:

@@ -111,7 +111,6 @@ class BeamSearchRun:
         """Args:
             engine: an `LLMEngine` with no unfinished requests.
             prompts: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}.
-            params: beam width, max_tokens, ignore_eos, length_penalty.
             early_stopping: as transformers' (`False` is its default).
 
         Raises:
@@ -224,17 +223,7 @@ class BeamSearchRun:
                 continue
             for beam in search.beams:
                 position = self.manager.num_tokens(beam.seq_id) - 1
-                seqs.append(
-                    ScheduledSequence(
-                        beam.seq_id,
-                        beam.token_ids[-1:],
-                        position,
-                        self.manager.block_table(beam.seq_id),
-                        self.manager.slot_mapping(beam.seq_id, position, position + 1),
-                        [beam.seq_id],
-                        search.params,
-                    )
-                )
+                seqs.append(self._row(search, beam.seq_id, beam.token_ids[-1:], position, True))
                 budget -= 1
         for search in active:
             if budget <= 0:
@@ -256,19 +245,22 @@ class BeamSearchRun:
             end = min(len(prompt), start + budget)
             self.manager.append(root, prompt[start:end])
         search.num_prefilled = end
-        sample = [root] if end == len(prompt) else []
-        seqs.append(
-            ScheduledSequence(
-                root,
-                prompt[start:end],
-                start,
-                self.manager.block_table(root),
-                self.manager.slot_mapping(root, start, end),
-                sample,
-                search.params,
-            )
-        )
+        seqs.append(self._row(search, root, prompt[start:end], start, end == len(prompt)))
         return end - start
+
+    def _row(
+        self, search: _PromptSearch, seq_id: SeqId, token_ids: list[int], start: int, sample: bool
+    ) -> ScheduledSequence:
+        """`token_ids` of `seq_id` at positions start.., their last row sampled if `sample`."""
+        return ScheduledSequence(
+            seq_id,
+            token_ids,
+            start,
+            self.manager.block_table(seq_id),
+            self.manager.slot_mapping(seq_id, start, start + len(token_ids)),
+            [seq_id] if sample else [],
+            search.params,
+        )
 
     def _advance(self, search: _PromptSearch, results: Mapping[SeqId, SampleResult]) -> None:
         """Select the next beams; fork survivors, free the old beams, append the new tokens."""
@@ -341,7 +333,6 @@ def beam_search(
     Args:
         engine: an idle `LLMEngine` (no unfinished requests).
         prompts: a list of prompts: text, token ids, or {"prompt_token_ids": [...]}.
-        params: `BeamSearchParams(beam_width, max_tokens, ignore_eos, length_penalty)`.
         early_stopping: transformers' `early_stopping` (True, False or "never").
 
     Returns:

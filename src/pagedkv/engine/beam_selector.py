@@ -162,7 +162,7 @@ class BeamSelector:
 
     def _note_margins(self, scores: list[float]) -> None:
         gaps = [a - b for a, b in itertools.pairwise(scores)]
-        self.min_margin = min(self.min_margin, *gaps) if gaps else self.min_margin
+        self.min_margin = min([self.min_margin, *gaps])
 
     def _update_can_improve(self, running: list[Candidate]) -> None:
         # transformers' early-stop heuristic: once k beams are finished, stop when the best

@@ -40,7 +40,7 @@ def build_engine_parts(
     ModelRunner | TensorParallelRunner,
     KVCacheManager,
     Tokenizer | None,
-    dict[str, int],
+    int,
 ]:
     """Everything `LLMEngine.__init__` takes, built from the options in `args`.
 
@@ -49,7 +49,7 @@ def build_engine_parts(
     `TensorParallelRunner`; scheduler and KV manager stay here.
 
     Returns:
-        (config, runner, kv_manager, tokenizer, {"max_model_len": ...}).
+        (config, runner, kv_manager, tokenizer, max_model_len).
 
     Raises:
         ValueError: a model directory that cannot be loaded, a model that does not split
@@ -91,7 +91,7 @@ def build_engine_parts(
         tensor_parallel_size=args.tensor_parallel_size,
     )
     tokenizer = load_tokenizer(args.model)
-    return config, runner, kv_manager, tokenizer, {"max_model_len": max_model_len}
+    return config, runner, kv_manager, tokenizer, max_model_len
 
 
 def build_rank_runner(
@@ -213,11 +213,9 @@ def _num_device_blocks(
             )
         return blocks
     free = _free_memory(device)
-    on_gpu = str(device).startswith("cuda")
-    share = _GPU_MEMORY_SHARE if on_gpu else _CPU_MEMORY_SHARE / num_ranks
-    blocks = PagedKVCache.num_blocks_for_memory(int(free * share), *shape)
+    share = _GPU_MEMORY_SHARE if str(device).startswith("cuda") else _CPU_MEMORY_SHARE / num_ranks
     cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size)
-    blocks = min(blocks, cap)
+    blocks = min(PagedKVCache.num_blocks_for_memory(int(free * share), *shape), cap)
     if blocks <= 0:
         raise ValueError(
             f"kv cache: expected free memory for at least one block, got "

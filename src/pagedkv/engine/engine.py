@@ -92,8 +92,8 @@ class LLMEngine:
             args = EngineArgs.from_kwargs(args, kwargs)
         elif kwargs:
             raise TypeError(f"from_engine_args: expected EngineArgs alone, got also {kwargs}")
-        config, runner, kv_manager, tokenizer, extra = build_engine_parts(args)
-        return cls(config, runner, kv_manager, tokenizer, **extra)
+        config, runner, kv_manager, tokenizer, max_model_len = build_engine_parts(args)
+        return cls(config, runner, kv_manager, tokenizer, max_model_len=max_model_len)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -114,7 +114,6 @@ class LLMEngine:
             request_id: unique among unfinished requests.
             prompt: text (needs a tokenizer), token ids, or {"prompt_token_ids": [...]}
                 / {"prompt": "..."}.
-            params: how to sample.
             arrival_time: for metrics (default: now, `time.monotonic()`).
 
         Raises:
@@ -239,9 +238,12 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         touched = self.scheduler.update(step, {k: r.token_id for k, r in results.items()})
-        for seq_id, result in results.items():
+        for seq_id, result in results.items():  # the logprobs of the tokens just appended
             request = live[seq_id[0]]
-            self._record_logprobs(request, request.seq(seq_id[1]), result)
+            seq = request.seq(seq_id[1])
+            seq.cumulative_logprob += result.logprob
+            if request.params.logprobs is not None and result.top_logprobs is not None:
+                seq.logprobs.append(result.top_logprobs)
         ended = [live[r] for r in step.finished_request_ids]
         outputs = []
         for request in dict.fromkeys([*touched, *ended]):
@@ -252,12 +254,6 @@ class LLMEngine:
                 self.runner.release(request.request_id)
             outputs.append(self.make_output(request))
         return outputs
-
-    def _record_logprobs(self, request: Request, seq: Sequence, result: SampleResult) -> None:
-        """The logprobs of the token `update` just appended."""
-        seq.cumulative_logprob += result.logprob
-        if request.params.logprobs is not None and result.top_logprobs is not None:
-            seq.logprobs.append(result.top_logprobs)
 
     def _detokenize(self, seq: Sequence) -> str:
         """The text of `seq`'s newest token (the scheduler's `detokenize`)."""
@@ -304,7 +300,6 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Pool, prefix-cache, preemption and queue counters."""
-        memory = dict(self.kv_manager.stats())
         num_blocks = self.runner.kv_cache.num_blocks
         stats: dict[str, Any] = {
             "num_blocks": num_blocks,
@@ -312,8 +307,7 @@ class LLMEngine:
             "num_host_blocks": self.runner.kv_cache.num_host_blocks,
             "block_size": self.config.cache.block_size,
         }
-        for key, value in memory.items():
-            stats.setdefault(key, value)
+        stats |= {k: v for k, v in self.kv_manager.stats().items() if k not in stats}
         stats.setdefault("num_used_blocks", num_blocks - stats["num_free_blocks"])
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,

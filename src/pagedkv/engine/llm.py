@@ -175,14 +175,13 @@ class LLM:
         )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        progress = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
-        try:
+        with tqdm(
+            total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm
+        ) as progress:
             while len(finished) < len(wanted):
                 if not self.engine.has_unfinished_requests():
                     missing = sorted(wanted - set(finished))
@@ -190,11 +189,7 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        if progress is not None:
-                            progress.update(1)
-        finally:
-            if progress is not None:
-                progress.close()
+                        progress.update(1)
         return [finished[request_id] for request_id in request_ids]
 
 

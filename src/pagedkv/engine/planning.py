@@ -71,12 +71,9 @@ class PlanningMixin:
                 i += 1
 
     def _schedule_decodes(self, first: int, out: SchedulerOutput, budget: _Budget) -> int:
-        """Schedule running[first:] while each is the step's common case: one sequence whose
-        decode token fits without a preemption (`KVCacheManager.append_token`).
-
-        Each gets exactly what `_schedule_running` would give it (budget, blocks, the same
-        row, as a compact `DecodeRow`), without planning objects: a handful of operations per
-        sequence. Nothing is preempted here, so `running` does not change.
+        """Schedule running[first:] while each is the step's common case (see the module
+        docstring), each exactly as `_schedule_running` would. Nothing is preempted here, so
+        `running` does not change.
 
         Returns:
             The index of the first request left to the general path (it is unchanged), or
@@ -218,13 +215,12 @@ class PlanningMixin:
                 continue
             seq.num_computed = end
             request.metrics.num_computed_tokens += end - start
-            sample_ids: list[SeqId] = []
-            if end == len(seq.token_ids):
-                sample_ids = (
-                    [seq.seq_id]
-                    if request.is_forked
-                    else [(request.request_id, i) for i in range(request.n)]
-                )
+            if end < len(seq.token_ids):
+                sample_ids: list[SeqId] = []
+            elif request.is_forked:
+                sample_ids = [seq.seq_id]
+            else:  # the prompt's last row samples all n, which the fork then separates
+                sample_ids = [(request.request_id, i) for i in range(request.n)]
             out.add(
                 ScheduledSequence(
                     seq.seq_id,

@@ -64,10 +64,6 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
-    def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
-
-    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -155,9 +151,7 @@ class Request:
     @property
     def num_unfinished_target(self) -> int:
         """Sequences this request will run at once: n before the fork, live ones after."""
-        if not self.is_forked:
-            return self.n
-        return sum(1 for s in self.seqs if not s.is_finished)
+        return len(self.unfinished_seqs()) if self.is_forked else self.n
 
     @property
     def is_finished(self) -> bool:

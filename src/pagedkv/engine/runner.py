@@ -18,19 +18,14 @@ _LOGIT_ROWS = 256
 
 
 def bucket_num_tokens(num_tokens: int) -> int:
-    """The row count a matmul over `num_tokens` rows runs at when steps are bucketed.
+    """The row count (>= `num_tokens` >= 0) a matmul over `num_tokens` rows runs at when
+    steps are bucketed.
 
     Exact up to 8, then rounded up to a multiple of a quarter of the power of two below
     (9 -> 10, 17 -> 20, 100 -> 112, 1025 -> 1280): four sizes per doubling, at most 25 %
     padding. oneDNN (bfloat16 on the CPU) builds and caches a primitive per matmul shape;
     a step's token count is new almost every step, and past its cache's capacity the
     churn grows the process without bound. Bucketed, a 2048-token budget gives ~40 sizes.
-
-    Args:
-        num_tokens: rows to run, >= 0.
-
-    Returns:
-        The padded row count, >= `num_tokens`.
     """
     if num_tokens <= 8:
         return num_tokens
@@ -173,13 +168,11 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits, dim=-1)
             index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
             chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
-            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            for i, token in enumerate(ids):
-                top = {}
-                if top_ids is not None and top_values is not None:
-                    top = dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True))
-                top[token] = chosen[i]
-                rows.append(top)
+            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+            rows += [
+                {**dict(zip(top_ids[i], top_values[i], strict=True)), token: chosen[i]}
+                for i, token in enumerate(ids)
+            ]
         return rows
 
     def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:

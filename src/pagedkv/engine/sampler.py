@@ -54,9 +54,6 @@ class Sampler:
             params: per row its sampling parameters.
             generators: per row its generator (None only for greedy rows).
 
-        Returns:
-            Per row the sampled token and its logprobs.
-
         Raises:
             ValueError: the lists do not have one entry per row.
         """
@@ -122,17 +119,15 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     Raises:
         ValueError: a biased token id is outside the vocabulary.
     """
-    biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    biased = [
+        (row, token, value)
+        for row, p in enumerate(params)
+        if p.logit_bias
+        for token, value in p.logit_bias.items()
+    ]
     if not biased:
         return logits
-    rows: list[int] = []
-    ids: list[int] = []
-    values: list[float] = []
-    for row, bias in biased:
-        for token, value in bias.items():
-            rows.append(row)
-            ids.append(token)
-            values.append(value)
+    rows, ids, values = zip(*biased, strict=True)
     vocab = logits.shape[-1]
     if max(ids) >= vocab:
         raise ValueError(f"logit_bias: expected token ids in [0, {vocab}), got {max(ids)}")

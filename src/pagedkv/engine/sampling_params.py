@@ -137,8 +137,8 @@ def _check_logit_bias(logit_bias: object) -> dict[int, float]:
     return checked
 
 
-def _check_int(name: str, value: object, *, minimum: int | None) -> None:
+def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an integer, got {value!r}")
-    if minimum is not None and value < minimum:
+    if value < minimum:
         raise ValueError(f"{name}: expected >= {minimum}, got {value}")

@@ -233,8 +233,10 @@ class Scheduler(PlanningMixin, PreemptionMixin):
         """`update` of one `ScheduledSequence` that samples."""
         sample_ids = scheduled.sample_seq_ids
         request = self.requests[scheduled.seq_id[0]]
-        if len(request.seqs) != request.n:  # not forked yet
-            self._fork(request, request.seq(scheduled.seq_id[1]))
+        if not request.is_forked:  # samples 1..n-1 share the parent's blocks from here on
+            parent = request.seq(scheduled.seq_id[1])
+            for index in range(1, request.n):
+                self.fork_sequence(request, parent, index)
         if len(sample_ids) == 1:  # the common case, without the lists below
             self._update_single(sample_ids, sampled, touched)
             return
@@ -290,28 +292,23 @@ class Scheduler(PlanningMixin, PreemptionMixin):
             if self._num_running_seqs() + request.num_unfinished_target > self.config.max_num_seqs:
                 return
             plan = self._plan(request, budget)
-            watermark = self._watermark if self.running else 0
-            if not plan or self._blocks_needed(plan) + watermark > self.kv.num_free_blocks:
-                if plan and not self.running:
-                    # Alone on an idle device, nobody will free blocks for it: run what fits
-                    # sample by sample (a recomputed n > 1 request's samples share their
-                    # prompt once the first is allocated), as a running request would.
-                    self.waiting.popleft()
-                    self._start_running(request)
-                    self._run_alone(request, plan, out, budget)
-                    return
+            is_alone = not self.running
+            watermark = 0 if is_alone else self._watermark
+            fits = bool(plan) and self._blocks_needed(plan) + watermark <= self.kv.num_free_blocks
+            if not fits and not (plan and is_alone):
                 self._refund(plan, budget)
                 return
             self.waiting.popleft()
             self._start_running(request)
+            if not fits:
+                # Alone on an idle device, nobody will free blocks for it: run what fits
+                # sample by sample (a recomputed n > 1 request's samples share their
+                # prompt once the first is allocated), as a running request would.
+                self._run_alone(request, plan, out, budget)
+                return
             self._run_plan(request, plan, out, budget)
 
     # ---- helpers ------------------------------------------------------------------------
-
-    def _fork(self, request: Request, parent: Sequence) -> None:
-        """Give sequences 1..n-1 the parent's blocks (shared, copied on write)."""
-        for index in range(1, request.n):
-            self.fork_sequence(request, parent, index)
 
     def fork_sequence(self, request: Request, parent: Sequence, index: int) -> Sequence:
         """Add sequence `index` to `request`, sharing every block of `parent` (no copy).

@@ -243,9 +243,10 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_rows and not self.swap_out and not self.swap_in
 
-    def _fields(self) -> tuple[object, ...]:
-        return (self.rows(), self.copies, self.swap_out, self.swap_in,
-                self.preempted_request_ids, self.finished_request_ids)  # fmt: skip
+    def _fields(self) -> dict[str, object]:
+        return dict(seqs=self.rows(), copies=self.copies, swap_out=self.swap_out,
+                    swap_in=self.swap_in, preempted_request_ids=self.preempted_request_ids,
+                    finished_request_ids=self.finished_request_ids)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         """Equal when the rows (in either form) and every other field are."""
@@ -256,9 +257,5 @@ class SchedulerOutput:
     __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
-        return (
-            f"SchedulerOutput(seqs={self.rows()!r}, copies={self.copies!r}, "
-            f"swap_out={self.swap_out!r}, swap_in={self.swap_in!r}, "
-            f"preempted_request_ids={self.preempted_request_ids!r}, "
-            f"finished_request_ids={self.finished_request_ids!r})"
-        )
+        fields = ", ".join(f"{name}={value!r}" for name, value in self._fields().items())
+        return f"SchedulerOutput({fields})"

@@ -43,14 +43,11 @@ def check_stop(
 
     Args:
         seq: the sample, its newest token appended and `seq.text` extended by its text.
-        params: the request's sampling parameters.
-        eos_token_ids: the model's end-of-sequence tokens.
         max_model_len: longest sequence (prompt + output) the model accepts.
         text_start: `len(seq.text)` before the newest token's text was added.
 
     Returns:
-        The stop, or None when the sample goes on. On a stop string `seq.text` is cut
-        before it.
+        The stop, or None when the sample goes on.
     """
     token = seq.token_ids[-1]
     if not params.ignore_eos and token in eos_token_ids:
@@ -73,10 +70,6 @@ def stop_bounds(
 ) -> tuple[frozenset[int], int] | None:
     """What lets a caller skip `check_stop` for a token that cannot end the sample.
 
-    Args:
-        params, eos_token_ids, max_model_len: as for `check_stop`.
-        prompt_len: the sample's prompt length.
-
     Returns:
         ``(token_ids, max_len)``: `check_stop` returns None for a newest token not in
         `token_ids` when the sample holds fewer than `max_len` tokens. None when stop
@@ -92,10 +85,6 @@ def stop_bounds(
 
 def _find_stop_string(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
     """The earliest stop string in `text` that ends after `start` (index, string)."""
-    hits = []
-    for stop in stops:
-        # A stop string may straddle the previous text; search from just before it.
-        index = text.find(stop, max(0, start - len(stop) + 1))
-        if index >= 0:
-            hits.append((index, stop))
-    return min(hits) if hits else None
+    # A stop string may straddle the previous text; search from just before it.
+    hits = [(text.find(stop, max(0, start - len(stop) + 1)), stop) for stop in stops]
+    return min(((index, stop) for index, stop in hits if index >= 0), default=None)

@@ -161,8 +161,8 @@ def share_cpu_threads(size: int) -> None:
 class TensorParallelRunner:
     """Rank 0's runner: sends each step to the workers, then runs its own share.
 
-    The same interface as `ModelRunner` (execute, release, pop_prompt_logprobs, kv_cache),
-    plus `check_health` and `close`.
+    The same interface as `ModelRunner` (execute, release, pop_prompt_logprobs, kv_cache,
+    check_health, close).
     """
 
     def __init__(self, runner: ModelRunner, workers: list[Worker], num_threads: int) -> None:
@@ -279,7 +279,7 @@ def run_worker(args: EngineArgs) -> NoReturn:
     launch = Launch.from_environment(args.tensor_parallel_size)
     if launch is None or launch.rank == 0:
         raise ValueError("run_worker: expected RANK >= 1 and WORLD_SIZE from torchrun")
-    _serve_steps(args, launch, _init_group(launch, args.device, []))
+    _serve_steps(args, launch)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -290,15 +290,16 @@ def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
     """A spawned worker: join the group, build this rank's share, run steps until told to
     stop. Any failure is reported on `errors` before the process exits non-zero."""
     try:
-        _serve_steps(args, launch, _init_group(launch, args.device, []))
+        _serve_steps(args, launch)
     except BaseException as exc:  # noqa: BLE001 - rank 0 must learn why, whatever it was
         errors.send(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
-def _serve_steps(args: EngineArgs, launch: Launch, tp: TensorParallel) -> None:
+def _serve_steps(args: EngineArgs, launch: Launch) -> None:
     from pagedkv.engine.builder import build_rank_runner
 
+    tp = _init_group(launch, args.device, [])
     model_config = ModelConfig.from_hf(args.model)
     runner = build_rank_runner(args, model_config, tp, rank_device(args.device, launch))
     while (step := tp.broadcast_object()) is not None:
