@@ -23,35 +23,17 @@ SUPPORTED_ARCHITECTURES = {
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
 DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "float8": 1,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
+    **dict.fromkeys(("float32", "fp32"), 4),
+    **dict.fromkeys(("bfloat16", "bf16", "float16", "fp16", "half"), 2),
+    **dict.fromkeys(("float8", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"), 1),
 }
 
+# "k" and "kb" are powers of 1000, "kib" of 1024 (likewise m, g, t).
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    **{prefix + b: 1000**n for n, prefix in enumerate("kmgt", 1) for b in ("", "b")},
+    **{prefix + "ib": 1024**n for n, prefix in enumerate("kmgt", 1)},
 }
 
 
@@ -177,11 +159,8 @@ class ModelConfig:
 
         The query heads are split evenly. With tp <= num_kv_heads the KV heads are split
         too; with more ranks than KV heads each rank still needs the one KV head its query
-        heads read, so every KV head is replicated tp / num_kv_heads times.
-
-        Args:
-            tp: ranks, >= 1.
-            name: the option to name in errors (`tp` for the planner).
+        heads read, so every KV head is replicated tp / num_kv_heads times. `name` is the
+        option errors name (`tp` for the planner).
 
         Raises:
             ValueError: tp < 1, tp does not divide the query heads, or tp and the KV heads

@@ -48,16 +48,13 @@ def _llama3_rope_scaling(config: dict[str, Any], divisors: Any) -> dict[str, Any
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "auto") -> Path:
-    """Write the Hugging Face directory of a GGUF checkpoint.
+    """Write the Hugging Face directory of a GGUF checkpoint; returns `out_dir` as a Path.
 
     Args:
         gguf_path: a `.gguf` file of a supported architecture (Llama, Mistral, Qwen2, Qwen3).
         out_dir: created if needed; existing files of the same names are replaced.
         dtype: of the saved weights: "auto" (float32 for a quantized file, which holds every
             dequantized value exactly; else the file's), "float32", "bfloat16", "float16".
-
-    Returns:
-        `out_dir` as a Path.
 
     Raises:
         ValueError: an unsupported architecture, quantization or tokenizer, or a tensor

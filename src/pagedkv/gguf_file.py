@@ -118,8 +118,8 @@ def _shortest_float32(value: float) -> float:
 
 
 class _Cursor:
-    def __init__(self, buffer: Any) -> None:
-        self.buffer, self.pos = buffer, 0
+    def __init__(self, buffer: Any, pos: int) -> None:
+        self.buffer, self.pos = buffer, pos
 
     def scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from("<" + fmt, self.buffer, self.pos)
@@ -159,8 +159,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         if buffer[:4] != b"GGUF":
             raise ValueError(f"{path}: expected a GGUF file (magic 'GGUF'), got {buffer[:4]!r}")
-        cursor = _Cursor(buffer)
-        cursor.pos = 4
+        cursor = _Cursor(buffer, pos=4)  # past the magic
         try:
             version = cursor.scalar("I")
             if version not in (2, 3):

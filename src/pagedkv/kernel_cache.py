@@ -10,9 +10,8 @@ the kernels again (tens of seconds). Instead the kernels' source is copied once 
 and imported from there: every install whose kernels are byte-identical shares one copy
 and so one Numba cache (`__pycache__/` beside it); the files of `_SOURCES` (the attention
 kernels, the matrix-vector kernel, the decoder stack that calls both) share one directory
-and one key. A `compiled` marker
-records that every kernel variant was built; until it exists, `announce()` prints one line
-on stderr.
+and one key. A `compiled` marker records that every kernel variant was built; until it
+exists, `announce()` prints one line on stderr.
 
 Standard library only (and outside `pagedkv.ops`, which imports torch): the CLI calls
 `announce()` before importing torch or Numba, so the line comes at once.
@@ -64,15 +63,10 @@ def kernel_dir() -> Path:
     return cache_root() / "cpu-kernels" / key.hexdigest()[:16]
 
 
-def is_compiled() -> bool:
-    """Whether every kernel variant was compiled and cached before."""
-    return (kernel_dir() / _MARKER).exists()
-
-
 def announce() -> None:
     """Say on stderr, once per process, that the kernels compile now (when they do)."""
     global _announced
-    if _announced or is_compiled():
+    if _announced or (kernel_dir() / _MARKER).exists():
         return
     _announced = True
     print(

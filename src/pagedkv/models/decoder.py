@@ -75,21 +75,19 @@ class Attention(nn.Module):
         """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
         num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = linear(hidden, self.qkv_proj)
-        # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in
+        # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in; q, k, v are views of it
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
         if self.q_norm is None or self.k_norm is None:
             # q and k heads sit side by side in each row: rotate all of them in one pass.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
             apply_rotary_(qk, cos, sin)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm.forward(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
             apply_rotary_(q, cos, sin)
             apply_rotary_(k, cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
         key_cache = kv_cache.key_caches[self.layer_idx]
         value_cache = kv_cache.value_caches[self.layer_idx]
         # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
@@ -124,10 +122,9 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         size = len(tp.rows(config.intermediate_size))
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * size, bias=False, dtype=dtype, device=device
-        )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        factory = {"dtype": dtype, "device": device}
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False, **factory)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""

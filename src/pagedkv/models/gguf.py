@@ -11,7 +11,6 @@ its rotary kernel; transformers' GGUF loader undoes it the same way).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -56,12 +55,9 @@ def hf_tensor_name(name: str) -> str:
 
 
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, data: np.ndarray | None = None) -> Tensor:
-    """One tensor of `file` as float32 in torch's shape order (`[out, in]` for a weight).
+    """Tensor `info` of `file` as float32 in torch's shape order (`[out, in]` for a weight).
 
-    Args:
-        file: the parsed header.
-        info: the tensor's entry in `file.tensors`.
-        data: the file's bytes (`np.memmap` of uint8); mapped here when None.
+    `data` is the file's bytes (`np.memmap` of uint8), mapped here when None.
 
     Raises:
         ValueError: a quantization type the `gguf` package cannot dequantize (named).
@@ -131,17 +127,3 @@ def rope_divisors(file: GGUFFile) -> Tensor | None:
     scaling, the factor each inverse frequency is divided by; None when absent."""
     info = file.tensors.get(ROPE_FREQS)
     return None if info is None else dequantize(file, info)
-
-
-def describe(file: GGUFFile) -> dict[str, Any]:
-    """Architecture, name and tensor count per quantization type, for messages."""
-    gguf = import_gguf()
-    counts: dict[str, int] = {}
-    for info in file.tensors.values():
-        name = gguf.GGMLQuantizationType(info.type_id).name
-        counts[name] = counts.get(name, 0) + 1
-    return {
-        "architecture": file.metadata.get("general.architecture"),
-        "name": file.metadata.get("general.name"),
-        "quantization": counts,
-    }

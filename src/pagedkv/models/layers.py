@@ -123,7 +123,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x` in place by position, neox style (HF `rotate_half`).
+    """Rotate `x` in place by position, neox style (HF `rotate_half`), and return it.
 
     In place, so the q and k heads can be rotated together inside the fused QKV output
     (one pass instead of HF's seven elementwise ops and two new tensors per q and k).
@@ -131,9 +131,6 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     Args:
         x: [num_tokens, num_heads, head_dim]; may be a strided view (unit last stride).
         cos, sin: [num_tokens, head_dim // 2], the dtype of `x`.
-
-    Returns:
-        `x`, rotated.
     """
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2) broadcasts over heads
@@ -210,15 +207,10 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     """`x @ layer.weight.T (+ bias)`: the layer's matrix-vector kernel for a few rows
     (`use_matvec_`), else oneDNN (`pack_linear_`) or torch's matmul.
 
+    x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features].
+
     `F.linear` on the weights directly: `nn.Module.__call__`'s hook dispatch is paid on each
     of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
-
-    Args:
-        x: [num_tokens, in_features] in the weight's dtype.
-        layer: an `nn.Linear`, its weight plain or packed.
-
-    Returns:
-        [num_tokens, out_features].
     """
     matvec = layer.__dict__.get("matvec")
     if matvec is not None and x.shape[0] <= matvec[0]:

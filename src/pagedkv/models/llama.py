@@ -77,17 +77,12 @@ class CausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
         self.rotary_emb = RotaryEmbedding(inv_freq, device=device)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(
-                config.hidden_size,
-                tp.vocab_part(config.vocab_size),
-                bias=False,
-                dtype=dtype,
-                device=device,
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            vocab = tp.vocab_part(config.vocab_size)
+            self.lm_head = nn.Linear(
+                config.hidden_size, vocab, bias=False, dtype=dtype, device=device
             )
-        )
         # A tied LM head as a layer of its own (`use_matvec`, `pack_weights`), made on demand.
         self.tied_head: nn.Linear | None = None
         self.decoder_weights: DecoderWeights | None = None  # set by `use_fused_decode`
@@ -231,10 +226,8 @@ class CausalLM(nn.Module):
         """Send every matmul through oneDNN (`layers.pack_linear_`): bfloat16 weights held
         in its blocked layout (same logits bit for bit, faster small batches; a tied LM head
         gets a packed copy, as the embedding table stays plain for lookups), float32 ones
-        as they are (faster than torch's MKL matmul on AMD CPUs).
-
-        Returns:
-            Whether it applies (float32, or bfloat16 where oneDNN runs it, on the CPU).
+        as they are (faster than torch's MKL matmul on AMD CPUs). Returns whether it applies
+        (float32, or bfloat16 where oneDNN runs it, on the CPU).
         """
         if not can_pack_linear(self.dtype, self.device):
             return False
@@ -249,10 +242,7 @@ class CausalLM(nn.Module):
         the CPU's matrix-vector kernel (`ops.cpu_dense.linear_rows`: one thread, or every thread
         where the OpenMP workers spin or the product is large), every other batch through
         torch. Call it before `pack_weights`, which then holds a second, packed copy of each
-        weight.
-
-        Returns:
-            Whether it applies (float32 or bfloat16 weights on the CPU).
+        weight. Returns whether it applies (float32 or bfloat16 weights on the CPU).
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -268,11 +258,9 @@ class CausalLM(nn.Module):
         """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer, the
         final norm and the LM head in one compiled call (`ops.cpu_dense.decode_layers`: the
         same operations and roundings, no Python between them; `compute_logits` returns
-        its logits). Call it before `pack_weights`: it reads the plain weights.
-
-        Returns:
-            Whether it applies: float32 or bfloat16 on the CPU, one rank, and one sliding
-            window (or none) for every layer.
+        its logits). Call it before `pack_weights`: it reads the plain weights. Returns
+        whether it applies: float32 or bfloat16 on the CPU, one rank, and one sliding window
+        (or none) for every layer.
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedkv.cache.huge_pages import empty_on_huge_pages
-from pagedkv.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.layers import compute_inv_freq
@@ -27,14 +27,9 @@ from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
 from pagedkv.models.sharding import shard_of
 
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
 }
 # Checkpoint projection -> (fused parameter, index of its part in the fusion).
 _FUSED = {
@@ -280,19 +275,16 @@ def _load_weights(
 def save_random_checkpoint(
     model_dir: str | Path, config: dict[str, Any], *, seed: int = 0, dtype: str = "float32"
 ) -> Path:
-    """Write config.json and model.safetensors with random weights (no transformers needed).
+    """Write config.json and model.safetensors with random weights (no transformers needed)
+    into `model_dir` (created if needed) and return it as a Path.
 
     Matrices are drawn with std 0.02 (HF's initializer range); norm weights are 1 and
     biases 0, so activations keep a sensible scale through many layers.
 
     Args:
-        model_dir: created if needed.
         config: an HF-style config dict (`architectures` or `model_type`, sizes, ...).
         seed: seeds a private generator; the same seed gives the same weights.
         dtype: "float32", "bfloat16" or "float16"; recorded in config.json.
-
-    Returns:
-        `model_dir` as a Path.
 
     Raises:
         ValueError: the config is invalid or unsupported, or the dtype unknown.
@@ -300,14 +292,10 @@ def save_random_checkpoint(
     model_dir = Path(model_dir)
     torch_dtype = resolve_dtype(dtype)
     config = dict(config)
-    if (
-        not config.get("architectures")
-        and config.get("model_type") in SUPPORTED_ARCHITECTURES.values()
-    ):
-        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config["model_type"]]
-        config["architectures"] = [arch]
-    config["dtype"] = str(torch_dtype).removeprefix("torch.")
     model_config = ModelConfig.from_hf(config)
+    if not config.get("architectures"):
+        config["architectures"] = [model_config.architecture]
+    config["dtype"] = str(torch_dtype).removeprefix("torch.")
     config.setdefault("model_type", model_config.model_type)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -25,12 +25,9 @@ _SPLITS = {
 
 
 def shard_of(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, range] | None:
-    """The (dimension, index range) of checkpoint tensor `name` that rank `tp.rank` holds.
-
-    Args:
-        name: an HF checkpoint name, e.g. `model.layers.3.self_attn.k_proj.weight`.
-        config: the whole model's config.
-        tp: the rank and group size.
+    """The (dimension, index range) of checkpoint tensor `name` (an HF checkpoint name such
+    as `model.layers.3.self_attn.k_proj.weight`) that rank `tp.rank` holds; `config` is the
+    whole model's.
 
     Returns:
         None when the rank holds the whole tensor (no parallelism, norms), else the
