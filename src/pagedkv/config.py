@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pagedkv.gguf_file import hf_config_from_gguf, is_gguf_path, read_gguf
 
@@ -131,7 +131,7 @@ class ModelConfig:
             if path.is_dir():
                 path = path / "config.json"
             try:
-                config = json.loads(path.read_text())
+                config = cast("dict[str, Any]", json.loads(path.read_text()))
             except FileNotFoundError:
                 raise ValueError(f"no config.json at {path}") from None
             except json.JSONDecodeError as exc:

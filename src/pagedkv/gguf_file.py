@@ -231,5 +231,5 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     config["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
-    config["dtype"] = _FILE_DTYPES.get(meta.get("general.file_type"), "float32")
+    config["dtype"] = _FILE_DTYPES.get(meta.get("general.file_type", -1), "float32")
     return config

@@ -7,7 +7,7 @@ and under tensor parallelism holds its rank's share (`pagedkv.models.parallel`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         windows = config.sliding_windows
         self.sliding_window = windows[layer_idx] if windows else None
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = nn.Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
@@ -122,7 +122,7 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         size = len(tp.rows(config.intermediate_size))
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False, **factory)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False, **factory)
 

@@ -30,7 +30,8 @@ def _converter() -> tuple[Any, dict[str, str]]:
         )
     except ImportError:
         try:
-            from transformers.integrations.ggml import (  # transformers 4.45 .. 4.x
+            # transformers 4.45 .. 4.x
+            from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
                 GGUF_TOKENIZER_MAPPING,
                 convert_gguf_tokenizer,
             )

@@ -105,6 +105,8 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], max_positions: i
 class RotaryEmbedding(nn.Module):
     """Computes per-token cos/sin once per forward; every layer reuses them."""
 
+    inv_freq: Tensor
+
     def __init__(self, inv_freq: Tensor, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         # Non-persistent: rebuilt from the config, never read from a checkpoint.

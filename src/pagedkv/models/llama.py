@@ -19,14 +19,14 @@ share and the sizes (`num_heads`, `q_size`, ...) are that share's. The decoder b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.config import ModelConfig
-from pagedkv.models.decoder import DecoderModel
+from pagedkv.models.decoder import DecoderLayer, DecoderModel
 from pagedkv.models.layers import (
     FUSED_DECODE_ROWS,
     MATVEC_ROWS,
@@ -148,7 +148,7 @@ class CausalLM(nn.Module):
         self._stack_logits = self._decode_fused(hidden, cos, sin, kv_cache, attn_metadata)
         if self._stack_logits is not None:
             return self._stack_logits[0]
-        for layer in self.model.layers:
+        for layer in self._layers():
             hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm.forward(hidden)
 
@@ -170,7 +170,7 @@ class CausalLM(nn.Module):
             return None
         from pagedkv.ops import cpu, cpu_dense
 
-        attention = self.model.layers[0].self_attn
+        attention = self._layers()[0].self_attn
         window = attention.sliding_window
         if window not in attn_metadata.plans:
             plan_attention(
@@ -264,13 +264,13 @@ class CausalLM(nn.Module):
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
-        windows = {layer.self_attn.sliding_window for layer in self.model.layers}
+        windows = {layer.self_attn.sliding_window for layer in self._layers()}
         if self.tp.size > 1 or len(windows) > 1:
             return False
         from pagedkv.ops.cpu_dense import DecoderWeights  # Numba: loaded only where it runs
 
         layers = []
-        for layer in self.model.layers:
+        for layer in self._layers():
             attention, mlp = layer.self_attn, layer.mlp
             layers.append({
                 "in_norm": layer.input_layernorm.weight,
@@ -288,6 +288,10 @@ class CausalLM(nn.Module):
             layers, self.model.norm.weight, head.weight, self.config.rms_norm_eps
         )
         return True
+
+    def _layers(self) -> Sequence[DecoderLayer]:
+        """The decoder layers, typed (an `nn.ModuleList` yields plain modules)."""
+        return cast("Sequence[DecoderLayer]", self.model.layers)
 
     def _make_tied_head(self) -> None:
         """A tied LM head as a layer whose weight is the embedding table (the same tensor)."""

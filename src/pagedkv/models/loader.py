@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
+from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.layers import compute_inv_freq
 from pagedkv.models.llama import CausalLM
@@ -108,7 +109,7 @@ def _target(model: CausalLM, name: str) -> torch.Tensor:
     fused_name, part = _FUSED[proj]
     fused = model.get_parameter(f"{parent}.{fused_name}.{leaf}")
     if fused_name == "qkv_proj":
-        attn = model.get_submodule(parent)
+        attn = cast(Attention, model.get_submodule(parent))
         sizes = [attn.q_size, attn.kv_size, attn.kv_size]
     else:
         sizes = [fused.shape[0] // 2] * 2

@@ -109,8 +109,8 @@ def check_batch(
     device: torch.device,
 ) -> None:
     """The index tensors of a packed batch: int32 on `device`, with matching sizes."""
-    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() else None
     check_index("seq_lens", seq_lens, (None,), device)
+    num_seqs = seq_lens.shape[0]
     check_index("block_tables", block_tables, (num_seqs, None), device)
     check_index("query_start_loc", query_start_loc, (num_seqs + 1,), device)
 

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pagedkv.sim.simulator import PolicyResult, Timeline  # noqa: E402
+from pagedkv.sim.simulator import PolicyResult  # noqa: E402
 
 HELD, RESERVED, HOLE, FREE = "#1f4e79", "#f6b26b", "#d62728", "#f3f3f3"
 _ADDRESS_CELLS = 720
@@ -57,6 +57,7 @@ def _memory_use(results: list[PolicyResult], path: Path, title: str, gib: float)
     )
     for ax, result in zip(axes[:, 0], results, strict=True):
         tl = result.timeline
+        assert tl is not None  # `write_plots` checked
         stride = max(1, len(tl.steps) // _MAX_POINTS)
         steps = np.asarray(tl.steps[::stride])
         held = np.asarray(tl.held[::stride]) * gib
@@ -128,7 +129,8 @@ def _map_column(
 def _memory_map(results: list[PolicyResult], path: Path, title: str, gib: float) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(3.4 * len(results) + 1, 5.2), squeeze=False)
     for ax, result in zip(axes[0], results, strict=True):
-        tl: Timeline = result.timeline
+        tl = result.timeline
+        assert tl is not None  # `write_plots` checked
         # Each policy on its own axes: paged capacity is rounded down to whole blocks, and
         # the memory-use figure already compares the makespans on one time axis.
         edges = np.linspace(0, tl.capacity, _ADDRESS_CELLS + 1)

@@ -87,7 +87,7 @@ class StepSums:
         self.internal += (reserved - held) / capacity
         self.external += (free - largest_free) / capacity
 
-    def means(self) -> dict[str, float]:
+    def means(self) -> dict[str, Any]:
         """PolicyResult's keyword arguments for the mean figures and the peak."""
         n = max(1, self.active_steps)
         return {

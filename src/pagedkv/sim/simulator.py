@@ -45,7 +45,9 @@ class _Run:
         # Aggregate: held tokens = base + len(running) * step.
         self.base = 0
         self.rejected = self.next_arrival = 0
-        self.stalls, self.stalled, self.examples = 0, set(), []
+        self.stalls = 0
+        self.stalled: set[int] = set()
+        self.examples: list[dict[str, int]] = []
         self.sums = StepSums(policy.capacity)
         self.timeline = Timeline(policy.capacity, True) if record else None
 

@@ -17,7 +17,7 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 
 def sync_threads() -> int:
     """Give the kernels torch's thread count (both run on one OpenMP runtime's pool)."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
     return threads

@@ -18,6 +18,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import triton
@@ -119,7 +120,9 @@ def compile_kernels(
     prefill_tile = backend.tile_blocks_for(block_size, backend._PREFILL_TILE_LANES)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     tag = f"{dtype}/bs{block_size}/g{group}/d{head_dim}"
-    common = dict(is_fp32=is_fp32, group=group, head_dim=head_dim, block_size=block_size)
+    common: dict[str, Any] = dict(
+        is_fp32=is_fp32, group=group, head_dim=head_dim, block_size=block_size
+    )
     # Both prefill tile heights: a batch of short chunks (64 rows) and long prompts (128).
     short_m = backend.prefill_block_m(torch_dtype, 1, 1, group, block_size)
     long_m = backend.prefill_block_m(torch_dtype, 4096, 1, group, block_size)
