@@ -10,8 +10,9 @@ the kernels again (tens of seconds). Instead the kernels' source is copied once 
 and imported from there: every install whose kernels are byte-identical shares one copy
 and so one Numba cache (`__pycache__/` beside it); the files of `_SOURCES` (the attention
 kernels, the matrix-vector kernel, the decoder stack that calls both) share one directory
-and one key. A `compiled` marker records that every kernel variant was built; until it
-exists, `announce()` prints one line on stderr.
+and one key. A marker per cache dtype (`compiled-float32`, ...) records that the variants
+an engine of that dtype runs were built; until it exists, `announce()` prints one line on
+stderr.
 
 Standard library only (and outside `pagedkv.ops`, which imports torch): the CLI calls
 `announce()` before importing torch or Numba, so the line comes at once.
@@ -36,8 +37,9 @@ _SOURCES = (_KERNELS / "kernels.py", _DENSE / "matvec.py", _DENSE / "layers.py")
 _IMPORTED = (_KERNELS / "bf16.py", _DENSE / "atomics.py")
 """Files the kernels import: Numba's cache cannot see them change, so they are in the key."""
 _MARKER = "compiled"
-COMPILE_SECONDS = 60
-"""About how long building every kernel takes once on a small machine (said to the user)."""
+COMPILE_SECONDS = 40
+"""About how long building one dtype's kernels takes once on a small machine (said to the
+user)."""
 
 _announced = False
 
@@ -63,10 +65,15 @@ def kernel_dir() -> Path:
     return cache_root() / "cpu-kernels" / key.hexdigest()[:16]
 
 
-def announce() -> None:
-    """Say on stderr, once per process, that the kernels compile now (when they do)."""
+def announce(dtype: str | None = None) -> None:
+    """Say on stderr, once per process, that the kernels compile now: those of `dtype` (a
+    cache dtype's name, "float32") when they are not built yet; with no dtype (a command
+    starting, before it knows its model's), when none were ever built here."""
     global _announced
-    if _announced or (kernel_dir() / _MARKER).exists():
+    if _announced:
+        return
+    markers = kernel_dir().glob(f"{_MARKER}-{dtype or '*'}")
+    if next(markers, None) is not None:
         return
     _announced = True
     print(
@@ -76,10 +83,10 @@ def announce() -> None:
     )
 
 
-def mark_compiled() -> None:
-    """Record that every variant is in the cache (called after a full warm-up)."""
+def mark_compiled(dtype: str) -> None:
+    """Record that the kernels of `dtype` are in the cache (called after its warm-up)."""
     try:
-        (kernel_dir() / _MARKER).touch()
+        (kernel_dir() / f"{_MARKER}-{dtype}").touch()
     except OSError:
         pass  # a read-only cache: the line is printed again next time, nothing else
 

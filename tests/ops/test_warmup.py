@@ -13,10 +13,12 @@ from pagedkv import kernel_cache
 from pagedkv.ops import warmup
 
 _PROBE = """
+import sys
 import torch
 from pagedkv.ops import cpu, cpu_dense, warmup
 
-for dtype in (torch.float32, torch.bfloat16):
+for name in sys.argv[1:]:
+    dtype = getattr(torch, name)
     key_cache = torch.randn(3, 4, 2, 8).to(dtype)
     value_cache = torch.randn(3, 4, 2, 8).to(dtype)
     before = key_cache.clone(), value_cache.clone()
@@ -24,38 +26,52 @@ for dtype in (torch.float32, torch.bfloat16):
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 k = cpu._kernels
 m = cpu_dense._matvec
+# per compiled variant its second argument's type: the key cache's, or the weight's
 for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, m.matvec, m.matvec_parallel):
-    print(kernel.__name__, "|".join(str(sig) for sig in kernel.signatures))
+    print(kernel.__name__, "|".join(str(sig[1]) for sig in kernel.signatures))
 """
+_ARRAYS = {"float32": "array(float32, {}d, C)", "bfloat16": "array(uint16, {}d, C)"}
 
 
-def _probe(cache_dir: str) -> tuple[dict[str, str], str]:
+def _probe(cache_dir: str, *dtypes: str) -> tuple[dict[str, str], str]:
     env = os.environ | {"PAGEDKV_CACHE_DIR": cache_dir}
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, "-c", _PROBE, *dtypes],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     return dict(line.split(" ", 1) for line in result.stdout.splitlines()), result.stderr
 
 
-def test_warmup_compiles_every_kernel_once_per_machine(tmp_path) -> None:
+def _compiled_for(signatures: dict[str, str], dtype: str) -> bool:
+    """Whether both decode kernels and both matrix-vector kernels have `dtype`'s variant."""
+    decode = all(
+        _ARRAYS[dtype].format(3) in signatures[n] for n in ("decode_serial", "decode_parallel")
+    )
+    matvec = all(_ARRAYS[dtype].format(2) in signatures[n] for n in ("matvec", "matvec_parallel"))
+    assert decode == matvec, signatures
+    return decode
+
+
+def test_warmup_compiles_a_dtypes_kernels_once_per_machine(tmp_path) -> None:
     """In a fresh process (compiled signatures are per process), warm-up alone readies the
-    planner, both decode kernels for float32 and bfloat16 caches and both matrix-vector
-    kernels for float32 and bfloat16 weights, saying so in one line; a second process with
-    the same cache loads them and says nothing."""
-    signatures, stderr = _probe(str(tmp_path))
+    planner, both decode kernels and both matrix-vector kernels for its cache's dtype, and
+    only for it, saying so in one line; the other dtype's first warm-up says so again; a
+    later process with both in the cache loads them and says nothing."""
+    signatures, stderr = _probe(str(tmp_path), "float32")
     assert stderr.count("pagedkv: compiling CPU kernels once") == 1, stderr
     assert str(tmp_path) in stderr
     assert signatures["plan_items"]
-    for name in ("decode_serial", "decode_parallel"):
-        assert "Array(float32, 3, 'C'" in signatures[name], signatures[name]
-        assert "Array(uint16, 3, 'C'" in signatures[name], signatures[name]
-    for name in ("matvec", "matvec_parallel"):
-        for weight in ("float32", "uint16"):
-            assert f"Array({weight}, 2, 'C'" in signatures[name], signatures[name]
-    again, stderr = _probe(str(tmp_path))
+    assert _compiled_for(signatures, "float32") and not _compiled_for(signatures, "bfloat16")
+    signatures, stderr = _probe(str(tmp_path), "bfloat16")
+    assert stderr.count("pagedkv: compiling CPU kernels once") == 1, stderr
+    assert _compiled_for(signatures, "bfloat16") and not _compiled_for(signatures, "float32")
+    both, stderr = _probe(str(tmp_path), "float32", "bfloat16", "float16")
     assert "compiling" not in stderr, stderr
-    assert again == signatures
+    assert _compiled_for(both, "float32") and _compiled_for(both, "bfloat16")
 
 
 def test_kernel_cache_is_keyed_by_source_not_path(tmp_path, monkeypatch) -> None:

@@ -15,7 +15,7 @@ A bfloat16 cache is read as its bits and widened to float32 in the kernels' loop
 
 The models' side of a decode step on the CPU (products of a few rows, the whole decoder
 stack in one compiled call) is `pagedkv.ops.cpu_dense`, which reads this backend's plans;
-`warmup` compiles it too, so that one start compiles everything once.
+`warmup` compiles it too, so that one start compiles everything its cache dtype runs.
 """
 
 from __future__ import annotations
@@ -232,17 +232,18 @@ def write_kv(
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
-    """Load or compile every kernel variant (the plan and both decode kernels, for float32
-    and bfloat16 caches, and `cpu_dense`'s); say so on stderr when it compiles."""
+    """Load or compile the kernel variants that caches of this dtype use (the plan; for
+    float32 and bfloat16 both decode kernels and `cpu_dense`'s too); say so on stderr
+    when it compiles. The other kernel dtype's variants are left to an engine that runs it:
+    building both would keep a first start waiting for code it never runs."""
     from pagedkv.ops import cpu_dense  # it imports this module
 
-    kernel_cache.announce()
-    for dtype in KERNEL_DTYPES:
-        _compile(dtype, cpu_dense)
-        for parallel in (False, True):
-            weight = torch.zeros(1, 2, dtype=dtype)
-            cpu_dense.linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
-    kernel_cache.mark_compiled()
+    dtype = key_cache.dtype
+    name = str(dtype).removeprefix("torch.")
+    # Other dtypes run the plan alone, which any earlier warm-up built.
+    kernel_cache.announce(name if dtype in KERNEL_DTYPES else None)
+    _compile(dtype, cpu_dense)
+    kernel_cache.mark_compiled(name)
 
 
 def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
@@ -251,14 +252,19 @@ def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
 
 
 def _compile(dtype: torch.dtype, cpu_dense: ModuleType) -> None:
-    """Run each kernel once on a tiny cache of `dtype` (a decode of one 1-token sequence),
-    and a one-layer decoder stack over it."""
+    """Run the plan on a tiny cache of `dtype` (a decode of one 1-token sequence); for a
+    kernel dtype each decode kernel too, both matrix-vector kernels and a one-layer
+    decoder stack over it."""
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
     metadata = AttentionMetadata.build([[0]], [1], [1], [0])
+    p = plan(metadata, cache, 1, None)
+    if dtype not in KERNEL_DTYPES:
+        return
     for parallel in (False, True):
-        p = plan(metadata, cache, 1, None)
         p.parallel = parallel
         run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
+        weight = torch.zeros(1, 2, dtype=dtype)
+        cpu_dense.linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
     sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
              "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
     weights = cpu_dense.DecoderWeights.create(
