@@ -316,7 +316,9 @@ def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int
     manager_us = [churn_manager(num_blocks, args.steps, args.seed + r)
                   for r in range(args.repeats)]  # fmt: skip
     hit_us, walk_us, free_us, busy_bytes = prefix_hit(num_blocks, args.hit_repeats, args.seed)
-    scan_us, scan_steps = churn_scan(num_blocks, args.steps, args.seed, args.scan_budget)
+    scan_us, scan_steps = None, 0  # a budget of 0 leaves the scan baseline out
+    if args.scan_budget > 0:
+        scan_us, scan_steps = churn_scan(num_blocks, args.steps, args.seed, args.scan_budget)
     pool_median = statistics.median(pool_us)
     return {
         "num_blocks": num_blocks,
@@ -326,7 +328,7 @@ def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int
         "manager_us_per_block": statistics.median(manager_us),
         "scan_us_per_block": scan_us,
         "scan_steps": scan_steps,
-        "speedup_vs_scan": scan_us / pool_median,
+        "speedup_vs_scan": None if scan_us is None else scan_us / pool_median,
         "hit_us_per_block": hit_us,
         "hit_walk_us_per_block": walk_us,
         "hit_free_us_per_block": free_us,
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--hit-repeats", type=int, default=400, help="hits, half with spans")
     parser.add_argument("--scan-budget", type=float, default=3.0,
-                        help="seconds of churn for the scan baseline per size")  # fmt: skip
+                        help="seconds of scan-baseline churn per size (0: none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_block_pool", help="results file name")
     args = parser.parse_args(argv)
