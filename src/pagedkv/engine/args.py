@@ -103,7 +103,7 @@ class EngineArgs:
     )
     cpu_fused_decode: bool = _option(
         True,
-        "send a decode step of 1-8 sequences through every layer in one compiled call, with no "
+        "send a decode step of 1-16 sequences through every layer in one compiled call, with no "
         "Python between the operations, on every thread for one wake per step (on the CPU; "
         "the same operations and roundings as the layer-by-layer path)",
     )
