@@ -282,7 +282,7 @@ def bench_write(dtype: torch.dtype, device: str, min_time: float, gen: torch.Gen
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="a short run: fewer shapes and repeats")
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads (both sides)")

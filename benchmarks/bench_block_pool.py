@@ -340,7 +340,7 @@ def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
     parser.add_argument("--steps", type=int, default=3000, help="churn steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")

@@ -43,7 +43,7 @@ def _generate_seconds(model: Path, policy: str | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)

@@ -48,7 +48,7 @@ def _run(src: Path, args: list[str], out: Path) -> dict[tuple[str, str], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the commit to compare with (git rev)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
