@@ -13,6 +13,7 @@ and the directory `pagedkv convert` writes from it share one config path.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -156,6 +157,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"expected a .gguf file, got {str(path)!r} (no such file)")
+    stat = path.stat()
+    return _read_header(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    """`read_gguf`'s parse, once per file and version: building an engine reads the header
+    for its config, weights and tokenizer (size and time key a rewritten file anew)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         if buffer[:4] != b"GGUF":
             raise ValueError(f"{path}: expected a GGUF file (magic 'GGUF'), got {buffer[:4]!r}")

@@ -179,10 +179,14 @@ class DecoderModel(nn.Module):
         tp: TensorParallel = NO_PARALLEL,
     ) -> None:
         super().__init__()
-        # Vocabulary-parallel: this rank's rows of the table (all of it with one rank).
+        # Vocabulary-parallel: this rank's rows of the table (all of it with one rank). The
+        # table is given, not initialized: the checkpoint fills it, and `reset_parameters`
+        # (`init.normal_`) would import torch._dynamo at every start.
+        rows = tp.vocab_part(config.vocab_size)
         self.embed_tokens = nn.Embedding(
-            tp.vocab_part(config.vocab_size), config.hidden_size, dtype=dtype, device=device
-        )
+            rows, config.hidden_size,
+            _weight=torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
+        )  # fmt: skip
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype=dtype, device=device, tp=tp)
             for i in range(config.num_layers)

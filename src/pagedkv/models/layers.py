@@ -66,7 +66,9 @@ def compute_inv_freq(
     Raises:
         ValueError: an unknown rope type or a missing scaling field.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    # On the CPU even inside a meta-device context: meta arithmetic goes through torch._refs,
+    # which imports torch._dynamo.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
     if not rope_scaling:
         return inv_freq

@@ -9,7 +9,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 
@@ -108,7 +107,7 @@ class DecoderWeights:
         for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
                      "gate_up", "down"):  # fmt: skip
             views = [as_numpy(_plain(layer[name], name, dtype, empty)) for layer in layers]
-            fields[name] = numba.typed.List(views)
+            fields[name] = _layers.typed_list(tuple(views))
         return cls(
             **fields,
             final_norm=as_numpy(_plain(final_norm, "final_norm", dtype, empty)),

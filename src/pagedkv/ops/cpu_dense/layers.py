@@ -2,39 +2,29 @@
 in one call.
 
 At batch 1 a step's arithmetic is small (each weight is read once) and driving ~15 torch
-operations and kernel calls per layer from Python costs about as much as the products.
-Here the whole stack runs in compiled code, layer by layer, as `pagedkv.models.llama`
-computes it:
+operations per layer from Python costs about as much as the products. Here the whole stack
+runs in compiled code, as `pagedkv.models.llama` computes it:
 
     n = rms_norm(x);  q|k|v = qkv_proj(n);  q, k = rotary(qk_norm(q), qk_norm(k))
     write k, v at the rows' slots;  x += o_proj(attention(q, the paged cache))
     n = rms_norm(x);  gate|up = gate_up_proj(n);  x += down_proj(silu(gate) * up)
 
-and after the last layer the final norm and the LM head, whose logits the sampler reads:
+then `logits = lm_head(rms_norm(x))`. In bfloat16 every value is rounded where torch rounds
+it, sums run in float32; products and attention are `matvec.py`'s and `kernels.py`'s. The LM
+head is in the region because whatever runs after the layers' weight stream starts from cold
+code and data: from Python, the final norm and the head's own parallel call paid that twice.
 
-    logits = lm_head(rms_norm(x))
-
-In bfloat16 every value is rounded where torch rounds it (after each operation), sums
-run in float32; products and attention are `matvec.py`'s and `kernels.py`'s own. The LM
-head belongs in the region although it is one product: after the layers have streamed
-their weights through the caches, whatever runs next starts from cold code and data, and
-the final norm and the head's own parallel call, made from Python, paid that twice.
-
-One parallel region per step. Each layer is five *phases* (q|k|v by heads, attention
-items, o_proj rows, gate/up rows, down rows), and the LM head's rows follow the last
-layer; every thread of the region walks the phases in order, claims a phase's chunks from
-shared counters, and waits until all of them are done before the next phase. What a
-product reads that costs less than a hand-off (a norm of the step's rows, the merge of
-their attention items) every thread computes for itself, into its own buffers, before its
-first chunk of the phase: a phase boundary is a wait for the slower thread and a few
-cache lines passed between cores, and a norm is cheaper than either. A sleeping
-worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per step, not once per product,
-and a thread that arrives late (or is preempted) only leaves its chunks to the others.
-A waiting thread spins briefly, then yields its core. A wait of about a millisecond
-means the other thread was off its core; after a few in one step another process holds
-a core, and the waiting thread finishes the step alone while the caller runs the next
-steps on one thread (`TeamBackoff`): on a shared core every hand-off between phases would
-cost a scheduler slice.
+One parallel region per step. Each layer is five *phases* (q|k|v by heads, attention items,
+o_proj rows, gate/up rows, down rows), then the LM head's rows; every thread walks the phases
+in order, claims a phase's chunks from shared counters, and waits until all are done before
+the next. What costs less than a hand-off (a norm of the step's rows, the merge of their
+attention items) every thread computes for itself, into its own buffers, before its first
+chunk of the phase. A sleeping worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per
+step, not per product, and a late (or preempted) thread only leaves its chunks to the others.
+A waiting thread spins briefly, then yields its core. After a few waits of a millisecond in
+one step another process holds a core: the waiting thread finishes the step alone and the
+caller runs the next steps on one thread (`TeamBackoff`): on a shared core every hand-off
+would cost a scheduler slice.
 
 NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits), loaded
 through `pagedkv.kernel_cache` with the two kernel files it calls.
@@ -44,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.typed import List
 
 from pagedkv import kernel_cache
 from pagedkv.ops.cpu.bf16 import as_float32
@@ -60,9 +51,8 @@ QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
 PHASES = HEAD
 """Phases per layer."""
 CHUNK_WORK = 32_768
-"""Multiply-adds per input row in one claimed chunk of a product: small enough that two
-threads share even a small model's projection evenly, large enough that claiming (one
-atomic add on a shared line) is rare."""
+"""Multiply-adds per input row in a claimed chunk of a product: small enough that two threads
+share a small model's projection evenly, large enough that claims (atomic adds) are rare."""
 LINE = 8
 """int64 counters per cache line: each counter on its own line, so claiming one phase's
 chunks does not stall a thread polling another's."""
@@ -144,6 +134,16 @@ def decode_layers(
             _take_part(np.int64(me), threads, x, cos, sin, num_real, slots, weights, pools,
                        buffers, eps, scale, counters)  # fmt: skip
     return counters[-LINE] != 0
+
+
+@njit(cache=True)
+def typed_list(arrays):  # pragma: no cover
+    """A tuple of arrays of one type as the typed list `decode_layers` takes, built by cached
+    code (`numba.typed.List(arrays)` compiles its helpers anew in every process)."""
+    out = List()
+    for array in arrays:
+        out.append(array)
+    return out
 
 
 @njit(cache=True, fastmath=True)
