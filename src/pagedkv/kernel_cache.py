@@ -91,6 +91,24 @@ def mark_compiled(dtype: str) -> None:
         pass  # a read-only cache: the line is printed again next time, nothing else
 
 
+def write_whole(path: Path, data: bytes) -> None:
+    """Write `path` under a temporary name, then rename it: a concurrent reader (another
+    process's first start) sees either no file or the complete one.
+
+    Raises:
+        OSError: the directory cannot be made or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def load_kernels(stem: str = "kernels") -> ModuleType:
     """Import `stem`.py of `_SOURCES` from its shared copy (the packaged file if that cannot
     be made)."""
@@ -99,14 +117,8 @@ def load_kernels(stem: str = "kernels") -> ModuleType:
     path = directory / source.name
     try:
         if not path.exists():
-            directory.mkdir(parents=True, exist_ok=True)
-            # Written whole under a temporary name, then renamed: a concurrent first start
-            # sees either no file or the complete one, and its modification time (part of
-            # Numba's cache key) never changes afterwards.
-            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(source.read_bytes())
-            os.replace(tmp, path)
+            # Its modification time (part of Numba's cache key) never changes afterwards.
+            write_whole(path, source.read_bytes())
     except OSError:
         path = source
     name = f"pagedkv_cpu_{stem}_{directory.name}"

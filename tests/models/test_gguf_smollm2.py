@@ -8,6 +8,11 @@ that directory loaded by pagedkv (identical tokens).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers.gguf_models import smollm2_gguf
@@ -105,3 +110,31 @@ def test_converted_tokenizer_and_template_match(llm, converted):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_tokenizer_is_converted_once_then_read_back(tmp_path):
+    """The first load converts the GGUF's tokenizer (through transformers) and saves it;
+    the next reads it back without importing transformers, a broken saved file is
+    converted again, and every load encodes and decodes alike."""
+    code = (
+        "import json, sys\n"
+        "from pagedkv.models.tokenizer import load_tokenizer\n"
+        f"t = load_tokenizer({str(GGUF)!r})\n"
+        "ids = t.encode('Hello, world! 12345 <|im_start|>user')\n"
+        "print(json.dumps([ids, t.decode(ids, False), 'transformers' in sys.modules]))"
+    )
+    env = {**os.environ, "PAGEDKV_CACHE_DIR": str(tmp_path)}
+
+    def load():
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return json.loads(done.stdout)
+
+    first, second = load(), load()
+    (saved,) = (tmp_path / "gguf-tokenizers").glob("*.json")
+    saved.write_text("{not json")
+    third = load()
+    assert [first[2], second[2], third[2]] == [True, False, True]
+    assert first[:2] == second[:2] == third[:2]
+    assert "user" in first[1]

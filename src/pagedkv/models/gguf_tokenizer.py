@@ -6,12 +6,20 @@ turns those into a `tokenizers.Tokenizer`; this module calls it, then sets what 
 leaves to transformers' wrapper classes, which pagedkv does not use: whether BOS/EOS are added
 (`tokenizer.ggml.add_bos_token`), and the pre-tokenizer split of the few vocabularies the
 converter does not know (llama.cpp's `tokenizer.ggml.pre`).
+
+The result is saved as a `tokenizer.json` in pagedkv's cache (`gguf-tokenizers/`), keyed by
+the file (path, size, modification time), this module and the versions of pagedkv,
+transformers and tokenizers: later starts read it back and never import transformers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+from pathlib import Path
 from typing import Any
 
+from pagedkv import kernel_cache
 from pagedkv.gguf_file import GGUF_INSTALL_HINT, GGUFFile
 from pagedkv.models.tokenizer import Tokenizer
 
@@ -82,6 +90,33 @@ def load_gguf_tokenizer(file: GGUFFile) -> Tokenizer | None:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         return None
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    saved = _saved_path(file)
+    try:
+        tokenizer = _read_saved(saved)
+    except (OSError, ValueError):
+        tokenizer = _convert(file, tokens, bos_id, eos_id)
+        try:
+            kernel_cache.write_whole(saved, tokenizer.to_str().encode())
+        except OSError:
+            pass  # a read-only cache: the next start converts again, nothing else
+    return Tokenizer(
+        tokenizer,
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_id] if eos_id is not None else None,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _convert(file: GGUFFile, tokens: list[str], bos_id: int | None, eos_id: int | None) -> Any:
+    """The file's `tokenizers.Tokenizer`, built by transformers' converter and completed.
+
+    Raises:
+        ImportError: transformers is missing.
+        ValueError: a tokenizer type the converter does not support (named).
+    """
+    meta = file.metadata
     convert, mapping = _converter()
     fields = {
         name: meta[f"tokenizer.{key}"]
@@ -99,17 +134,38 @@ def load_gguf_tokenizer(file: GGUFFile) -> Tokenizer | None:
     pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre")) if tokenizer_type == "gpt2" else None
     if pre is not None:
         tokenizer.pre_tokenizer = pre
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
     # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
     add_bos = meta.get("tokenizer.ggml.add_bos_token", tokenizer_type == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
     tokenizer.post_processor = _post_processor(
         tokens, bos_id if add_bos else None, eos_id if add_eos else None
     )
-    return Tokenizer(
-        tokenizer,
-        bos_token=tokens[bos_id] if bos_id is not None else None,
-        eos_token=tokens[eos_id] if eos_id is not None else None,
-        chat_template=meta.get("tokenizer.chat_template"),
-    )
+    return tokenizer
+
+
+def _saved_path(file: GGUFFile) -> Path:
+    """Where the converted tokenizer of `file` is saved (it may not exist)."""
+    stat = file.path.stat()
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    key.update(f"{file.path.resolve()} {stat.st_size} {stat.st_mtime_ns}".encode())
+    for package in ("pagedkv", "transformers", "tokenizers"):
+        try:
+            key.update(f" {package} {importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            key.update(f" {package} none".encode())
+    return kernel_cache.cache_root() / "gguf-tokenizers" / f"{key.hexdigest()[:24]}.json"
+
+
+def _read_saved(path: Path) -> Any:
+    """The tokenizer saved at `path`.
+
+    Raises:
+        OSError: there is none.  ValueError: the file does not parse.
+    """
+    from tokenizers import Tokenizer as Backend
+
+    text = path.read_text(encoding="utf-8")
+    try:
+        return Backend.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{path}: {exc}") from None
