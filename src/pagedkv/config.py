@@ -268,6 +268,12 @@ def _sliding_windows(
     return (None,) * num_layers
 
 
+CPU_KV_MEMORY_CAP = 4 << 30
+"""The most a CPU pool takes without `num_blocks` or `kv_cache_memory`, as in vLLM's CPU
+backend: the pool is committed when it is made, so a share of a large machine's memory would
+slow every start and hold more than a CPU's decode rate fills."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, pool sizing, host swap pool, prefix caching."""

@@ -8,7 +8,10 @@ import json
 
 import pytest
 
+from pagedkv.cache import PagedKVCache
 from pagedkv.cli import build_parser, main
+from pagedkv.config import CPU_KV_MEMORY_CAP, CacheConfig, SchedulerConfig
+from pagedkv.engine import builder
 from pagedkv.engine import llm as llm_module
 from pagedkv.engine.args import EngineArgs, engine_args_signature
 from pagedkv.engine.engine import LLMEngine
@@ -148,3 +151,28 @@ def test_generate_hands_a_new_flag_to_the_engine(patched: list[EngineArgs], tmp_
     (args,) = patched
     assert isinstance(args, PatchedEngineArgs)
     assert (args.draft_tokens, args.enable_turbo, args.block_size) == (7, True, 4)
+
+
+@pytest.mark.parametrize(
+    ("device", "free", "num_ranks", "expected_bytes"),
+    [
+        ("cpu", 1 << 40, 1, CPU_KV_MEMORY_CAP),  # a large machine: the cap
+        ("cpu", 1 << 40, 2, CPU_KV_MEMORY_CAP // 2),  # its ranks split it
+        ("cpu", 8 << 30, 1, int(0.3 * (8 << 30))),  # a small one: the share
+        ("cuda", 1 << 40, 1, int(0.8 * (1 << 40))),  # a device: no cap
+    ],
+)
+def test_default_pool_is_a_share_of_free_memory_capped_on_the_cpu(
+    monkeypatch, device, free, num_ranks, expected_bytes
+) -> None:
+    monkeypatch.setattr(builder, "_free_memory", lambda device: free)
+    shape = (32, 16, 8, 128, "float16")  # 2 MiB per block
+    per_block = PagedKVCache.bytes_per_block(*shape)
+    scheduler = SchedulerConfig(max_num_seqs=1 << 20)  # the full-length cap does not bind
+    blocks = builder._num_device_blocks(CacheConfig(), scheduler, shape, 8192, device, num_ranks)
+    assert blocks == expected_bytes // per_block
+    # Sizes a user gives are taken as they are, beyond the default cap too.
+    given = CacheConfig(kv_cache_memory=2 * CPU_KV_MEMORY_CAP)
+    assert builder._num_device_blocks(given, scheduler, shape, 8192, device) == (
+        2 * CPU_KV_MEMORY_CAP // per_block
+    )

@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
-from pagedkv.config import CacheConfig, SchedulerConfig, parse_size
+from pagedkv.config import CPU_KV_MEMORY_CAP, CacheConfig, SchedulerConfig, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -58,7 +58,8 @@ class EngineArgs:
     kv_cache_memory: int | str | None = _option(
         None,
         "size the KV pool by memory, e.g. 4GiB, when num_blocks is unset (per device under "
-        "tensor parallelism; default: a share of the memory free after loading the weights)",
+        "tensor parallelism; default: a share of the memory free after loading the weights, "
+        f"on the CPU at most {CPU_KV_MEMORY_CAP >> 30}GiB)",
     )
     swap_space: int | str = _option(0, "host memory for swapped-out blocks, e.g. 1GiB")
     max_num_seqs: int = _option(256, "sequences in one step at most")

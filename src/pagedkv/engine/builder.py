@@ -11,7 +11,13 @@ from typing import Any
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedkv.config import (
+    CPU_KV_MEMORY_CAP,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.workers import (
@@ -199,8 +205,9 @@ def _num_device_blocks(
     num_ranks: int = 1,
 ) -> int:
     """num_blocks if given, else what kv_cache_memory holds (per device), else a share of
-    free memory capped by what `max_num_seqs` sequences of `max_model_len` tokens could
-    ever use. On the CPU the ranks of one machine split that share between them."""
+    free memory (on the CPU at most `CPU_KV_MEMORY_CAP`) capped by what `max_num_seqs`
+    sequences of `max_model_len` tokens could ever use. On the CPU the ranks of one
+    machine split that memory between them."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
@@ -213,9 +220,12 @@ def _num_device_blocks(
             )
         return blocks
     free = _free_memory(device)
-    share = _GPU_MEMORY_SHARE if str(device).startswith("cuda") else _CPU_MEMORY_SHARE / num_ranks
+    if str(device).startswith("cuda"):
+        budget = free * _GPU_MEMORY_SHARE
+    else:
+        budget = min(free * _CPU_MEMORY_SHARE, CPU_KV_MEMORY_CAP) / num_ranks
     cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size)
-    blocks = min(PagedKVCache.num_blocks_for_memory(int(free * share), *shape), cap)
+    blocks = min(PagedKVCache.num_blocks_for_memory(int(budget), *shape), cap)
     if blocks <= 0:
         raise ValueError(
             f"kv cache: expected free memory for at least one block, got "
