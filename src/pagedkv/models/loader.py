@@ -203,16 +203,17 @@ def load_model(
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
         model = CausalLM(config, dtype=torch_dtype, tp=tp)
-    model.to_empty(device=device)
     if torch.device(device).type == "cpu":
         _place_on_huge_pages(model)
+    else:
+        model.to_empty(device=device)
     if tp.vocab_part(config.vocab_size) * tp.size != config.vocab_size:
         # The last rank's vocabulary rows past the real vocabulary: never looked up, and
-        # their logits are cut off, but they must not hold NaN from `to_empty`.
+        # their logits are cut off, but they must not hold NaN from uninitialized memory.
         model.model.embed_tokens.weight.data.zero_()
         if model.lm_head is not None:
             model.lm_head.weight.data.zero_()
-    # to_empty left the (non-checkpoint) rotary buffer uninitialized: recompute it.
+    # The rotary buffer is no checkpoint tensor (and `to_empty` leaves it uninitialized).
     model.rotary_emb.inv_freq.copy_(
         compute_inv_freq(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
@@ -226,19 +227,22 @@ def load_model(
 
 
 def _place_on_huge_pages(model: torch.nn.Module) -> None:
-    """Move every parameter and buffer (still unwritten) into one mapping on huge pages.
+    """Give every parameter and persistent buffer of `model` (on the meta device) its place
+    in one mapping on huge pages.
 
     A decode step reads every weight once, and with the products at the speed of memory
-    the bfloat16 ones then stream faster (benchmarks.md). The storage `to_empty` made is
-    released before it is ever touched, so nothing is held twice.
+    the bfloat16 ones then stream faster (benchmarks.md). The views are assigned straight
+    from the meta device: no storage is made and dropped, and no meta kernel runs
+    (`to_empty` would initialize torch's meta-kernel machinery at every start).
     """
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
-    aligned = [-(-t.nbytes // 64) * 64 for t in tensors]  # every tensor on a cache line
-    memory = empty_on_huge_pages(sum(aligned))
-    offset = 0
-    for t, size in zip(tensors, aligned, strict=True):
-        t.data = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-        offset += size
+    tensors = model.state_dict(keep_vars=True)
+    aligned = {name: -(-t.nbytes // 64) * 64 for name, t in tensors.items()}  # cache lines
+    memory = empty_on_huge_pages(max(1, sum(aligned.values())))
+    views, offset = {}, 0
+    for name, t in tensors.items():
+        views[name] = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        offset += aligned[name]
+    model.load_state_dict(views, assign=True)
 
 
 def _load_weights(
