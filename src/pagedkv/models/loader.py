@@ -237,7 +237,7 @@ def _place_on_huge_pages(model: torch.nn.Module) -> None:
     """
     tensors = model.state_dict(keep_vars=True)
     aligned = {name: -(-t.nbytes // 64) * 64 for name, t in tensors.items()}  # cache lines
-    memory = empty_on_huge_pages(max(1, sum(aligned.values())))
+    memory = empty_on_huge_pages(sum(aligned.values()))
     views, offset = {}, 0
     for name, t in tensors.items():
         views[name] = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
