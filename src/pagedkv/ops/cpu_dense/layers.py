@@ -18,13 +18,13 @@ One parallel region per step. Each layer is five *phases* (q|k|v by heads, atten
 o_proj rows, gate/up rows, down rows), then the LM head's rows; every thread walks the phases
 in order, claims a phase's chunks from shared counters, and waits until all are done before
 the next. What costs less than a hand-off (a norm of the step's rows, the merge of their
-attention items) every thread computes for itself, into its own buffers, before its first
-chunk of the phase. A sleeping worker (``OMP_WAIT_POLICY=PASSIVE``) is thus woken once per
-step, not per product, and a late (or preempted) thread only leaves its chunks to the others.
-A waiting thread spins briefly, then yields its core. After a few waits of a millisecond in
-one step another process holds a core: the waiting thread finishes the step alone and the
-caller runs the next steps on one thread (`TeamBackoff`): on a shared core every hand-off
-would cost a scheduler slice.
+attention items, the MLP's activation) every thread computes for itself, into its own
+buffers, before its first chunk of the phase. A sleeping worker (``OMP_WAIT_POLICY=PASSIVE``)
+is thus woken once per step, not per product, and a late (or preempted) thread only leaves
+its chunks to the others. A waiting thread spins briefly, then yields its core. After a few
+waits of a millisecond in one step another process holds a core: the waiting thread finishes
+the step alone and the caller runs the next steps on one thread (`TeamBackoff`): on a shared
+core every hand-off would cost a scheduler slice.
 
 NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits), loaded
 through `pagedkv.kernel_cache` with the two kernel files it calls.
@@ -37,7 +37,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from pagedkv import kernel_cache
-from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
 from pagedkv.ops.cpu_dense import atomics
 
 _kernels = kernel_cache.load_kernels()
@@ -110,13 +110,11 @@ def decode_layers(
         np.zeros((threads, rows, o_proj[0].shape[1]), dtype=f32),
         np.empty_like(x),  # update: a residual branch's output
         np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
-        np.empty((rows, down[0].shape[1]), dtype=f32),  # mid: down's input
+        np.empty((threads, rows, down[0].shape[1]), dtype=f32),  # mid: each thread's down input
         final,
         np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
         logits,
-        # each thread's scratch for a gate/up chunk's activations (`_chunks`' step)
-        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=f32),
-        np.empty((threads, max(1, CHUNK_WORK // hidden)), dtype=np.int32),
+        np.empty((threads, down[0].shape[1]), dtype=f32),  # each thread's activations
     )
     weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
                final_norm, head)  # fmt: skip
@@ -166,7 +164,7 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
     """(chunks, rows of a product per chunk) of a phase of `kind`: one for a head of q|k|v
     or an attention item, `CHUNK_WORK` of a product; the head's phase has at least one
     (its thread writes the final norm) even where the head has no rows."""
-    head_dim, items, mid = pools[0].shape[3], pools[3], buffers[11]
+    head_dim, items, inner = pools[0].shape[3], pools[3], buffers[11].shape[2]
     if kind == QKV:
         return weights[1][0].shape[0] // head_dim, head_dim
     if kind == ATTEND:
@@ -174,11 +172,11 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
     if kind == O_PROJ:
         size, outputs = weights[5][0].shape[1], x.shape[1]
     elif kind == GATE_UP:  # by rows of each
-        size, outputs = x.shape[1], mid.shape[1]
+        size, outputs = x.shape[1], inner
     elif kind == HEAD:
         size, outputs = x.shape[1], max(1, weights[10].shape[0])
     else:  # down
-        size, outputs = mid.shape[1], x.shape[1]
+        size, outputs = inner, x.shape[1]
     step = max(1, CHUNK_WORK // size)
     return -(-outputs // step), step
 
@@ -198,8 +196,9 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
     fused, query, acc, row_max, row_sum = buffers[2:7]
-    update, mlp_in, mid, final, head_out, logits = buffers[9:15]
+    update, mlp_in, mids, final, head_out, logits = buffers[9:15]
     normed, wide, attended, heads = buffers[0][me], buffers[1][me], buffers[7][me], buffers[8][me]
+    mid = mids[me]
     keys, values = key_pool[layer], value_pool[layer]
     # the phase's product (for attention, unused) and its input, taken once
     bias = qkv_bias[0][:0]
@@ -214,12 +213,12 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
         _norm_rows(x, post_norm[layer], eps, normed, wide)
     elif kind == DOWN:
         weight = down[layer]
+        _silu_rows(mlp_in, mid, x, buffers[15][me])
     elif kind == HEAD:
         weight = head
         _norm_rows(x, final_norm, eps, normed, wide)
     else:  # attention: no product
         weight = head
-    scratch, pow2 = buffers[15][me], buffers[16][me]
     done = 0
     while c < n:
         first = c * step
@@ -243,7 +242,6 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
             end = min(size, first + step)
             _products(wide, weight, bias, mlp_in, first, end)
             _products(wide, weight, bias, mlp_in, size + first, size + end)
-            _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2)
         else:  # o_proj or down, each with its residual add
             inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
@@ -342,26 +340,28 @@ def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
         _place_inputs(normed[r], wide[r], 0, x)
 
 
-@njit(cache=True, fastmath=True)
-def _silu_and_mul(mlp_in, first, end, mid, x, scratch, pow2):  # pragma: no cover
-    """mid[:, first:end] = silu(gate) * up (placed for down's product), gate|up = mlp_in,
-    each rounded to x's dtype where torch rounds (after the activation, after the product).
+@njit(cache=True, error_model="numpy", fastmath=True)
+def _silu_rows(mlp_in, mid, x, scratch):  # pragma: no cover
+    """mid = silu(gate) * up, placed for down's product (gate|up = mlp_in), each rounded to
+    x's dtype where torch rounds (after the activation, after the product).
 
     silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
-    (`kernels._exp_parts`): libm's expf is a scalar call per element, which kept the whole
-    loop scalar."""
-    n, size = end - first, mid.shape[1]
-    two_to = pow2.view(np.float32)
+    (`kernels._exp_parts`; libm's expf is a scalar call per element). Three loops, each of
+    which LLVM vectorizes, and NumPy's error model: Python's checks every division for zero,
+    a branch that kept the loop scalar."""
+    size = mid.shape[1]
     for r in range(mid.shape[0]):
-        for j in range(n):
-            scratch[j], pow2[j] = _kernels._exp_parts(-abs(as_float32(mlp_in[r, first + j])))
-        for j in range(n):
-            gate, up = as_float32(mlp_in[r, first + j]), mlp_in[r, size + first + j]
-            e = scratch[j] * two_to[j]
-            act = as_float32(_narrow((gate if gate >= 0 else gate * e) / (np.float32(1) + e), x))
-            scratch[j] = as_float32(_narrow(act * as_float32(up), x))
-        _place_inputs(scratch[:n], mid[r], first, x)
+        for j in range(size):
+            fraction, bits = _kernels._exp_parts(-abs(as_float32(mlp_in[r, j])))
+            scratch[j] = fraction * bits_as_float32(np.uint32(bits))
+        for j in range(size):
+            gate, e = as_float32(mlp_in[r, j]), scratch[j]
+            act = (gate if gate >= 0 else gate * e) / (np.float32(1) + e)
+            scratch[j] = as_float32(_narrow(act, x))
+        for j in range(size):
+            scratch[j] = as_float32(_narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x))
+        _place_inputs(scratch, mid[r], 0, x)
 
 
 @njit(cache=True, fastmath=True)
