@@ -9,8 +9,9 @@ greedily, EOS ignored, as `llama-batched-bench -npp 512 -ntg 128 -npl 1,4,8` doe
 - decode tokens/s: the tokens after the first over the time after the last first token;
 - fraction of the weight-streaming bound: a decode step reads every matmul weight once
   (the LM head included, the embedding table not unless tied) and each sequence's K/V;
-  at the read bandwidth measured in this run (`bench_attention.read_bandwidth`, taken
-  before and after) that gives the fastest a step can be; the figure is measured / bound;
+  at the read bandwidth (`bench_attention.read_bandwidth`, taken at the start of each
+  round) that gives the fastest a step can be; the figure is the median over the rounds of
+  each run / its round's bound;
 - against llama.cpp: the ratio of the medians, and the median of each round's ratio
   (`_paired`: a round's pagedkv run over the llama.cpp run right after it).
 
@@ -134,8 +135,11 @@ def bench_model(
     vocab = first.engine.model_config.vocab_size
     rng = random.Random(0)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {}
-    bandwidths = [read_bandwidth("cpu")]
+    bandwidths = []
     for round_index in range(args.repeats):
+        # Each round against the bandwidth of its own minute: on a shared VM it moves by a
+        # quarter between minutes, and one figure for the run would move every bound with it.
+        bandwidths.append(read_bandwidth("cpu"))
         for batch in args.batches:
             for name, llm in llms.items():
                 prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
@@ -147,18 +151,20 @@ def bench_model(
                 args.llama_cpp, gguf, args.threads, args.prompt_len, args.new_tokens, args.batches
             ):
                 samples.setdefault(("llama.cpp", run["batch"]), []).append(run)
-    bandwidths.append(read_bandwidth("cpu"))
     bandwidth = statistics.median(bandwidths)
     mean_context = args.prompt_len + args.new_tokens / 2
     rows = []
     for (system, batch), runs in samples.items():
         step_bytes, bound = decode_bound(model, batch, mean_context, bandwidth)
         decode = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        of_bound = [r["decode_tokens_per_s"] / decode_bound(model, batch, mean_context, b)[1]
+                    for r, b in zip(runs, bandwidths, strict=True)]  # fmt: skip
         rows.append({
             "model": label, "dtype": dtype, "system": system, "batch": batch,
             "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
-            "decode_tok_s": decode, "bound_tok_s": bound, "of_bound": decode / bound,
+            "decode_tok_s": decode, "bound_tok_s": bound, "of_bound": statistics.median(of_bound),
             "step_mb": step_bytes / 1e6, "bandwidth_gbs": bandwidth / 1e9,
+            "bandwidths_gbs": [b / 1e9 for b in bandwidths], "of_bound_rounds": of_bound,
             "decode_runs": [r["decode_tokens_per_s"] for r in runs],
         })  # fmt: skip
     for row in rows:
