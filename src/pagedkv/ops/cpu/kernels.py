@@ -262,9 +262,9 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
 @njit(fastmath=True, inline="always")
 def _exp_parts(y):  # pragma: no cover
     """exp(y), y <= 0, as 2^f and the bits of 2^k (y / ln 2 = k + f, k an integer, |f| <=
-    1/2), which the caller stores to an int32 buffer and multiplies in read back as float32:
-    unlike libm's expf (a scalar call) this vectorizes. A degree-7 polynomial gives 2^f to
-    float32 rounding; arguments below -87 give about 1e-38 instead of smaller numbers."""
+    1/2), multiplied by the caller once the bits are read as float32 (through an int32 buffer
+    or `bf16.bits_as_float32`): unlike libm's expf (a scalar call) this vectorizes. A degree-7
+    polynomial gives 2^f to float32 rounding; arguments below -87 give about 1e-38."""
     x = max(y, np.float32(-87.0)) * np.float32(1.4426950408889634)
     k = np.floor(x + np.float32(0.5))
     f = (x - k) * np.float32(0.6931471805599453)  # f = ln(2^(x - k)), |f| <= ln2 / 2
