@@ -3,7 +3,8 @@
 NumPy has no bfloat16, so bfloat16 tensors reach Numba as their uint16 bits. A bfloat16 is
 the high half of a float32, so widening is a shift and a bit cast (`as_float32`), which
 LLVM vectorizes like any other load; `round_to_bf16` is the inverse, rounding to nearest
-even. `prefetch_head` asks for K and V rows ahead of the loops that read them (both dtypes).
+even. `prefetch_head` asks for K and V rows ahead of the loops that read them (both dtypes),
+`prefetch_once` for weight lines that a step reads once.
 Standard Numba extension API only: `numba.extending` (intrinsic, overload) and `llvmlite`.
 """
 
@@ -109,21 +110,35 @@ TOKENS = 4
 runs one such group ahead."""
 
 
-@intrinsic
-def _prefetch(typingctx, cache, offset):  # pragma: no cover
-    """Load the line of cache.flat[offset] (C-contiguous) into L2: a hint, it never faults."""
-    if not (isinstance(cache, types.Array) and cache.layout == "C"):
-        return None
+def _prefetcher(locality: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (array, offset) that asks for the line of array.flat[offset]
+    (C-contiguous) with LLVM's `locality` hint: a hint, it never faults."""
 
-    def codegen(context, builder, sig, args):
-        byte = ir.IntType(8)
-        at = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], byte)
-        fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
-                      [byte.as_pointer()] + [_I32] * 3)  # fmt: skip
-        builder.call(fn, [at] + [ir.Constant(_I32, x) for x in (0, 2, 1)])  # read, L2, data
-        return context.get_dummy_value()
+    @intrinsic
+    def prefetch(typingctx, array, offset):  # pragma: no cover
+        if not (isinstance(array, types.Array) and array.layout == "C"):
+            return None
 
-    return types.none(cache, offset), codegen
+        def codegen(context, builder, sig, args):
+            byte = ir.IntType(8)
+            at = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], byte)
+            fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
+                          [byte.as_pointer()] + [_I32] * 3)  # fmt: skip
+            builder.call(fn, [at] + [ir.Constant(_I32, x) for x in (0, locality, 1)])  # read, data
+            return context.get_dummy_value()
+
+        return types.none(array, offset), codegen
+
+    return prefetch
+
+
+_prefetch = _prefetcher(2)
+"""Load a line into L2, for K and V rows read soon and maybe again."""
+prefetch_once = _prefetcher(0)
+"""Load a line for one use (x86: `prefetchnta`): a weight row that a decode step reads once.
+The line does not stay in the outer caches, so what the step reads next (the KV cache, the
+interpreter's own code and objects after the call) is still there, not pushed out by
+hundreds of megabytes of weights."""
 
 
 @njit(inline="always")

@@ -19,6 +19,12 @@ vector operations per word. (Widening element by element zero-extends 16-bit lan
 a shuffle across the vector, which left the loop short of the memory's speed.) The input
 row is therefore held in *pair order*, its even elements first and then its odd ones
 (`place_inputs`), so that both halves of a word meet their inputs with plain loads.
+
+Each weight row's lines are asked for a few KB ahead as data read once (`prefetch_once`,
+x86's `prefetchnta`). A decode step streams every weight, hundreds of MB, through the
+caches; fetched the ordinary way they push out of L2 and L3 all that the step reads next:
+the KV cache, the step's buffers and, after the call, the interpreter's code and objects.
+Asked for this way they leave most of that in place.
 """
 
 from __future__ import annotations
@@ -27,7 +33,16 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, pair_bits, round_to_bf16
+from pagedkv.ops.cpu.bf16 import (
+    as_float32,
+    bits_as_float32,
+    pair_bits,
+    prefetch_once,
+    round_to_bf16,
+)
+
+PREFETCH_BYTES = 4096
+"""How far ahead of the row being multiplied its weight lines are asked for."""
 
 
 @njit(cache=True, fastmath=True)
@@ -127,7 +142,12 @@ def _products_impl(wide, weight, bias, out, first, end):  # pragma: no cover
 def _products_widened(wide, weight, bias, out, first, end):  # pragma: no cover
     """`_products` widening each weight element by itself (float32: as it is)."""
     rows, size = wide.shape
+    # With one input row the loop is a load and a multiply-add per element, and the
+    # prefetches' own instructions cost it more than the caches they spare.
+    ahead = rows > 1
     for n in range(first, end):
+        if ahead:
+            _prefetch_ahead(weight, n * size, size)
         w = weight[n]
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         m = 0
@@ -163,6 +183,7 @@ def _products_pairs(wide, weight, bias, out, first, end):  # pragma: no cover
     x = wide.reshape((rows, 2, half))
     for n in range(first, end):
         at = n * size  # weight row n's first element
+        _prefetch_ahead(weight, at, size)
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         m = 0
         # Four input rows per pass only in batches of eight or more: there they halve the
@@ -192,6 +213,16 @@ def _products_pairs(wide, weight, bias, out, first, end):  # pragma: no cover
                 we, wo = _pair(weight, at + 2 * k)
                 total += we * x[m, 0, k] + wo * x[m, 1, k]
             out[m, n] = narrow(total + shift, out)
+
+
+@njit(inline="always")
+def _prefetch_ahead(weight, at, size):  # pragma: no cover
+    """Ask for the `size` elements `PREFETCH_BYTES` past flat offset `at` of `weight`, a line
+    at a time, to be read once."""
+    last = weight.size - 1
+    ahead = at + PREFETCH_BYTES // weight.itemsize
+    for c in range(0, size, 64 // weight.itemsize):
+        prefetch_once(weight, min(ahead + c, last))
 
 
 @njit(inline="always")
