@@ -61,6 +61,8 @@ def compare_greedy(expected, outputs) -> int:
             got = completion.logprobs[step][token]
             assert abs(got - logprobs[step, token].item()) < LOGPROB_TOL
             compared += 1
+        sampled = zip(completion.logprobs, completion.token_ids, strict=True)
+        assert completion.cumulative_logprob == pytest.approx(sum(e[t] for e, t in sampled))
     return compared
 
 
@@ -108,6 +110,8 @@ def test_prefix_caching_on_and_off_agree(tmp_path) -> None:
         first = llm.generate(prompts[0], params, use_tqdm=False)
         rest = llm.generate(prompts[1:], params, use_tqdm=False)
         results[caching] = [o.outputs[0].token_ids for o in first + rest], llm.stats()
+        # No logprobs asked for: none computed, as in vLLM.
+        assert all(o.outputs[0].cumulative_logprob is None for o in first + rest)
     assert results[True][0] == results[False][0]
     hits_on, hits_off = (
         results[True][1]["prefix_cache_hits"],

@@ -135,6 +135,27 @@ def test_logprobs_are_raw_log_softmax_with_the_sampled_token() -> None:
     assert results[1].logprob == pytest.approx(reference[1, sampled].item())
 
 
+def test_logprobs_only_for_rows_that_ask() -> None:
+    logits = logits_batch(rows=3)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0),
+    ]
+    results = Sampler()(logits, params, [None, None, create_generator(0, 2)])
+    assert [r.token_id for r in results[:2]] == logits[:2].argmax(-1).tolist()
+    assert results[0].logprob is None and results[0].top_logprobs is None
+    assert results[2].logprob is None and results[2].top_logprobs is None
+    expected = torch.log_softmax(logits, -1)[1, results[1].token_id].item()
+    assert results[1].top_logprobs == pytest.approx({results[1].token_id: expected})
+    # No row asks: the same tokens, and no logprob at all.
+    alone = Sampler()(
+        logits, [params[0], params[0], params[2]], [None, None, create_generator(0, 2)]
+    )
+    assert [r.token_id for r in alone] == [r.token_id for r in results]
+    assert all(r.logprob is None for r in alone)
+
+
 def test_sampler_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError, match="one per row"):
         Sampler()(logits_batch(rows=2), [SamplingParams()], [None])

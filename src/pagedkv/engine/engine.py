@@ -241,8 +241,8 @@ class LLMEngine:
         for seq_id, result in results.items():  # the logprobs of the tokens just appended
             request = live[seq_id[0]]
             seq = request.seq(seq_id[1])
-            seq.cumulative_logprob += result.logprob
-            if request.params.logprobs is not None and result.top_logprobs is not None:
+            if result.logprob is not None and result.top_logprobs is not None:
+                seq.cumulative_logprob += result.logprob
                 seq.logprobs.append(result.top_logprobs)
         ended = [live[r] for r in step.finished_request_ids]
         outputs = []
@@ -336,7 +336,9 @@ def _completion(request: Request, seq: Sequence) -> CompletionOutput:
         index=seq.index,
         text=seq.text,
         token_ids=list(seq.output_token_ids),
-        cumulative_logprob=seq.cumulative_logprob,
+        cumulative_logprob=(
+            seq.cumulative_logprob if request.params.logprobs is not None else None
+        ),
         logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,

@@ -16,7 +16,9 @@ class CompletionOutput:
         index: the sample's index in `0..n-1`.
         text: the detokenized completion ("" without a tokenizer); cut before a stop string.
         token_ids: the generated token ids (a stop token id or EOS is kept).
-        cumulative_logprob: sum of the sampled tokens' logprobs (raw logits, float32).
+        cumulative_logprob: sum of the sampled tokens' logprobs (raw logits, float32); None
+            unless `SamplingParams.logprobs` is set (as vLLM: the engine computes logprobs
+            only when asked).
         logprobs: per generated token, token id -> logprob for the top `logprobs` tokens and
             the sampled one; None unless `SamplingParams.logprobs` is set.
         finish_reason: "length", "stop", "abort", or None while running.

@@ -17,11 +17,12 @@ from pagedkv.engine.sampling_params import SamplingParams
 
 @dataclass
 class SampleResult:
-    """The sampled token of one row, with its logprob (float32 log-softmax of the raw
-    logits) and, when asked, the top `logprobs` tokens' logprobs (plus the sampled one)."""
+    """The sampled token of one row and, where its params ask for logprobs, its logprob
+    (float32 log-softmax of the raw logits) and the top `logprobs` tokens' (plus the sampled
+    one's)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: dict[int, float] | None
 
 
@@ -66,7 +67,10 @@ class Sampler:
         if num_rows == 0:
             return []
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # Only where asked, as vLLM: a full-vocabulary log-softmax per step is a few percent
+        # of a one-user decode step on the CPU.
+        asked = [p.logprobs is not None for p in params]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(asked) else None
         logits = _apply_logit_bias(logits, params)
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -76,6 +80,8 @@ class Sampler:
                 [params[i] for i in random_rows],
                 [generators[i] for i in random_rows],
             )
+        if logprobs is None:
+            return [SampleResult(token, None, None) for token in tokens.tolist()]
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         max_top = max((p.logprobs or 0 for p in params), default=0)
         top_values: list[list[float]] = []
@@ -85,11 +91,12 @@ class Sampler:
             top_values, top_ids = values.tolist(), ids.tolist()
         results = []
         for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist(), strict=True)):
-            top = None
-            if params[i].logprobs is not None:
-                k = params[i].logprobs
-                top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True)) if k else {}
-                top[token] = logprob
+            k = params[i].logprobs
+            if k is None:
+                results.append(SampleResult(token, None, None))
+                continue
+            top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True)) if k else {}
+            top[token] = logprob
             results.append(SampleResult(token, logprob, top))
         return results
 
