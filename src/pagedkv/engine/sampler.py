@@ -67,10 +67,10 @@ class Sampler:
         if num_rows == 0:
             return []
         logits = logits.float()
-        # Only where asked, as vLLM: a full-vocabulary log-softmax per step is a few percent
-        # of a one-user decode step on the CPU.
-        asked = [p.logprobs is not None for p in params]
-        logprobs = torch.log_softmax(logits, dim=-1) if any(asked) else None
+        # Only where asked, as vLLM: otherwise every step would run a full-vocabulary
+        # log-softmax that nobody reads.
+        asked = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if asked else None
         logits = _apply_logit_bias(logits, params)
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]

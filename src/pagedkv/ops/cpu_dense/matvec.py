@@ -24,7 +24,8 @@ Each weight row's lines are asked for a few KB ahead as data read once (`prefetc
 x86's `prefetchnta`). A decode step streams every weight, hundreds of MB, through the
 caches; fetched the ordinary way they push out of L2 and L3 all that the step reads next:
 the KV cache, the step's buffers and, after the call, the interpreter's code and objects.
-Asked for this way they leave most of that in place.
+Asked for this way they leave most of that in place. (Not for one float32 input row: see
+`_products_widened`.)
 """
 
 from __future__ import annotations
