@@ -154,10 +154,12 @@ def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
 # vectorize (in one large function LLVM left the dot products scalar), and Numba's per-call
 # reference counting stays off the hot path. Each loop asks for the rows the other reads
 # next (V rows in the score loop, the next span's K rows in the accumulate loop), so the
-# memory is busy through both. Both take four tokens and two heads of a GQA group at once
-# (three for a group of three): each K or V load feeds every head, each q load four tokens,
-# each accumulator's load and store four V rows (four heads per V load did not pay: their
-# four accumulator streams cost what it saves).
+# memory is busy through both. Both take four tokens at once, so that each q load serves four
+# tokens and each accumulator's load and store four V rows. The score loop takes two or three
+# heads of a GQA group per K load; the accumulate loop one head at a time over the four V rows
+# (1-D views): after the first head those rows are L1 hits, and a loop with one output row
+# is what LLVM vectorizes best (several heads per pass widened each bfloat16 V element once
+# per head, and cost more than the loads they saved).
 
 
 @njit(cache=True, fastmath=True)
@@ -285,7 +287,6 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
     num_heads, head_dim = acc.shape
     num_kv_heads = value_cache.shape[1]
     group = num_heads // num_kv_heads
-    v = value_cache
     last = known - 1
     t = 0
     while t + bf16.TOKENS <= n:
@@ -296,53 +297,22 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
         for g in range(num_kv_heads):
             if n + t < known:
                 bf16.prefetch_head(key_cache, ahead, g)
-            h, end = g * group, (g + 1) * group
-            while h + 2 <= end:
-                if end - h == 3:  # a group of three (or the last three of an odd one)
-                    _accumulate_three(v, j0, j1, j2, j3, g, h, t, weights, acc)
-                    h += 3
-                    continue
+            v0, v1 = value_cache[j0, g], value_cache[j1, g]
+            v2, v3 = value_cache[j2, g], value_cache[j3, g]
+            for h in range(g * group, (g + 1) * group):
                 a0, a1 = weights[h, t], weights[h, t + 1]
                 a2, a3 = weights[h, t + 2], weights[h, t + 3]
-                b0, b1 = weights[h + 1, t], weights[h + 1, t + 1]
-                b2, b3 = weights[h + 1, t + 2], weights[h + 1, t + 3]
+                out = acc[h]
                 for d in range(head_dim):
-                    v0, v1 = as_float32(v[j0, g, d]), as_float32(v[j1, g, d])
-                    v2, v3 = as_float32(v[j2, g, d]), as_float32(v[j3, g, d])
-                    acc[h, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-                    acc[h + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
-                h += 2
-            if h < end:  # a group of one
-                a0, a1 = weights[h, t], weights[h, t + 1]
-                a2, a3 = weights[h, t + 2], weights[h, t + 3]
-                for d in range(head_dim):
-                    acc[h, d] += (
-                        a0 * as_float32(v[j0, g, d]) + a1 * as_float32(v[j1, g, d])
-                        + a2 * as_float32(v[j2, g, d]) + a3 * as_float32(v[j3, g, d])
-                    )  # fmt: skip
+                    out[d] += (a0 * as_float32(v0[d]) + a1 * as_float32(v1[d])
+                               + a2 * as_float32(v2[d]) + a3 * as_float32(v3[d]))  # fmt: skip
         t += bf16.TOKENS
     for rest in range(t, n):
         j = slots[rest]
         for h in range(num_heads):
             p = weights[h, rest]
             for d in range(head_dim):
-                acc[h, d] += p * as_float32(v[j, h // group, d])
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _accumulate_three(v, j0, j1, j2, j3, g, h, t, weights, acc):  # pragma: no cover
-    """`_accumulate_span`'s loop for heads h, h + 1, h + 2 of KV head g, one V load each."""
-    a0, a1, a2, a3 = weights[h, t], weights[h, t + 1], weights[h, t + 2], weights[h, t + 3]
-    b0, b1 = weights[h + 1, t], weights[h + 1, t + 1]
-    b2, b3 = weights[h + 1, t + 2], weights[h + 1, t + 3]
-    c0, c1 = weights[h + 2, t], weights[h + 2, t + 1]
-    c2, c3 = weights[h + 2, t + 2], weights[h + 2, t + 3]
-    for d in range(acc.shape[1]):
-        v0, v1 = as_float32(v[j0, g, d]), as_float32(v[j1, g, d])
-        v2, v3 = as_float32(v[j2, g, d]), as_float32(v[j3, g, d])
-        acc[h, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
-        acc[h + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
-        acc[h + 2, d] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
+                acc[h, d] += p * as_float32(value_cache[j, h // group, d])
 
 
 @njit(cache=True, fastmath=True)
