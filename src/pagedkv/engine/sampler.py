@@ -67,7 +67,7 @@ class Sampler:
         if num_rows == 0:
             return []
         logits = logits.float()
-        # Only where asked, as vLLM: otherwise every step would run a full-vocabulary
+        # Only where asked, as in vLLM: otherwise every step computes a full-vocabulary
         # log-softmax that nobody reads.
         asked = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if asked else None
