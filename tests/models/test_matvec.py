@@ -3,12 +3,17 @@ thread or on all, the same tokens."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import make_hf_model
+from numba.core import codegen
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
@@ -38,7 +43,7 @@ def test_linear_rows_matches_torch_float32(rows, shape, bias):
 def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias):
     """Products of bfloat16 values are exact in float32; the sum (bias included) is rounded
     once at the end, so the result is within half a bfloat16 step of the float64 value.
-    Rows of an even size are read two elements per word, an odd size one by one."""
+    Row sizes with and without a tail past the last 32 elements (`bf16.dot32`'s groups)."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(*shape, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, shape[1], generator=generator).to(torch.bfloat16)
@@ -48,6 +53,28 @@ def test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, bias)
     exact = x.double() @ weight.double().T + (0 if b is None else b.double())
     step = exact.abs().clamp_min(1e-30) * 2.0**-8
     assert ((out.double() - exact).abs() <= step * 1.01 + 1e-5).all()
+
+
+def test_linear_rows_refuses_inputs_of_another_dtype():
+    product = linear_rows(torch.zeros(4, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="x: expected the weight's dtype torch.bfloat16"):
+        product(torch.zeros(1, 8))
+
+
+def test_linear_rows_bfloat16_without_a_dot_product_instruction():
+    """A CPU without AVX512-BF16 widens each element by itself: the same test, compiled for
+    this CPU with the feature off (a process of its own: Numba reads the setting at start)."""
+    features = codegen.get_host_cpu_features().replace("+avx512bf16", "-avx512bf16")
+    here = Path(__file__).parent
+    path = os.pathsep.join(str(p) for p in (here, here.parent))  # this module, `helpers`
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "PYTHONPATH": path}
+    code = (
+        "from pagedkv.ops.cpu import bf16; assert not bf16.HAS_DOT\n"
+        "import test_matvec as t\n"
+        "for rows, shape in ((1, (64, 200)), (6, (65, 256))):\n"
+        "    t.test_linear_rows_bfloat16_is_the_float32_sum_rounded_once(rows, shape, True)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

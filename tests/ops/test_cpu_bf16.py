@@ -49,6 +49,24 @@ def test_round_to_bf16_rounds_as_torch() -> None:
     np.testing.assert_array_equal(_round(values.numpy()), _bits(values))
 
 
+@njit
+def _dot32(a, a_at, b, b_at, groups):  # pragma: no cover
+    return bf16.dot32(a, a_at, b, b_at, groups)
+
+
+@pytest.mark.skipif(not bf16.HAS_DOT, reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("groups", [0, 1, 3, 4, 9])  # none; fewer, as many and more than _SUMS
+@pytest.mark.parametrize("offsets", [(0, 0), (7, 33)])  # unaligned rows
+def test_dot32_sums_the_exact_products_in_float32(groups: int, offsets: tuple[int, int]) -> None:
+    """Products of bfloat16 values are exact; only the float32 additions round."""
+    generator = torch.Generator().manual_seed(groups)
+    a, b = (torch.randn(400, generator=generator).to(torch.bfloat16) for _ in range(2))
+    (a_at, b_at), count = offsets, 32 * groups
+    got = _dot32(_bits(a), a_at, _bits(b), b_at, groups)
+    products = a[a_at : a_at + count].double() * b[b_at : b_at + count].double()
+    assert abs(got - products.sum().item()) <= 1e-6 * products.abs().sum().item()
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(32, 8, 128), (12, 4, 64), (6, 3, 64), (2, 2, 32), (7, 1, 96)]
 )

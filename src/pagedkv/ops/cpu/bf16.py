@@ -4,8 +4,10 @@ NumPy has no bfloat16, so bfloat16 tensors reach Numba as their uint16 bits. A b
 the high half of a float32, so widening is a shift and a bit cast (`as_float32`), which
 LLVM vectorizes like any other load; `round_to_bf16` is the inverse, rounding to nearest
 even. `prefetch_head` asks for K and V rows ahead of the loops that read them (both dtypes),
-`prefetch_once` for weight lines that a step reads once.
-Standard Numba extension API only: `numba.extending` (intrinsic, overload) and `llvmlite`.
+`prefetch_once` for weight lines that a step reads once; `dot32` multiplies two bfloat16
+rows with the CPU's own instruction where it has one.
+Numba's extension API only: `numba.extending` (intrinsic, overload), `llvmlite`'s IR builder
+and `numba.core`'s loop helpers and CPU settings.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils, codegen, config
 from numba.extending import intrinsic, overload
 
 _F32, _I32 = ir.FloatType(), ir.IntType(32)
@@ -82,19 +85,84 @@ def bits_as_float32(typingctx, bits):  # pragma: no cover
     return types.float32(types.uint32), codegen
 
 
+class _BFloat16(ir.Type):
+    """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat16)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def _cpu_features() -> str:
+    """The CPU features Numba compiles for: ``NUMBA_CPU_FEATURES`` where set, else the
+    host's (as Numba's own code generator chooses them)."""
+    return config.CPU_FEATURES or codegen.get_host_cpu_features()  # type: ignore[attr-defined]
+
+
+HAS_DOT = "+avx512bf16" in _cpu_features().split(",")
+"""Whether the CPU has AVX512-BF16's dot product (`dot32`). Numba's cache is keyed by the
+CPU name and features too, so code built with or without it is never loaded on the other."""
+
+_LANES = 16
+_SUMS = 4
+"""Independent vector sums in `dot32`'s loop: one would wait on each instruction's latency."""
+
+
 @intrinsic
-def pair_bits(typingctx, bits, at):  # pragma: no cover
-    """The bfloat16 elements at flat offsets `at` and `at + 1` of a C-contiguous array of
-    their bits (uint16) as one uint32 word, the first in its low half (little-endian): a
-    load, not an array view (a view made per weight row costs reference counting)."""
-    if not (isinstance(bits, types.Array) and bits.dtype == types.uint16 and bits.layout == "C"):
+def dot32(typingctx, a, a_at, b, b_at, groups):  # pragma: no cover
+    """The float32 sum of a.flat[a_at + k] * b.flat[b_at + k] for k < 32 * groups, a and b
+    C-contiguous arrays of bfloat16 bits (uint16); where `HAS_DOT` only.
+
+    One `vdpbf16ps` per 32 elements (a 64-byte line of each): it widens 16 pairs, multiplies
+    (exactly: products of bfloat16 values fit a float32) and adds each pair into a float32
+    lane. Widening by hand costs a shift and a mask per pair of elements and two FMAs, and
+    that many instructions per line kept a decode step's products short of the memory's
+    speed."""
+    if not all(isinstance(t, types.Array) and t.dtype == types.uint16 and t.layout == "C"
+               for t in (a, b)):  # fmt: skip
         return None
 
     def codegen(context, builder, sig, args):
-        word = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I32)
-        return builder.load(word, align=2)
+        f32x16 = ir.VectorType(_F32, _LANES)
+        bf16x32 = ir.VectorType(_BFloat16(), 2 * _LANES)
+        i64 = ir.IntType(64)
+        dot = _declare(builder.module, "llvm.x86.avx512bf16.dpbf16ps.512", f32x16,
+                       [f32x16, bf16x32, bf16x32])  # fmt: skip
+        lines = [_pointer(context, builder, sig.args[i], args[i], args[i + 1], sig.args[i + 1],
+                          bf16x32) for i in (0, 2)]  # fmt: skip
+        total = context.cast(builder, args[4], sig.args[4], types.int64)
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(f32x16, None)) for _ in range(_SUMS)]
 
-    return types.uint32(bits, at), codegen
+        def add_line(index, into):
+            a_line, b_line = (builder.load(builder.gep(p, [index]), align=2) for p in lines)
+            builder.store(builder.call(dot, [builder.load(into), a_line, b_line]), into)
+
+        rounds = builder.sdiv(total, ir.Constant(i64, _SUMS))
+        with cgutils.for_range(builder, rounds) as loop:
+            first = builder.mul(loop.index, ir.Constant(i64, _SUMS))
+            for j, into in enumerate(sums):
+                add_line(builder.add(first, ir.Constant(i64, j)), into)
+        rest = builder.mul(rounds, ir.Constant(i64, _SUMS))
+        with cgutils.for_range_slice(builder, rest, total, ir.Constant(i64, 1)) as (index, _):
+            add_line(index, sums[0])
+        vector = builder.load(sums[0])
+        for into in sums[1:]:
+            vector = builder.fadd(vector, builder.load(into))
+        width = _LANES
+        while width > 1:  # halves added: 16 lanes to one
+            width //= 2
+            halves = [builder.shuffle_vector(vector, vector, ir.Constant(
+                ir.VectorType(_I32, width), list(range(start, start + width))))
+                for start in (0, width)]  # fmt: skip
+            vector = builder.fadd(*halves)
+        return builder.extract_element(vector, ir.Constant(_I32, 0))
+
+    return types.float32(a, a_at, b, b_at, groups), codegen
 
 
 @njit(inline="always")

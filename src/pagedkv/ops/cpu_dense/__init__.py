@@ -58,6 +58,8 @@ def linear_rows(
         min_work = 0 if parallel else math.inf
 
     def product(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != weight.dtype:
+            raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
         if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
             _matvec.matvec_parallel(

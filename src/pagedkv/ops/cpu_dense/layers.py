@@ -44,7 +44,6 @@ _kernels = kernel_cache.load_kernels()
 _matvec = kernel_cache.load_kernels("matvec")
 _narrow = _matvec.narrow
 _products = _matvec._products
-_place_inputs = _matvec.place_inputs
 
 QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
 """The kinds of phases: a layer's five, then the LM head's after the last layer."""
@@ -99,7 +98,6 @@ def decode_layers(
     f32 = np.float32
     buffers = (
         np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
-        np.empty((threads, rows, hidden), dtype=f32),  # wide: the same as float32
         np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
         np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
         np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
@@ -107,10 +105,10 @@ def decode_layers(
         np.empty((num_items, num_heads), dtype=f32),  # row_sum
         np.empty((threads, num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
         # heads: each thread's o_proj input, the attended rows rounded; pad rows stay 0
-        np.zeros((threads, rows, o_proj[0].shape[1]), dtype=f32),
+        np.zeros((threads, rows, o_proj[0].shape[1]), dtype=x.dtype),
         np.empty_like(x),  # update: a residual branch's output
         np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
-        np.empty((threads, rows, down[0].shape[1]), dtype=f32),  # mid: each thread's down input
+        np.empty((threads, rows, down[0].shape[1]), dtype=x.dtype),  # mid: each thread's down input
         final,
         np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
         logits,
@@ -164,7 +162,7 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
     """(chunks, rows of a product per chunk) of a phase of `kind`: one for a head of q|k|v
     or an attention item, `CHUNK_WORK` of a product; the head's phase has at least one
     (its thread writes the final norm) even where the head has no rows."""
-    head_dim, items, inner = pools[0].shape[3], pools[3], buffers[11].shape[2]
+    head_dim, items, inner = pools[0].shape[3], pools[3], buffers[10].shape[2]
     if kind == QKV:
         return weights[1][0].shape[0] // head_dim, head_dim
     if kind == ATTEND:
@@ -195,35 +193,35 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
     final_norm, head = weights[9:]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools
-    fused, query, acc, row_max, row_sum = buffers[2:7]
-    update, mlp_in, mids, final, head_out, logits = buffers[9:15]
-    normed, wide, attended, heads = buffers[0][me], buffers[1][me], buffers[7][me], buffers[8][me]
+    fused, query, acc, row_max, row_sum = buffers[1:6]
+    update, mlp_in, mids, final, head_out, logits = buffers[8:14]
+    normed, attended, heads = buffers[0][me], buffers[6][me], buffers[7][me]
     mid = mids[me]
     keys, values = key_pool[layer], value_pool[layer]
     # the phase's product (for attention, unused) and its input, taken once
     bias = qkv_bias[0][:0]
     if kind == QKV:
         weight, bias = qkv[layer], qkv_bias[layer]
-        _norm_rows(x, in_norm[layer], eps, normed, wide)
+        _norm_rows(x, in_norm[layer], eps, normed)
     elif kind == O_PROJ:
         weight = o_proj[layer]
         _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x)
     elif kind == GATE_UP:
         weight = gate_up[layer]
-        _norm_rows(x, post_norm[layer], eps, normed, wide)
+        _norm_rows(x, post_norm[layer], eps, normed)
     elif kind == DOWN:
         weight = down[layer]
-        _silu_rows(mlp_in, mid, x, buffers[15][me])
+        _silu_rows(mlp_in, mid, x, buffers[14][me])
     elif kind == HEAD:
         weight = head
-        _norm_rows(x, final_norm, eps, normed, wide)
+        _norm_rows(x, final_norm, eps, normed)
     else:  # attention: no product
         weight = head
     done = 0
     while c < n:
         first = c * step
         if kind == QKV:
-            _products(wide, weight, bias, fused, first, first + step)
+            _products(normed, weight, bias, fused, first, first + step)
             _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
                         query, keys, values)  # fmt: skip
         elif kind == ATTEND:
@@ -233,15 +231,15 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
             if c == 0:
                 final[:] = normed
             end = min(head.shape[0], first + step)
-            _products(wide, weight, bias, head_out, first, end)
+            _products(normed, weight, bias, head_out, first, end)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
         elif kind == GATE_UP:
             size = mid.shape[1]
             end = min(size, first + step)
-            _products(wide, weight, bias, mlp_in, first, end)
-            _products(wide, weight, bias, mlp_in, size + first, size + end)
+            _products(normed, weight, bias, mlp_in, first, end)
+            _products(normed, weight, bias, mlp_in, size + first, size + end)
         else:  # o_proj or down, each with its residual add
             inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
@@ -333,11 +331,10 @@ def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query,
 
 
 @njit(cache=True, fastmath=True)
-def _norm_rows(x, weight, eps, normed, wide):  # pragma: no cover
-    """normed = rms_norm(x) row by row, and wide = normed as float32 (`place_inputs`)."""
+def _norm_rows(x, weight, eps, normed):  # pragma: no cover
+    """normed = rms_norm(x) row by row."""
     for r in range(x.shape[0]):
         _rms_norm(x[r], weight, eps, normed[r])
-        _place_inputs(normed[r], wide[r], 0, x)
 
 
 @njit(cache=True, error_model="numpy", fastmath=True)
@@ -360,20 +357,18 @@ def _silu_rows(mlp_in, mid, x, scratch):  # pragma: no cover
             act = (gate if gate >= 0 else gate * e) / (np.float32(1) + e)
             scratch[j] = as_float32(_narrow(act, x))
         for j in range(size):
-            scratch[j] = as_float32(_narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x))
-        _place_inputs(scratch, mid[r], 0, x)
+            mid[r, j] = _narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x)
 
 
 @njit(cache=True, fastmath=True)
 def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):  # pragma: no cover
-    """attended = each real row's attention items merged, rounded to x's dtype; heads = the
-    same as o_proj reads it, [rows, H * D] float32 (pad rows left as they are)."""
+    """heads = each real row's attention items merged (into `attended`), rounded to x's
+    dtype, [rows, H * D] as o_proj reads them (pad rows left as they are)."""
     for r in range(num_real):
         _kernels._merge(r, row_items, acc, row_max, row_sum, attended)
         flat = attended[r].reshape(heads.shape[1])
         for i in range(flat.shape[0]):
-            flat[i] = as_float32(_narrow(flat[i], x))
-        _place_inputs(flat, heads[r], 0, x)
+            heads[r, i] = _narrow(flat[i], x)
 
 
 @njit(cache=True, fastmath=True)
