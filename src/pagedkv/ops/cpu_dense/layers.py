@@ -339,8 +339,8 @@ def _norm_rows(x, weight, eps, normed):  # pragma: no cover
 
 @njit(cache=True, error_model="numpy", fastmath=True)
 def _silu_rows(mlp_in, mid, x, scratch):  # pragma: no cover
-    """mid = silu(gate) * up, placed for down's product (gate|up = mlp_in), each rounded to
-    x's dtype where torch rounds (after the activation, after the product).
+    """mid = silu(gate) * up, down's input (gate|up = mlp_in), each rounded to x's dtype
+    where torch rounds (after the activation, after the product).
 
     silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
