@@ -33,8 +33,10 @@ from numba.extending import overload
 
 from pagedkv.ops.cpu.bf16 import HAS_DOT, as_float32, dot32, prefetch_once, round_to_bf16
 
-PREFETCH_BYTES = 4096
-"""How far ahead of the row being multiplied its weight lines are asked for."""
+PREFETCH_BYTES = 2048
+"""How far ahead of the row being multiplied its weight lines are asked for: lines asked for
+farther ahead (4-8 KB) made the step slower, those asked for 0.5-2 KB ahead not
+(benchmarks.md, "Latency, one user")."""
 
 
 @njit(cache=True, fastmath=True)
