@@ -169,8 +169,8 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
         return items.shape[0], 1
     if kind == O_PROJ:
         size, outputs = weights[5][0].shape[1], x.shape[1]
-    elif kind == GATE_UP:  # by rows of each
-        size, outputs = x.shape[1], inner
+    elif kind == GATE_UP:  # rows of the fused gate|up, in order
+        size, outputs = x.shape[1], 2 * inner
     elif kind == HEAD:
         size, outputs = x.shape[1], max(1, weights[10].shape[0])
     else:  # down
@@ -236,10 +236,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
         elif kind == GATE_UP:
-            size = mid.shape[1]
-            end = min(size, first + step)
-            _products(normed, weight, bias, mlp_in, first, end)
-            _products(normed, weight, bias, mlp_in, size + first, size + end)
+            _products(normed, weight, bias, mlp_in, first, min(weight.shape[0], first + step))
         else:  # o_proj or down, each with its residual add
             inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
