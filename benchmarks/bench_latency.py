@@ -141,7 +141,7 @@ def bench_model(
     }  # fmt: skip
     for anchor in anchors.values():  # compiled (and warm) before any round
         for batch in args.batches:
-            anchor.run([[3] * args.prompt_len] * batch, 3)
+            anchor.run([[3] * args.prompt_len] * batch, min(3, args.new_tokens))
     first = next(iter(llms.values()))
     model = first.engine.runner.model
     vocab = first.engine.model_config.vocab_size

@@ -17,7 +17,7 @@ same way, so they agree bit for bit. Where the CPU has a bfloat16 dot product in
 (`bf16.dot32`) a bfloat16 row takes one instruction per 32 elements; elsewhere each element
 is widened by itself.
 
-Each weight row's lines are asked for a few KB ahead as data read once (`prefetch_once`,
+Each weight row's lines are asked for `PREFETCH_BYTES` ahead as data read once (`prefetch_once`,
 x86's `prefetchnta`). A decode step streams every weight, hundreds of MB, through the
 caches; fetched the ordinary way they push out of L2 and L3 all that the step reads next:
 the KV cache, the step's buffers and, after the call, the interpreter's code and objects.
