@@ -209,15 +209,12 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         if line in ("/exit", "/quit"):
             break
-        if not _run_line(session, line):
-            print(f"unknown command {line!r}: {_HELP}")
+        _run_line(session, line)
     return _check_released(engine)
 
 
-def _run_line(session: ChatSession, line: str) -> bool:
-    """Act on one input line; False for an unknown /command."""
-    if not line:
-        return True
+def _run_line(session: ChatSession, line: str) -> None:
+    """Act on one input line: a /command, or a message to reply to."""
     if line == "/reset":
         session.reset()
         print("(conversation cleared)")
@@ -226,20 +223,18 @@ def _run_line(session: ChatSession, line: str) -> bool:
     elif line == "/help":
         print(_HELP)
     elif line.startswith("/"):
-        return False
-    else:
+        print(f"unknown command {line!r}: {_HELP}")
+    elif line:
         with _StopOnInterrupt() as interrupt:
             try:
                 session.reply(line, _write, should_stop=lambda: interrupt.hit)
             except ValueError as exc:
                 print(f"error: {exc}")
         print(" [stopped]" if interrupt.hit else "", flush=True)
-    return True
 
 
 def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    print(text, end="", flush=True)
 
 
 def _check_released(engine: Any) -> int:

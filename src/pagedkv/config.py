@@ -43,9 +43,7 @@ def parse_size(value: int | float | str) -> int:
     Raises:
         ValueError: the value is negative or not a size.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size in bytes, got {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         if value < 0 or not math.isfinite(value):
             raise ValueError(f"expected a non-negative size in bytes, got {value!r}")
         return int(value)
@@ -201,19 +199,6 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
             f"unsupported architecture {architectures or config.get('model_type')!r}: "
             f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    missing = [
-        k
-        for k in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-        if k not in config
-    ]
-    if missing:
-        raise ValueError(f"config.json is missing {', '.join(missing)}")
     try:
         num_heads = int(config["num_attention_heads"])
         num_layers = int(config["num_hidden_layers"])
@@ -248,7 +233,9 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
             eos_token_ids=eos_ids,
             dtype=str(_first(config, "dtype", "torch_dtype", default="float32")),
         )
-    except (TypeError, KeyError) as exc:
+    except KeyError as exc:  # only the required sizes are read with []
+        raise ValueError(f"config.json is missing {exc.args[0]}") from None
+    except TypeError as exc:
         raise ValueError(f"config.json has a broken field: {exc}") from None
 
 

@@ -13,13 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-# llama.cpp keeps llama3 rope scaling only as per-frequency divisors (`rope_freqs`); these
-# are the parameters of every Llama 3.x release, checked against the divisors before use.
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
-_LLAMA3_ORIGINAL_CONTEXT = 8192
+from pagedkv.config import ModelConfig
 
 
-def _llama3_rope_scaling(config: dict[str, Any], divisors: Any) -> dict[str, Any]:
+def _llama3_rope_scaling(model: ModelConfig, divisors: Any) -> dict[str, Any]:
     """The `rope_scaling` dict whose inverse frequencies equal the file's divided ones.
 
     Raises:
@@ -27,16 +24,17 @@ def _llama3_rope_scaling(config: dict[str, Any], divisors: Any) -> dict[str, Any
     """
     import torch
 
-    from pagedkv.config import ModelConfig
     from pagedkv.models.layers import compute_inv_freq
 
-    model = ModelConfig.from_hf(config)
     plain = compute_inv_freq(model.head_dim, model.rope_theta)
+    # llama.cpp keeps llama3 rope scaling only as per-frequency divisors (`rope_freqs`); these
+    # are the parameters of every Llama 3.x release, checked against the divisors below.
     scaling = {
         "rope_type": "llama3",
         "factor": float(divisors.max()),
-        "original_max_position_embeddings": _LLAMA3_ORIGINAL_CONTEXT,
-        **_LLAMA3_ROPE,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
     }
     scaled = compute_inv_freq(model.head_dim, model.rope_theta, scaling)
     if not torch.allclose(scaled, plain / divisors, rtol=1e-4):
@@ -63,7 +61,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
     """
     from safetensors.torch import save_file
 
-    from pagedkv.config import ModelConfig
     from pagedkv.gguf_file import hf_config_from_gguf, read_gguf
     from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
     from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
@@ -75,7 +72,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
     torch_dtype = resolve_dtype(dtype, model)
     divisors = rope_divisors(file)
     if divisors is not None:
-        config["rope_scaling"] = _llama3_rope_scaling(config, divisors)
+        config["rope_scaling"] = _llama3_rope_scaling(model, divisors)
     if config["architectures"] == ["MistralForCausalLM"]:
         # transformers' MistralConfig defaults to a 4096-token window; say "none" explicitly.
         config.setdefault("sliding_window", None)

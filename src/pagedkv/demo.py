@@ -132,22 +132,18 @@ def run_workload(
             ignore_eos=True,
         )
         engine.add_request(f"demo-{i}", request.prompt_token_ids, params)
-    bar = tqdm(total=len(requests), desc="demo", unit="req", disable=not progress)
     peak_used = peak_running = generated = recomputed = 0
     started = time.perf_counter()
-    try:
+    with tqdm(total=len(requests), desc="demo", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            stats = engine.stats()
-            peak_used = max(peak_used, stats["num_used_blocks"])
+            peak_used = max(peak_used, engine.stats()["num_used_blocks"])
             peak_running = max(peak_running, engine.num_running)
             for output in outputs:
                 if output.finished:
                     generated += sum(len(c.token_ids) for c in output.outputs)
                     recomputed += recomputed_tokens(output)
                     bar.update(1)
-    finally:
-        bar.close()
     elapsed = time.perf_counter() - started
     num_prompt = sum(len(r.prompt_token_ids) for r in requests)
     return DemoResult(
@@ -159,16 +155,9 @@ def answer_questions(llm: Any, questions: tuple[str, ...], max_tokens: int = 64)
     """Greedy answers of a chat model to `questions`, one chat turn each."""
     from pagedkv.engine.sampling_params import SamplingParams
 
-    tokenizer = llm.get_tokenizer()
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
-            add_special_tokens=False,
-        )
-        for q in questions
-    ]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
     return [o.outputs[0].text.strip() for o in outputs]
 
 
@@ -257,7 +246,6 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--model",
-        default=None,
         metavar="DIR|FILE.gguf",
         help="any model directory or GGUF file instead of the demo model",
     )
@@ -266,13 +254,11 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="use the random-weight model even if a real one is installed",
     )
-    parser.add_argument(
-        "--num-requests", type=int, default=None, help="default: 64 (random model), 16 (real)"
-    )
+    parser.add_argument("--num-requests", type=int, help="default: 64 (random model), 16 (real)")
     EngineArgs.add_cli_args(parser, include=("dtype", "device", "block_size", "num_blocks", "seed"))
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     # Caps prompt + output length (and the engine's context): a quick run for tests.
-    parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_demo)
 
 

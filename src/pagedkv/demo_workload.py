@@ -3,6 +3,7 @@ samples and long documents, and what contiguous per-request reservation would ad
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,8 @@ def contiguous_admission(requests: list[DemoRequest], pool_tokens: int) -> int:
     Each request reserves `n x (prompt + max_tokens)` token slots before it starts, as
     systems without paging do; admission stops at the first that does not fit.
     """
-    used = admitted = 0
-    for request in requests:
-        if used + request.reserved_tokens > pool_tokens:
-            break
-        used += request.reserved_tokens
-        admitted += 1
-    return admitted
+    totals = itertools.accumulate(r.reserved_tokens for r in requests)
+    return sum(1 for _ in itertools.takewhile(lambda used: used <= pool_tokens, totals))
 
 
 def default_num_blocks(requests: list[DemoRequest], block_size: int) -> int:

@@ -44,20 +44,9 @@ _REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attentio
 # `general.file_type` (llama.cpp's LlamaFileType) -> the dtype "auto" loads: the file's own
 # for unquantized files, float32 (exact for every dequantized block) otherwise.
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
-# GGUF value types 0..12 -> struct format (8 is a string, 9 an array).
-_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
+# GGUF value types -> struct format: 0..7 uint8, int8, uint16, int16, uint32, int32, float32,
+# bool; 10..12 uint64, int64, float64 (8 is a string, 9 an array).
+_SCALARS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
 _STRING, _ARRAY = 8, 9
 
 
@@ -90,21 +79,6 @@ class GGUFFile:
 def is_gguf_path(path: str | Path) -> bool:
     """Whether `path` names a GGUF file (by its `.gguf` suffix; the file need not exist)."""
     return str(path).lower().endswith(".gguf") and not Path(path).is_dir()
-
-
-def import_gguf() -> Any:
-    """The `gguf` package.
-
-    Raises:
-        ImportError: it is not installed (the message gives the command that installs it).
-    """
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError(
-            f"reading GGUF weights needs the 'gguf' package: {GGUF_INSTALL_HINT}"
-        ) from None
-    return gguf
 
 
 def _shortest_float32(value: float) -> float:

@@ -55,7 +55,7 @@ def test_allocate_all_or_nothing() -> None:
 def test_share_and_free_count_references() -> None:
     pool = _pool(4, cached=False)
     a = _alloc(pool, 2)
-    pool.share(a)
+    pool.touch(a)
     assert pool.is_shared(0) and pool.ref_counts() == [2, 2, 0, 0]
     pool.free(a)
     assert not pool.is_shared(0) and pool.ref_counts() == [1, 1, 0, 0]

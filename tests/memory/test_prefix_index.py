@@ -49,8 +49,9 @@ def test_evicted_parent_makes_its_children_unreachable() -> None:
     index.insert(u1, (2,), 1)
     index.remove(0)
     # The same first block cached again gets a new uid: the old child must not be served.
-    assert index.insert(ROOT_UID, (1,), 2) != u1
-    assert index.match([1, 2, 3], 1, 2) == ([2], index.uid_of(2))
+    u2 = index.insert(ROOT_UID, (1,), 2)
+    assert u2 != u1
+    assert index.match([1, 2, 3], 1, 2) == ([2], u2)
     index.check()
 
 

@@ -227,10 +227,12 @@ def engine_args_signature(
     return inspect.Signature(params)
 
 
-def engine_args_help(cls: type[EngineArgs] = EngineArgs, indent: str = "    ") -> str:
-    """One `name: help (choices) (default)` line per field but `model`, for docstrings."""
+def engine_args_help(indent: str = "    ") -> str:
+    """One `name: help (choices) (default)` line per `EngineArgs` field but `model`."""
     return "\n".join(
-        f"{indent}{spec.name}: {_help_text(spec)}" for spec in fields(cls) if spec.name != "model"
+        f"{indent}{spec.name}: {_help_text(spec)}"
+        for spec in fields(EngineArgs)
+        if spec.name != "model"
     )
 
 
@@ -285,8 +287,6 @@ def _checked(spec: Field[Any], hint: Any, value: Any) -> Any:
 def _is_instance(value: Any, member: Any) -> bool:
     if member is int:  # bool is an int subclass, but True is no block count
         return isinstance(value, int) and not isinstance(value, bool)
-    if member is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(member, type) and isinstance(value, member)
 
 
@@ -313,8 +313,6 @@ def _add_flag(
         kwargs["metavar"] = "BYTES"  # parsed (and checked) by EngineArgs
     elif int in members:
         kwargs["type"], kwargs["metavar"] = int, "N"
-    elif float in members:
-        kwargs["type"], kwargs["metavar"] = float, "X"
     if "choices" in spec.metadata:
         kwargs["choices"] = spec.metadata["choices"]
         kwargs["help"] = spec.metadata.get("help", "") + f" (default: {spec.default})"

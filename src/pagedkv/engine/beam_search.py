@@ -1,21 +1,10 @@
 """Beam search on the paged KV cache: beams share blocks through `fork`, dropped beams are freed.
 
-Selection follows Hugging Face transformers' `generate(num_beams=k, do_sample=False)` step for
-step (its vectorized `_beam_search`), per prompt:
-
-    candidates  top K = max(2, 1 + num_eos) x k of (beam cum_logprob + logprob of next token)
-                over every live beam and the whole vocabulary (each beam's top K suffice)
-    running     the best k candidates that do not end (EOS, or max_tokens reached)
-    finished    ending candidates ranked < k, scored cum_logprob / generated_len ** length_penalty
-                (EOS counted), merged with earlier ones, best k kept
-    stop        when no running beam can beat the worst of k finished (early_stopping False:
-                at the current length; "never": at max_tokens if length_penalty > 0), when
-                k are finished (early_stopping True), or at max_tokens
-
-Memory: each surviving candidate forks its parent's blocks to a new sequence, then every old
-beam is freed, then each new beam appends its token. A parent with one survivor thus hands
-over its blocks without a copy; siblings share all blocks up to where they diverge and the
-shared partial last block is copied on write (`KVCacheManager.pop_copies`).
+`BeamSelector` picks the beams as transformers does. Memory: each surviving candidate forks
+its parent's blocks to a new sequence, then every old beam is freed, then each new beam
+appends its token. A parent with one survivor thus hands over its blocks without a copy;
+siblings share all blocks up to where they diverge and the shared partial last block is
+copied on write (`KVCacheManager.pop_copies`).
 """
 
 from __future__ import annotations
@@ -71,8 +60,7 @@ class BeamSearchOutput:
 
 @dataclass
 class _PromptSearch:
-    """One prompt's search: its id and sampling parameters (for the runner), selector, live
-    beams, prefill state."""
+    """One prompt's search; `params` are what the runner samples its beams' rows with."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -94,6 +82,8 @@ class BeamSearchRun:
     the worst case (no sharing after the prompt) fit beside those of the admitted ones, so
     `append` never runs out of blocks.
 
+    Args and Raises: as `beam_search`.
+
     Attributes:
         peak_num_used_blocks: most blocks held at once (after any step).
         num_steps: forward passes run.
@@ -108,25 +98,16 @@ class BeamSearchRun:
         *,
         early_stopping: EarlyStopping = False,
     ) -> None:
-        """Args:
-            engine: an `LLMEngine` with no unfinished requests.
-            prompts: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": str}.
-            early_stopping: as transformers' (`False` is its default).
-
-        Raises:
-            ValueError: the engine is busy, a prompt is empty or malformed, or a prompt's
-                beams could never fit in the pool.
-        """
         if engine.has_unfinished_requests():
             raise ValueError("beam_search: expected an idle engine, got unfinished requests")
         self.engine = engine
         self.params = params
         self.early_stopping = early_stopping
         self.manager = engine.kv_manager
-        self.runner = engine.runner
         self.block_size = self.manager.block_size
-        self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
+        # One row per live beam, each a sequence of the step.
+        self.max_num_beams = min(engine.config.scheduler.max_num_seqs, self.max_num_batched_tokens)
         self.debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
         eos = () if params.ignore_eos else tuple(sorted(engine.scheduler.eos_token_ids))
         self._searches = [self._new_search(i, p, eos) for i, p in enumerate(prompts)]
@@ -179,14 +160,17 @@ class BeamSearchRun:
             while waiting or active:
                 self._admit(waiting, active)
                 step = self._schedule(active)
-                results = self.runner.execute(step)
+                results = self.engine.runner.execute(step)
                 self.num_steps += 1
                 for search in [s for s in active if s.beams and s.beams[0].seq_id in results]:
                     self._advance(search, results)
                     if search.selector.is_done:
                         self._release(search)
                         active.remove(search)
-                self._after_step()
+                used = self.manager.num_blocks - self.manager.num_free_blocks
+                self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
+                if self.debug:
+                    self.manager.check()
         except BaseException:
             for search in active:
                 self._release(search)
@@ -200,12 +184,11 @@ class BeamSearchRun:
 
     def _admit(self, waiting: deque[_PromptSearch], active: list[_PromptSearch]) -> None:
         reserved = sum(s.num_reserved_blocks for s in active)
-        max_beams = min(self.max_num_seqs, self.max_num_batched_tokens)
         while waiting:
             search = waiting[0]
             fits = (
                 reserved + search.num_reserved_blocks <= self.manager.num_blocks
-                and (len(active) + 1) * self.params.beam_width <= max_beams
+                and (len(active) + 1) * self.params.beam_width <= self.max_num_beams
             )
             if active and not fits:
                 return
@@ -216,19 +199,15 @@ class BeamSearchRun:
 
     def _schedule(self, active: list[_PromptSearch]) -> SchedulerOutput:
         """Decode tokens of every live beam first, then prompt chunks under the budget."""
-        seqs: list[ScheduledSequence] = []
-        budget = self.max_num_batched_tokens
+        seqs = [
+            self._row(search, b.seq_id, b.token_ids[-1:], sample=True)
+            for search in active
+            if search.num_prefilled == len(search.prompt_token_ids)
+            for b in search.beams
+        ]
+        budget = self.max_num_batched_tokens - len(seqs)
         for search in active:
-            if search.num_prefilled < len(search.prompt_token_ids):
-                continue
-            for beam in search.beams:
-                position = self.manager.num_tokens(beam.seq_id) - 1
-                seqs.append(self._row(search, beam.seq_id, beam.token_ids[-1:], position, True))
-                budget -= 1
-        for search in active:
-            if budget <= 0:
-                break
-            if search.num_prefilled < len(search.prompt_token_ids):
+            if budget > 0 and search.num_prefilled < len(search.prompt_token_ids):
                 budget -= self._schedule_chunk(search, budget, seqs)
         return SchedulerOutput(seqs=seqs, copies=self.manager.pop_copies())
 
@@ -245,45 +224,46 @@ class BeamSearchRun:
             end = min(len(prompt), start + budget)
             self.manager.append(root, prompt[start:end])
         search.num_prefilled = end
-        seqs.append(self._row(search, root, prompt[start:end], start, end == len(prompt)))
+        seqs.append(self._row(search, root, prompt[start:end], sample=end == len(prompt)))
         return end - start
 
     def _row(
-        self, search: _PromptSearch, seq_id: SeqId, token_ids: list[int], start: int, sample: bool
+        self, search: _PromptSearch, seq_id: SeqId, token_ids: list[int], *, sample: bool
     ) -> ScheduledSequence:
-        """`token_ids` of `seq_id` at positions start.., their last row sampled if `sample`."""
+        """`token_ids`, the newest tokens of `seq_id` in the manager, their last row sampled
+        if `sample`."""
+        end = self.manager.num_tokens(seq_id)
+        start = end - len(token_ids)
         return ScheduledSequence(
             seq_id,
             token_ids,
             start,
             self.manager.block_table(seq_id),
-            self.manager.slot_mapping(seq_id, start, start + len(token_ids)),
+            self.manager.slot_mapping(seq_id, start, end),
             [seq_id] if sample else [],
             search.params,
         )
 
     def _advance(self, search: _PromptSearch, results: Mapping[SeqId, SampleResult]) -> None:
         """Select the next beams; fork survivors, free the old beams, append the new tokens."""
-        tops = []
-        for beam in search.beams:
-            top = results[beam.seq_id].top_logprobs or {}
-            tops.append(sorted(top.items(), key=lambda pair: -pair[1]))
+        tops = [
+            sorted((results[b.seq_id].top_logprobs or {}).items(), key=lambda pair: -pair[1])
+            for b in search.beams
+        ]
         running = search.selector.step(search.beams, tops)
         if search.selector.is_done:
             return
         new_beams = []
         for candidate in running:
             parent = search.beams[candidate.parent]
-            child = (search.request_id, next(self._serial))
-            self.manager.fork(parent.seq_id, child)
-            new_beams.append(
-                Beam(
-                    child,
-                    [*parent.token_ids, candidate.token_id],
-                    [*parent.logprobs, candidate.logprob],
-                    candidate.cum_logprob,
-                )
+            child = Beam(
+                (search.request_id, next(self._serial)),
+                [*parent.token_ids, candidate.token_id],
+                [*parent.logprobs, candidate.logprob],
+                candidate.cum_logprob,
             )
+            self.manager.fork(parent.seq_id, child.seq_id)
+            new_beams.append(child)
         # Free before appending: a block only the child still holds is then written in
         # place, and only blocks shared by surviving siblings are copied.
         for beam in search.beams:
@@ -297,12 +277,6 @@ class BeamSearchRun:
             if beam.seq_id in self.manager:
                 self.manager.free(beam.seq_id)
         search.beams = []
-
-    def _after_step(self) -> None:
-        used = self.manager.num_blocks - self.manager.num_free_blocks
-        self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
-        if self.debug:
-            self.manager.check()
 
     def _output(self, search: _PromptSearch) -> BeamSearchOutput:
         tokenizer = self.engine.tokenizer
@@ -332,7 +306,8 @@ def beam_search(
 
     Args:
         engine: an idle `LLMEngine` (no unfinished requests).
-        prompts: a list of prompts: text, token ids, or {"prompt_token_ids": [...]}.
+        prompts: a list of prompts: text, token ids, {"prompt_token_ids": [...]} or
+            {"prompt": str}.
         early_stopping: transformers' `early_stopping` (True, False or "never").
 
     Returns:

@@ -1,7 +1,18 @@
 """Beam selection, torch-free: which continuations survive a step (transformers' rules).
 
-`BeamSelector` does for one prompt what transformers' `_beam_search` does per row; the paged
-machinery that runs the beams (fork, free, append) lives in `beam_search.py`.
+`BeamSelector` follows Hugging Face transformers' `generate(num_beams=k, do_sample=False)`
+step for step (its vectorized `_beam_search`), per prompt:
+
+    candidates  top K = max(2, 1 + num_eos) x k of (beam cum_logprob + logprob of next token)
+                over every live beam and the whole vocabulary (each beam's top K suffice)
+    running     the best k candidates that do not end (EOS, or max_tokens reached)
+    finished    ending candidates ranked < k, scored cum_logprob / generated_len ** length_penalty
+                (EOS counted), merged with earlier ones, best k kept
+    stop        when no running beam can beat the worst of k finished (early_stopping False:
+                at the current length; "never": at max_tokens if length_penalty > 0), when
+                k are finished (early_stopping True), or at max_tokens
+
+The paged machinery that runs the beams (fork, free, append) lives in `beam_search.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ class Hypothesis:
 
 
 class BeamSelector:
-    """One prompt's beam bookkeeping, torch-free: what transformers' `_beam_search` does per row.
+    """One prompt's beam bookkeeping, by the rules above.
 
     Args:
         beam_width: k, the number of beams.
@@ -59,7 +70,7 @@ class BeamSelector:
         early_stopping: True, False or "never", as in `GenerationConfig.early_stopping`.
 
     Raises:
-        ValueError: a parameter is out of range.
+        ValueError: `early_stopping` is not one of those.
     """
 
     def __init__(
@@ -70,10 +81,6 @@ class BeamSelector:
         length_penalty: float = 1.0,
         early_stopping: EarlyStopping = False,
     ) -> None:
-        if beam_width < 1 or max_tokens < 1:
-            raise ValueError(
-                f"expected beam_width >= 1 and max_tokens >= 1, got {beam_width} and {max_tokens}"
-            )
         if early_stopping not in (True, False, "never"):
             raise ValueError(
                 f"early_stopping: expected True, False or 'never', got {early_stopping!r}"
@@ -88,7 +95,6 @@ class BeamSelector:
         self.finished: list[Hypothesis] = []  # best first, at most beam_width
         self.num_generated = 0
         self.is_done = False
-        self._can_improve = True
         # Smallest gap between adjacent ranked scores that decided anything: below float
         # rounding the choice is arbitrary (other implementations may pick the other one).
         self.min_margin = math.inf
@@ -132,10 +138,9 @@ class BeamSelector:
         last = max(self.beam_width, kept[-1] + 1 if kept else len(ranked))
         self._note_margins([c.cum_logprob for c in ranked[: last + 1]])
         self.num_generated = length
-        self._update_can_improve(running)
         full = len(self.finished) == self.beam_width
         self.is_done = (
-            not running or not self._can_improve or (full and self.early_stopping is True)
+            not running or not self._can_improve(running) or (full and self.early_stopping is True)
         )
         return [] if self.is_done else running
 
@@ -164,14 +169,14 @@ class BeamSelector:
         gaps = [a - b for a, b in itertools.pairwise(scores)]
         self.min_margin = min([self.min_margin, *gaps])
 
-    def _update_can_improve(self, running: list[Candidate]) -> None:
+    def _can_improve(self, running: list[Candidate]) -> bool:
         # transformers' early-stop heuristic: once k beams are finished, stop when the best
         # running beam cannot beat the worst finished one at the most favourable length.
-        if len(self.finished) < self.beam_width or not running:
-            return
+        if len(self.finished) < self.beam_width:
+            return True
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_length = self.max_tokens
         else:
             best_length = self.num_generated
         best_possible = running[0].cum_logprob / best_length**self.length_penalty
-        self._can_improve = best_possible > self.finished[-1].score
+        return best_possible > self.finished[-1].score

@@ -23,11 +23,9 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.workers import (
     TensorParallelRunner,
     first_failure,
-    rank_device,
     share_cpu_threads,
     start_workers,
 )
-from pagedkv.memory import KVCacheManager
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
@@ -41,13 +39,7 @@ logger = logging.getLogger(__name__)
 
 def build_engine_parts(
     args: EngineArgs,
-) -> tuple[
-    EngineConfig,
-    ModelRunner | TensorParallelRunner,
-    KVCacheManager,
-    Tokenizer | None,
-    int,
-]:
+) -> tuple[EngineConfig, ModelRunner | TensorParallelRunner, Tokenizer | None, int]:
     """Everything `LLMEngine.__init__` takes, built from the options in `args`.
 
     With `tensor_parallel_size` N > 1 this process becomes rank 0 of N: it starts the
@@ -55,7 +47,7 @@ def build_engine_parts(
     `TensorParallelRunner`; scheduler and KV manager stay here.
 
     Returns:
-        (config, runner, kv_manager, tokenizer, max_model_len).
+        (config, runner, tokenizer, max_model_len).
 
     Raises:
         ValueError: a model directory that cannot be loaded, a model that does not split
@@ -65,30 +57,22 @@ def build_engine_parts(
     model_config = ModelConfig.from_hf(args.model)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     torch_dtype = resolve_dtype(args.dtype, model_config)
-    cache = args.create_cache_config()
-    device = resolve_device(args.device)
     runner: ModelRunner | TensorParallelRunner
     if args.tensor_parallel_size > 1:
         check_split(model_config, args.tensor_parallel_size)  # before any process starts
         num_threads = torch.get_num_threads()
-        tp, workers, launch = start_workers(args)
-        device = rank_device(device, launch)
+        tp, workers, device = start_workers(args)
         try:
             rank_runner = build_rank_runner(args, model_config, tp, device)
             runner = TensorParallelRunner(rank_runner, workers, num_threads)
         except BaseException as exc:
             raise first_failure(workers) or exc from exc
     else:
+        device = resolve_device(args.device)
         runner = build_rank_runner(args, model_config, NO_PARALLEL, device)
-    kv_manager = KVCacheManager(
-        runner.kv_cache.num_blocks,
-        cache.block_size,
-        enable_prefix_caching=cache.enable_prefix_caching,
-        num_host_blocks=runner.kv_cache.num_host_blocks,
-    )
     config = EngineConfig(
         model=model_config,
-        cache=cache,
+        cache=args.create_cache_config(),
         scheduler=args.create_scheduler_config(),
         model_path=str(args.model),
         dtype=str(torch_dtype).removeprefix("torch."),
@@ -96,8 +80,7 @@ def build_engine_parts(
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    tokenizer = load_tokenizer(args.model)
-    return config, runner, kv_manager, tokenizer, max_model_len
+    return config, runner, load_tokenizer(args.model), max_model_len
 
 
 def build_rank_runner(
@@ -162,12 +145,8 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
         weight_bytes, kv_heads_per_gpu, kv_bytes_per_token, kv_bytes_per_block, num_blocks,
         max_kv_tokens, kv_cache_bytes.
     """
-    weight_bytes = sum(t.numel() * t.element_size() for t in network.parameters())
-    weight_bytes += sum(
-        t.numel() * t.element_size()
-        for name, t in network.named_buffers()
-        if "inv_freq" not in name
-    )
+    buffers = [t for name, t in network.named_buffers() if "inv_freq" not in name]
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*network.parameters(), *buffers])
     per_block = kv_cache.bytes_per_block(
         kv_cache.num_layers, kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.head_dim,
         kv_cache.dtype,

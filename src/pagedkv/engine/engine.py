@@ -23,6 +23,7 @@ from pagedkv.engine.sampler import SampleResult
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.workers import TensorParallelRunner
+from pagedkv.memory import KVCacheManager
 from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -36,7 +37,6 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: ModelRunner | TensorParallelRunner,
-        kv_manager: Any,
         tokenizer: Tokenizer | None,
         *,
         max_model_len: int,
@@ -47,13 +47,17 @@ class LLMEngine:
             config: the engine's configuration (model, cache, scheduler).
             runner: owns the model and the KV tensors (of every rank, under tensor
                 parallelism).
-            kv_manager: the `KVCacheManager` over the same blocks.
             tokenizer: None serves token-id prompts only.
             max_model_len: longest sequence (prompt + output).
         """
         self.config = config
         self.runner = runner
-        self.kv_manager = kv_manager
+        self.kv_manager = KVCacheManager(
+            runner.kv_cache.num_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            num_host_blocks=runner.kv_cache.num_host_blocks,
+        )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         eos = set(config.model.eos_token_ids)
@@ -61,7 +65,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.scheduler = Scheduler(
             config.scheduler,
-            kv_manager,
+            self.kv_manager,
             num_blocks=runner.kv_cache.num_blocks,
             block_size=config.cache.block_size,
             max_model_len=max_model_len,
@@ -92,8 +96,8 @@ class LLMEngine:
             args = EngineArgs.from_kwargs(args, kwargs)
         elif kwargs:
             raise TypeError(f"from_engine_args: expected EngineArgs alone, got also {kwargs}")
-        config, runner, kv_manager, tokenizer, max_model_len = build_engine_parts(args)
-        return cls(config, runner, kv_manager, tokenizer, max_model_len=max_model_len)
+        config, runner, tokenizer, max_model_len = build_engine_parts(args)
+        return cls(config, runner, tokenizer, max_model_len=max_model_len)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -238,10 +242,9 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         touched = self.scheduler.update(step, {k: r.token_id for k, r in results.items()})
-        for seq_id, result in results.items():  # the logprobs of the tokens just appended
-            request = live[seq_id[0]]
-            seq = request.seq(seq_id[1])
+        for (request_id, index), result in results.items():  # the new tokens' logprobs
             if result.logprob is not None and result.top_logprobs is not None:
+                seq = live[request_id].seq(index)
                 seq.cumulative_logprob += result.logprob
                 seq.logprobs.append(result.top_logprobs)
         ended = [live[r] for r in step.finished_request_ids]
@@ -264,7 +267,19 @@ class LLMEngine:
 
     def make_output(self, request: Request) -> RequestOutput:
         """The request's cumulative output now."""
-        completions = [_completion(request, seq) for seq in request.seqs]
+        has_logprobs = request.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                seq.index,
+                seq.text,
+                list(seq.output_token_ids),
+                seq.cumulative_logprob if has_logprobs else None,
+                list(seq.logprobs) if has_logprobs else None,
+                seq.finish_reason,
+                seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
         for index in range(len(completions), request.n):
             # Ended before the prompt was forked (aborted early): empty samples.
             completions.append(
@@ -300,16 +315,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Pool, prefix-cache, preemption and queue counters."""
-        num_blocks = self.runner.kv_cache.num_blocks
-        stats: dict[str, Any] = {
-            "num_blocks": num_blocks,
-            "num_free_blocks": self.kv_manager.num_free_blocks,
-            "num_host_blocks": self.runner.kv_cache.num_host_blocks,
-            "block_size": self.config.cache.block_size,
-        }
-        stats |= {k: v for k, v in self.kv_manager.stats().items() if k not in stats}
-        stats.setdefault("num_used_blocks", num_blocks - stats["num_free_blocks"])
-        stats.update(
+        return dict(
+            self.kv_manager.stats(),
+            block_size=self.config.cache.block_size,
             num_preemptions=self.scheduler.num_preemptions,
             num_swapped_out=self.scheduler.num_swapped_out,
             num_requests_running=self.scheduler.num_running,
@@ -317,7 +325,6 @@ class LLMEngine:
             num_requests_swapped=self.scheduler.num_swapped,
             num_steps=self.num_steps,
         )
-        return stats
 
 
 def _add_prompt_logprobs(request: Request, start: int, rows: list[dict[int, float]]) -> None:
@@ -329,17 +336,3 @@ def _add_prompt_logprobs(request: Request, start: int, rows: list[dict[int, floa
     assert entries is not None, "rows only for requests that asked for prompt logprobs"
     assert start + 1 <= len(entries), f"prompt logprobs from {start + 1}, have {len(entries)}"
     entries.extend(rows[len(entries) - (start + 1) :])
-
-
-def _completion(request: Request, seq: Sequence) -> CompletionOutput:
-    return CompletionOutput(
-        index=seq.index,
-        text=seq.text,
-        token_ids=list(seq.output_token_ids),
-        cumulative_logprob=(
-            seq.cumulative_logprob if request.params.logprobs is not None else None
-        ),
-        logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ class LLM:
             ValueError: a bad option or a model directory that cannot be loaded.
         """
         self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, kwargs))
-        self._counter = 0
+        self._request_ids = itertools.count()
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); idempotent."""
@@ -96,9 +97,8 @@ class LLM:
         request_ids = []
         try:
             for prompt, param in zip(batch, params, strict=True):
-                request_id = f"llm-{self._counter}"
+                request_id = f"llm-{next(self._request_ids)}"
                 self.engine.add_request(request_id, prompt, param)
-                self._counter += 1
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -142,8 +142,7 @@ class LLM:
             tokenizer.chat_template = chat_template
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: expected a non-empty list, got {messages!r:.60}")
-        is_one = isinstance(messages[0], dict)
-        conversations = [messages] if is_one else list(messages)
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(

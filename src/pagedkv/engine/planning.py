@@ -14,27 +14,46 @@ Standard library only (no torch), like the scheduler it is part of.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from pagedkv.config import SchedulerConfig
-from pagedkv.engine.preemption import Plan as _Plan
-from pagedkv.engine.preemption import StepBudget as _Budget
 from pagedkv.engine.request import Request, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.errors import OutOfBlocks
 
+# One planned piece of work: (sequence, first position to compute, tokens to compute).
+Plan = list[tuple[Sequence, int, int]]
+
+
+@dataclass
+class StepBudget:
+    """Tokens left in one step. Decode tokens of running requests not yet visited are
+    reserved, so prefill chunks only take what the decodes leave."""
+
+    tokens: int
+    # Decode tokens of running requests not yet visited; None until first needed (a step
+    # of decodes alone never counts them: see `PlanningMixin._schedule_running_requests`).
+    reserved_decodes: int | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        assert self.reserved_decodes is not None, "reserved decodes read before counted"
+        return max(0, self.tokens - self.reserved_decodes)
+
+    def refund(self, plan: Plan) -> None:
+        """Give back the tokens of a plan that will not run (its decodes stay unreserved:
+        its request has been visited)."""
+        self.tokens += sum(num for _, _, num in plan)
+
 
 class PlanningMixin:
-    """Per-request planning for `Scheduler` (which provides the queues and preemption)."""
+    """Per-request planning for `Scheduler`; `PreemptionMixin` and `Scheduler` build on it."""
 
-    config: SchedulerConfig
     kv: Any
     block_size: int
     running: list[Request]
-    waiting: deque[Request]
     requests: dict[str, Request]
 
     # Preemption and finishing live elsewhere in Scheduler; declared for type checking only.
@@ -44,7 +63,7 @@ class PlanningMixin:
     # Tests turn the decode fast path off to compare it with the general path.
     decode_fast_path = True
 
-    def _schedule_running_requests(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _schedule_running_requests(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """Visit every running request in order; some may be preempted (see `Scheduler`).
 
         Runs of requests the decode fast path takes (`_schedule_decodes`) alternate with
@@ -70,7 +89,7 @@ class PlanningMixin:
             if self._schedule_running(i, out, budget):
                 i += 1
 
-    def _schedule_decodes(self, first: int, out: SchedulerOutput, budget: _Budget) -> int:
+    def _schedule_decodes(self, first: int, out: SchedulerOutput, budget: StepBudget) -> int:
         """Schedule running[first:] while each is the step's common case (see the module
         docstring), each exactly as `_schedule_running` would. Nothing is preempted here, so
         `running` does not change.
@@ -112,7 +131,7 @@ class PlanningMixin:
             budget.reserved_decodes = max(0, budget.reserved_decodes - num_rows)
         return first + num_rows
 
-    def _schedule_running(self, index: int, out: SchedulerOutput, budget: _Budget) -> bool:
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> bool:
         """Schedule running[index]; False when it left `running` (preempted or ended)."""
         request = self.running[index]
         plan = self._plan(request, budget)
@@ -125,7 +144,7 @@ class PlanningMixin:
                 self._preempt(victim, out, budget)
                 continue
             if index > 0:
-                self._refund(plan, budget)
+                budget.refund(plan)
                 self._preempt(request, out, budget, visited=True)
                 return False
             # Alone in the pool: what does not fit now never will (see _run_alone).
@@ -134,7 +153,7 @@ class PlanningMixin:
         return True
 
     def _run_alone(
-        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
     ) -> bool:
         """Run what fits now of a request that is alone on the device.
 
@@ -156,9 +175,9 @@ class PlanningMixin:
             return False
         return True
 
-    def _plan(self, request: Request, budget: _Budget) -> _Plan:
+    def _plan(self, request: Request, budget: StepBudget) -> Plan:
         """Pick each unfinished sequence's tokens for this step and charge the budget."""
-        plan: _Plan = []
+        plan: Plan = []
         for seq in request.unfinished_seqs():
             if seq.is_decode:
                 budget.reserved_decodes = max(0, (budget.reserved_decodes or 0) - 1)
@@ -178,12 +197,7 @@ class PlanningMixin:
                 budget.tokens -= num
         return plan
 
-    def _refund(self, plan: _Plan, budget: _Budget) -> None:
-        """Give back the tokens of a plan that will not run (its decodes stay unreserved:
-        its request has been visited)."""
-        budget.tokens += sum(num for _, _, num in plan)
-
-    def _blocks_needed(self, plan: _Plan) -> int:
+    def _blocks_needed(self, plan: Plan) -> int:
         """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
         need = 0
         for seq, start, num in plan:
@@ -196,7 +210,7 @@ class PlanningMixin:
         return need
 
     def _run_plan(
-        self, request: Request, plan: _Plan, out: SchedulerOutput, budget: _Budget
+        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
     ) -> None:
         """Allocate or append each planned chunk and emit it. A chunk that no longer fits
         (the conservative count was not enough) waits for the next step."""

@@ -7,53 +7,22 @@ Standard library only (no torch), like the scheduler it is part of.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from pagedkv.config import SchedulerConfig
+from pagedkv.engine.planning import PlanningMixin, StepBudget
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.scheduler_output import SchedulerOutput
 
 
-@dataclass
-class StepBudget:
-    """Tokens left in one step. Decode tokens of running requests not yet visited are
-    reserved, so prefill chunks only take what the decodes leave."""
-
-    tokens: int
-    # Decode tokens of running requests not yet visited; None until first needed (a step
-    # of decodes alone never counts them: see `PlanningMixin._schedule_running_requests`).
-    reserved_decodes: int | None = None
-
-    @property
-    def prefill_tokens(self) -> int:
-        assert self.reserved_decodes is not None, "reserved decodes read before counted"
-        return max(0, self.tokens - self.reserved_decodes)
-
-
-# One planned piece of work: (sequence, first position to compute, tokens to compute).
-Plan = list[tuple[Sequence, int, int]]
-
-
-class PreemptionMixin:
-    """Preemption and resumption for `Scheduler` (which provides the planning methods)."""
+class PreemptionMixin(PlanningMixin):
+    """Preemption and resumption for `Scheduler`, on top of its planning half."""
 
     config: SchedulerConfig
-    kv: Any
     num_blocks: int
-    running: list[Request]
     waiting: deque[Request]
     swapped: deque[Request]
     num_preemptions: int
     num_swapped_out: int
-
-    # Planning lives in Scheduler; declared here for type checking only.
-    _plan: Callable[[Request, StepBudget], Plan]
-    _refund: Callable[[Plan, StepBudget], None]
-    _blocks_needed: Callable[[Plan], int]
-    _run_plan: Callable[[Request, Plan, SchedulerOutput, StepBudget], None]
-    _num_running_seqs: Callable[[], int]
 
     def _preempt(
         self, request: Request, out: SchedulerOutput, budget: StepBudget, *, visited: bool = False
@@ -85,12 +54,7 @@ class PreemptionMixin:
             else:
                 self.swapped.append(request)
             return
-        for seq in held:
-            # Recompute: prompt + outputs are prefilled again on resumption.
-            self.kv.free(seq.seq_id)
-            seq.is_allocated, seq.num_computed = False, 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._recompute(request)
 
     def _can_swap_out(self, held: list[Sequence]) -> bool:
         # Counts shared blocks once per holder: an upper bound on the host blocks needed.
@@ -108,7 +72,7 @@ class PreemptionMixin:
                 # Swapped siblings come back unshared: if they cannot fit even in an empty
                 # pool, recompute instead (the prefix cache shares their prompt again).
                 self.swapped.popleft()
-                self._swap_to_recompute(request)
+                self._recompute(request)
                 continue
             if (
                 need > self.kv.num_free_blocks
@@ -125,13 +89,16 @@ class PreemptionMixin:
             if self._blocks_needed(plan) <= self.kv.num_free_blocks:
                 self._run_plan(request, plan, out, budget)
             else:
-                self._refund(plan, budget)
+                budget.refund(plan)
 
-    def _swap_to_recompute(self, request: Request) -> None:
+    def _recompute(self, request: Request) -> None:
+        """Free `request`'s device or host blocks and queue it at the head of `waiting`:
+        prompt + outputs are prefilled again on resumption."""
         for seq in request.seqs:
-            if seq.is_swapped:
-                self.kv.free(seq.seq_id)  # releases its host blocks
-                seq.is_swapped, seq.num_computed = False, 0
+            if seq.is_allocated or seq.is_swapped:
+                self.kv.free(seq.seq_id)
+                seq.is_allocated = seq.is_swapped = False
+                seq.num_computed = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -153,3 +120,6 @@ class PreemptionMixin:
 
     def _is_protected(self, request: Request) -> bool:
         return request.num_preemptions > self.config.max_preemptions
+
+    def _num_running_seqs(self) -> int:
+        return sum(r.num_unfinished_target for r in self.running)

@@ -127,7 +127,11 @@ class ModelRunner:
             self.kv_cache,
             metadata,
         )
-        self._prompt_logprobs = self._compute_prompt_logprobs(step, hidden)
+        self._prompt_logprobs = {
+            seq.seq_id: (seq.start_pos, self._prompt_rows(seq, hidden, first_row))
+            for first_row, seq in step.first_rows()  # decode rows take no prompt logprobs
+            if seq.prompt_logprob_token_ids
+        }
         return self._sample(step, hidden)
 
     def pop_prompt_logprobs(self) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
@@ -141,20 +145,11 @@ class ModelRunner:
         out, self._prompt_logprobs = self._prompt_logprobs, {}
         return out
 
-    def _compute_prompt_logprobs(
-        self, step: SchedulerOutput, hidden: torch.Tensor
-    ) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
-        """hidden: [num_tokens, hidden_size]. Logits in slices of rows: a whole prompt's
-        [rows, vocab] at once could take gigabytes."""
-        out: dict[SeqId, tuple[int, list[dict[int, float]]]] = {}
-        for first_row, seq in step.first_rows():  # decode rows take no prompt logprobs
-            if seq.prompt_logprob_token_ids:
-                out[seq.seq_id] = (seq.start_pos, self._prompt_rows(seq, hidden, first_row))
-        return out
-
     def _prompt_rows(
         self, seq: ScheduledSequence, hidden: torch.Tensor, first_row: int
     ) -> list[dict[int, float]]:
+        """hidden: [num_tokens, hidden_size]. Logits in slices of rows: a whole prompt's
+        [rows, vocab] at once could take gigabytes."""
         assert seq.sampling_params is not None, "every scheduled sequence carries its params"
         k = seq.sampling_params.prompt_logprobs or 0
         targets = seq.prompt_logprob_token_ids
@@ -204,10 +199,9 @@ class ModelRunner:
     def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
         request_id, index = seq_id
         generators = self._generators.setdefault(request_id, {})
-        generator = generators.get(index)
-        if generator is None:
-            generator = generators[index] = create_generator(seed, index, device)
-        return generator
+        if index not in generators:
+            generators[index] = create_generator(seed, index, device)
+        return generators[index]
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generators (unknown ids are ignored)."""

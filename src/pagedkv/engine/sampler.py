@@ -82,22 +82,18 @@ class Sampler:
             )
         if logprobs is None:
             return [SampleResult(token, None, None) for token in tokens.tolist()]
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        max_top = max((p.logprobs or 0 for p in params), default=0)
-        top_values: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if max_top > 0:
-            values, ids = logprobs.topk(max_top, dim=-1)
-            top_values, top_ids = values.tolist(), ids.tolist()
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        values, ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
         results = []
-        for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist(), strict=True)):
+        for i, token in enumerate(tokens.tolist()):
             k = params[i].logprobs
             if k is None:
                 results.append(SampleResult(token, None, None))
                 continue
-            top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True)) if k else {}
-            top[token] = logprob
-            results.append(SampleResult(token, logprob, top))
+            top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+            top[token] = chosen[i]
+            results.append(SampleResult(token, chosen[i], top))
         return results
 
     def _sample_rows(

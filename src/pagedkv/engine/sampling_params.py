@@ -81,12 +81,7 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), minimum=0)
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
-        if self.stop is None:
-            stop: tuple[str, ...] = ()
-        elif isinstance(self.stop, str):
-            stop = (self.stop,)
-        else:
-            stop = tuple(self.stop)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_strings = stop

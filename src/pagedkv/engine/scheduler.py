@@ -20,18 +20,10 @@ One `schedule()` call decides one step:
    the first chunk, after the prefix cache.
 4. the copy-on-write copies queued by the appends close the step.
 
-`update()` is the step's postprocess: it forks n > 1 prompts, appends the sampled tokens
-and their text, and ends samples through `pagedkv.engine.stop.check_stop`, the one place
-that decides stop conditions.
-
 Invariant: preemptions are decided before appending to a sequence in a step. Running
 requests are visited in order and victims come from the end, so a victim was never
 appended to in this call. `append` makes full blocks prefix-cacheable at once; a freed
 block whose KV was never written must not stay in the prefix cache.
-
-The output is a plain `SchedulerOutput` (token ids, positions, slots and block tables from
-the `KVCacheManager`, sampling parameters and seeds; never tensors), so the runner needs
-nothing else and the simulator can drive this scheduler without a model.
 
 Per-request planning, with the decode fast path that keeps a step of 1,024 decoding
 sequences cheap, lives in `pagedkv.engine.planning`; preemption and swapping in
@@ -46,9 +38,8 @@ from typing import Any
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
-from pagedkv.engine.planning import PlanningMixin
+from pagedkv.engine.planning import StepBudget
 from pagedkv.engine.preemption import PreemptionMixin
-from pagedkv.engine.preemption import StepBudget as _Budget
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.engine.stop import check_stop, stop_bounds
@@ -56,7 +47,7 @@ from pagedkv.engine.stop import check_stop, stop_bounds
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler(PlanningMixin, PreemptionMixin):
+class Scheduler(PreemptionMixin):
     """Decides, step by step, which tokens run and which blocks they use."""
 
     def __init__(
@@ -171,7 +162,9 @@ class Scheduler(PlanningMixin, PreemptionMixin):
             seq.is_allocated = seq.is_swapped = False
         request = self.requests[seq.seq_id[0]]
         if request.is_finished:
-            self._remove(request)
+            for queue in (self.running, self.waiting, self.swapped):
+                if request in queue:
+                    queue.remove(request)
             request.status = RequestStatus.FINISHED
             del self.requests[request.request_id]
 
@@ -196,7 +189,7 @@ class Scheduler(PlanningMixin, PreemptionMixin):
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the order)."""
         out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens)
+        budget = StepBudget(self.config.max_num_batched_tokens)
         self._schedule_running_requests(out, budget)
         budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
@@ -216,48 +209,41 @@ class Scheduler(PlanningMixin, PreemptionMixin):
         `max_model_len`), freeing their blocks at once.
 
         Returns:
-            The requests that got new tokens, in step order.
+            The request of each new token, in step order (once per sample).
         """
         touched: list[Request] = []
         rows = output.decode_rows
         for lo, hi, scheduled in output.segments():
             if hi > lo:  # plain decodes: one sample each, the row's own sequence
-                self._update_single([row[0] for row in rows[lo:hi]], sampled, touched)
+                self._update_samples([row[0] for row in rows[lo:hi]], sampled, touched)
             if scheduled is not None and scheduled.sample_seq_ids:
-                self._update_scheduled(scheduled, sampled, touched)
+                request = self.requests[scheduled.seq_id[0]]
+                if not request.is_forked:
+                    self._fork(request, request.seq(scheduled.seq_id[1]))
+                self._update_samples(scheduled.sample_seq_ids, sampled, touched)
         return touched
 
-    def _update_scheduled(
-        self, scheduled: ScheduledSequence, sampled: Mapping[SeqId, int], touched: list[Request]
-    ) -> None:
-        """`update` of one `ScheduledSequence` that samples."""
-        sample_ids = scheduled.sample_seq_ids
-        request = self.requests[scheduled.seq_id[0]]
-        if not request.is_forked:  # samples 1..n-1 share the parent's blocks from here on
-            parent = request.seq(scheduled.seq_id[1])
-            for index in range(1, request.n):
-                self.fork_sequence(request, parent, index)
-        if len(sample_ids) == 1:  # the common case, without the lists below
-            self._update_single(sample_ids, sampled, touched)
-            return
-        # Every sample's token and text first, then the stops (which free blocks).
-        seqs = [request.seq(seq_id[1]) for seq_id in sample_ids]
-        text_starts = []
-        detokenize = self.detokenize
-        for seq, seq_id in zip(seqs, sample_ids, strict=True):
-            seq.token_ids.append(int(sampled[seq_id]))
-            text_starts.append(len(seq.text))
-            if detokenize is not None:
-                seq.text += detokenize(seq)
-        for seq, text_start in zip(seqs, text_starts, strict=True):
-            self._check_stop(request, seq, text_start)
-        touched.append(request)
+    def _fork(self, request: Request, parent: Sequence) -> None:
+        """Add sequences 1..n-1 to `request`, each sharing every block of `parent` (no copy).
 
-    def _update_single(
+        A child starts with the parent's tokens and computed count; a shared partial last
+        block is copied on the first append to either (queued for the next step's copies).
+        """
+        for index in range(1, request.n):
+            child = Sequence(
+                (request.request_id, index),
+                list(parent.token_ids),
+                parent.prompt_len,
+                num_computed=parent.num_computed,
+                is_allocated=True,
+            )
+            self.kv.fork(parent.seq_id, child.seq_id)
+            request.seqs.append(child)
+
+    def _update_samples(
         self, seq_ids: list[SeqId], sampled: Mapping[SeqId, int], touched: list[Request]
     ) -> None:
-        """`update` of rows that sample once each, one row per id in `seq_ids` (each the
-        only sample of its row, in step order)."""
+        """`update` of the samples `seq_ids`, in step order."""
         requests, detokenize = self.requests, self.detokenize
         for seq_id in seq_ids:
             request = requests[seq_id[0]]
@@ -271,22 +257,18 @@ class Scheduler(PlanningMixin, PreemptionMixin):
                 seq.text += detokenize(seq)
             bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
             if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
-                self._check_stop(request, seq, text_start)
+                stop = check_stop(
+                    seq,
+                    request.params,
+                    eos_token_ids=self._eos_token_ids,
+                    max_model_len=self.max_model_len,
+                    text_start=text_start,
+                )
+                if stop is not None:
+                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
             touched.append(request)
 
-    def _check_stop(self, request: Request, seq: Sequence, text_start: int) -> None:
-        """Finish `seq` if its newest token ends it (`check_stop`)."""
-        stop = check_stop(
-            seq,
-            request.params,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            text_start=text_start,
-        )
-        if stop is not None:
-            self.finish_sequence(seq, stop.reason, stop.stop_reason)
-
-    def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
             request = self.waiting[0]
             if self._num_running_seqs() + request.num_unfinished_target > self.config.max_num_seqs:
@@ -296,7 +278,7 @@ class Scheduler(PlanningMixin, PreemptionMixin):
             watermark = 0 if is_alone else self._watermark
             fits = bool(plan) and self._blocks_needed(plan) + watermark <= self.kv.num_free_blocks
             if not fits and not (plan and is_alone):
-                self._refund(plan, budget)
+                budget.refund(plan)
                 return
             self.waiting.popleft()
             self._start_running(request)
@@ -307,36 +289,3 @@ class Scheduler(PlanningMixin, PreemptionMixin):
                 self._run_alone(request, plan, out, budget)
                 return
             self._run_plan(request, plan, out, budget)
-
-    # ---- helpers ------------------------------------------------------------------------
-
-    def fork_sequence(self, request: Request, parent: Sequence, index: int) -> Sequence:
-        """Add sequence `index` to `request`, sharing every block of `parent` (no copy).
-
-        The child starts with the parent's tokens and computed count; a shared partial last
-        block is copied on the first append to either (queued for the next step's copies).
-        Beam search builds on this and on `finish_sequence` for dropped beams.
-
-        Raises:
-            ValueError: the parent holds no device blocks, or the index is in use.
-        """
-        if not parent.is_allocated:
-            raise ValueError(f"fork: expected a parent on the device, got {parent.seq_id!r}")
-        child = Sequence(
-            (request.request_id, index),
-            list(parent.token_ids),
-            parent.prompt_len,
-            num_computed=parent.num_computed,
-            is_allocated=True,
-        )
-        self.kv.fork(parent.seq_id, child.seq_id)
-        request.seqs.append(child)
-        return child
-
-    def _num_running_seqs(self) -> int:
-        return sum(r.num_unfinished_target for r in self.running)
-
-    def _remove(self, request: Request) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
-            if request in queue:
-                queue.remove(request)

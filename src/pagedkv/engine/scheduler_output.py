@@ -151,12 +151,9 @@ class SchedulerOutput:
         scheduled rows here, so the list returned is the output's own (appending to it
         adds a row)."""
         if self.decode_rows:
-            self.seqs = self.rows()
+            self.scheduled = self.rows()
+            self.decode_rows, self.rows_before = [], [0] * len(self.scheduled)
         return self.scheduled
-
-    @seqs.setter
-    def seqs(self, seqs: list[ScheduledSequence]) -> None:
-        self.decode_rows, self.scheduled, self.rows_before = [], seqs, [0] * len(seqs)
 
     def seq_ids(self) -> list[SeqId]:
         """Each row's sequence id, in step order."""
@@ -253,8 +250,6 @@ class SchedulerOutput:
         if not isinstance(other, SchedulerOutput):
             return NotImplemented
         return self._fields() == other._fields()
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={value!r}" for name, value in self._fields().items())

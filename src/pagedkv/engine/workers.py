@@ -116,9 +116,10 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], Launch]:
+def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], str]:
     """Join (torchrun) or create (spawn) the group of `args.tensor_parallel_size` ranks as
-    rank 0; the spawned workers build their share of the engine meanwhile.
+    rank 0; return it, the spawned workers (none under torchrun) and rank 0's device. The
+    workers build their share of the engine meanwhile.
 
     Raises:
         WorkerFailed: a worker died before the group formed.
@@ -141,8 +142,8 @@ def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], Launc
             workers.append(Worker(rank, process, receiver))
     elif launch.rank != 0:
         raise ValueError(f"start_workers: expected rank 0, got rank {launch.rank}; call run_worker")
-    tp = _init_group(launch, args.device, workers)
-    return tp, workers, launch
+    device = rank_device(args.device, launch)
+    return _init_group(launch, device, workers), workers, device
 
 
 def rank_device(device: str, launch: Launch) -> str:
@@ -299,9 +300,9 @@ def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
 def _serve_steps(args: EngineArgs, launch: Launch) -> None:
     from pagedkv.engine.builder import build_rank_runner
 
-    tp = _init_group(launch, args.device, [])
-    model_config = ModelConfig.from_hf(args.model)
-    runner = build_rank_runner(args, model_config, tp, rank_device(args.device, launch))
+    device = rank_device(args.device, launch)
+    tp = _init_group(launch, device, [])
+    runner = build_rank_runner(args, ModelConfig.from_hf(args.model), tp, device)
     while (step := tp.broadcast_object()) is not None:
         runner.execute(step)
     dist.destroy_process_group()
@@ -320,7 +321,7 @@ def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorPar
             "tensor_parallel_size: this process is already in a torch.distributed group "
             "(one tensor-parallel engine per process)"
         )
-    on_gpu = rank_device(device, launch).startswith("cuda")
+    on_gpu = device.startswith("cuda")
     if on_gpu:
         torch.cuda.set_device(launch.local_rank)
     backend = "nccl" if on_gpu else "gloo"

@@ -53,8 +53,7 @@ def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqSta
 
 
 class ViewsMixin:
-    """Read-only views for `KVCacheManager`: one sequence's blocks, tokens and slots, and
-    the whole state's `check` and `stats`."""
+    """`KVCacheManager`'s read-only views (see the module docstring)."""
 
     _block_size: int
     # Provided by KVCacheManager; declared for type checking only.
@@ -104,7 +103,6 @@ class ViewsMixin:
         Every block's count equals its number of holders; no block is both free and held;
         free + cached + held = num_blocks (device and host); every indexed block held by a
         sequence holds exactly its key's tokens after its key's parent.
-
         """
         manager = cast("KVCacheManager", self)
         pool, host, index = manager._pool, manager._host, manager._index

@@ -10,16 +10,10 @@ Every block is in exactly one of three states::
 
 No Python object per block: flat containers only, work batched per call, and block ids
 handed out as ``array('i')`` slices (4 bytes per block in a block table, no int objects, so
-a pool of millions stays cache friendly). The reference counts are a list of small ints:
-one pointer per block to CPython's shared small-int objects, and faster than an array on
-the per-block steps of a hit or a free (specialized list loads and stores). While no
-block has two holders (no fork, no shared prefix held), `free` releases a block table
-without reading a count: one reversed slice onto the free stack. The cached queue is lazy:
-a hit does not unlink the block (the costliest per-block step of an intrusive linked list),
-it only bumps the block's count; the stale entry is skipped when it reaches the head, and
-the queue is compacted when stale entries outnumber live ones (amortized O(1)). A block's
-entry is live iff the block is cached and the entry is its newest
-(``stamp[block] == position``).
+a pool of millions stays cache friendly). The cached queue is lazy: a hit does not unlink
+the block (the costliest per-block step of an intrusive linked list), it only bumps the
+block's count; the stale entry is skipped when it reaches the head, and the queue is
+compacted when stale entries outnumber live ones (amortized O(1)).
 
 Bookkeeping per block: extra references 8 B + queue stamp 4 B + free stack and queue
 together at most 8 B (free + live + stale entries <= 2 x num_blocks + slack), plus the
@@ -70,10 +64,12 @@ class BlockPool:
         self._next_fresh = 0
         # ref_count - 1 for a held block, 0 on the free stack, -1 when cached. Counting the
         # *extra* references lets allocation skip a per-block write, and a prefix hit is one
-        # increment whether the block was held (k -> k + 1) or cached (-1 -> 0). A list, not
-        # an array: see the module docstring.
+        # increment whether the block was held (k -> k + 1) or cached (-1 -> 0). A list of
+        # small ints, not an array: one pointer per block to CPython's shared small-int
+        # objects, and faster on the per-block steps of a hit or a free.
         self._extra = [0] * num_blocks
-        # Cached queue (oldest at _head) and, per block, the position of its newest entry.
+        # Cached queue (oldest at _head) and, per block, the position of its newest entry:
+        # an entry is live iff its block is cached and ``stamp[block] == position``.
         self._queue = array("i")
         self._head = 0
         self._stamp = array("i", bytes(4 * num_blocks))
@@ -226,12 +222,8 @@ class BlockPool:
         self._queue = array("i", live)
         self._head = 0
 
-    def share(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each held block (a fork)."""
-        self.touch(block_ids)
-
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each block (a prefix hit); cached ones become held.
+        """Add one reference to each block (a prefix hit or a fork); cached ones become held.
 
         Args:
             block_ids: held or cached (then indexed) blocks, each at most once.

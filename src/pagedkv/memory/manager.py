@@ -1,8 +1,7 @@
 """KVCacheManager: sequences' block tables over a shared block pool.
 
 Prefix sharing, copy-on-write, swap to a host pool, all-or-nothing allocation and a
-consistency check. Standard library only: no tensors here. The engine applies what the
-manager decides: `pop_copies()` and the swap pairs, in the order they were produced.
+consistency check. Standard library only: no tensors here.
 
 A sequence's blocks::
 
@@ -22,10 +21,9 @@ from pagedkv.memory._introspect import ViewsMixin
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_tuple
-from pagedkv.memory.swap import SwapMixin
 
 
-class KVCacheManager(SwapMixin, ViewsMixin):
+class KVCacheManager(ViewsMixin):
     """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
 
     Args:
@@ -321,7 +319,7 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         parent = self._resident(parent_id, "fork")
         if child_id in self._seqs:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
-        self._pool.share(parent.block_ids)
+        self._pool.touch(parent.block_ids)
         parent.is_tail_own = False
         self._num_forked += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
@@ -351,6 +349,60 @@ class KVCacheManager(SwapMixin, ViewsMixin):
         """
         copies, self._copies = self._copies, []
         return copies
+
+    # ----- swap to the host pool ------------------------------------------------------------
+    def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Move a sequence to the host pool: it keeps its tokens, held in host blocks.
+
+        Returns:
+            ``(device_block, host_block)`` pairs, one per block, in table order. The engine
+            copies them (after the copies queued before this call, before anything written
+            later) since the device blocks are free for reuse from now on.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: already swapped out.
+            OutOfBlocks: not enough free host blocks; nothing changed.
+        """
+        seq = self._resident(seq_id, "swap_out")
+        host_block_ids = self._host.allocate(len(seq.block_ids))
+        pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
+        self._pool.free(seq.block_ids)
+        seq.block_ids, seq.host_block_ids, seq.table = array("i"), host_block_ids, None
+        seq.is_tail_own = False
+        self._num_swapped_out += len(pairs)
+        return pairs
+
+    def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
+        """Bring a swapped-out sequence back to fresh device blocks; its full blocks are
+        offered to the prefix index again.
+
+        Returns:
+            ``(host_block, device_block)`` pairs in table order, to copy before the sequence's
+            next step.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: not swapped out.
+            OutOfBlocks: not enough free device blocks; nothing changed.
+        """
+        seq = self._get(seq_id)
+        if seq.host_block_ids is None:
+            raise ValueError(f"swap_in: expected a swapped-out sequence, got {seq_id!r} resident")
+        block_ids = self._pool.allocate(len(seq.host_block_ids))
+        pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
+        self._host.free(seq.host_block_ids)
+        seq.block_ids, seq.host_block_ids, seq.table = block_ids, None, None
+        seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+        self._key_full_blocks(seq)
+        self._num_swapped_in += len(pairs)
+        return pairs
+
+    def num_blocks_to_swap_in(self, seq_id: SeqId) -> int:
+        """Device blocks `swap_in(seq_id)` needs. Raises KeyError if unknown, ValueError if
+        resident."""
+        seq = self._get(seq_id)
+        if seq.host_block_ids is None:
+            raise ValueError(f"expected a swapped-out sequence, got {seq_id!r} resident")
+        return len(seq.host_block_ids)
 
     # ----- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -84,10 +84,9 @@ class PrefixIndex:
         self.block_entries: list[Entry | None] = [None] * num_blocks
         self._next_uid = ROOT_UID + 1
         # Spans (see the module docstring): key of a chain's block -> (getter, tokens,
-        # entries, block_ids, uid of the last) for the `span_blocks` blocks from it. Live iff
-        # ``getter(block_entries) == entries`` (an entry equals only itself, so a key evicted
-        # and indexed again does not pass); dead spans are swept, nothing else depends on
-        # them. Only chains of bytes keys get spans; `span_blocks` >= 2 (tests lower it).
+        # entries, block_ids, uid of the last) for the `span_blocks` blocks from it, live iff
+        # ``getter(block_entries) == entries``. Only chains of bytes keys get spans;
+        # `span_blocks` >= 2 (tests lower it).
         self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], int]] = {}
         self.span_blocks = span_blocks
         # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
@@ -128,21 +127,20 @@ class PrefixIndex:
         return splitter.unpack_from(packed, start * width)
 
     def keys_of(
-        self, token_ids: Sequence[Any], block_size: int, start: int = 0, stop: int | None = None
+        self, token_ids: Sequence[Any], block_size: int, start: int = 0
     ) -> Sequence[BlockTokens]:
-        """Canonical tokens of full blocks ``start <= i < stop`` (stop None: every full block).
+        """Canonical tokens of the full blocks from block `start` on.
 
         Returns:
-            One `block_tokens` per full block in the range, equal to what `block_tokens`
-            gives for each block alone (so keys never depend on the rest of the prompt).
+            One `block_tokens` per full block, equal to what `block_tokens` gives for each
+            block alone (so keys never depend on the rest of the prompt).
         """
-        num_full = len(token_ids) // block_size
-        stop = num_full if stop is None else min(stop, num_full)
+        stop = len(token_ids) // block_size
         if stop <= start:
             return ()
         packed = self._pack(token_ids[start * block_size : stop * block_size])
         if packed is None:  # some block holds a non-int32 token: block by block
-            blocks = iter_full_blocks(token_ids, block_size, start, stop)
+            blocks = iter_full_blocks(token_ids, block_size, start)
             if stop - start == 1:  # that block, whose packing just failed (a decode step's)
                 return list(blocks)
             return [self.block_tokens(block) for block in blocks]
@@ -297,11 +295,6 @@ class PrefixIndex:
         assert entry is not None, f"block {block_id} is not indexed"
         del self._entries[entry[2]]
         self.block_entries[block_id] = None
-
-    def uid_of(self, block_id: int) -> int | None:
-        """The uid of the entry `block_id` holds, or None if it is not indexed."""
-        entry = self.block_entries[block_id]
-        return None if entry is None else entry[1]
 
     def clear(self) -> None:
         """Forget every entry (uids keep counting up, so old chains stay unreachable)."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pagedkv.config import ModelConfig
-from pagedkv.gguf_file import GGUFFile, GGUFTensorInfo, import_gguf
+from pagedkv.gguf_file import GGUF_INSTALL_HINT, GGUFFile, GGUFTensorInfo
 
 # GGUF tensor name -> Hugging Face name: model-wide, then per layer (`blk.{i}.` prefix).
 _GLOBAL_NAMES = {
@@ -61,8 +61,15 @@ def dequantize(file: GGUFFile, info: GGUFTensorInfo, data: np.ndarray | None = N
 
     Raises:
         ValueError: a quantization type the `gguf` package cannot dequantize (named).
+        ImportError: the `gguf` package is not installed (the message gives the command that
+            installs it).
     """
-    gguf = import_gguf()
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            f"reading GGUF weights needs the 'gguf' package: {GGUF_INSTALL_HINT}"
+        ) from None
     try:
         qtype = gguf.GGMLQuantizationType(info.type_id)
     except ValueError:

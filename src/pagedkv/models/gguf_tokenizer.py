@@ -92,10 +92,12 @@ def load_gguf_tokenizer(file: GGUFFile) -> Tokenizer | None:
         return None
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    from tokenizers import Tokenizer as Backend
+
     saved = _saved_path(file)
     try:
-        tokenizer = _read_saved(saved)
-    except (OSError, ValueError):
+        tokenizer = Backend.from_str(saved.read_text(encoding="utf-8"))
+    except Exception:  # none saved (OSError), or a file that does not parse (tokenizers' own)
         tokenizer = _convert(file, tokens, bos_id, eos_id)
         try:
             kernel_cache.write_whole(saved, tokenizer.to_str().encode())
@@ -110,12 +112,8 @@ def load_gguf_tokenizer(file: GGUFFile) -> Tokenizer | None:
 
 
 def _convert(file: GGUFFile, tokens: list[str], bos_id: int | None, eos_id: int | None) -> Any:
-    """The file's `tokenizers.Tokenizer`, built by transformers' converter and completed.
-
-    Raises:
-        ImportError: transformers is missing.
-        ValueError: a tokenizer type the converter does not support (named).
-    """
+    """The file's `tokenizers.Tokenizer`, built by transformers' converter and completed
+    (raises as `load_gguf_tokenizer`)."""
     meta = file.metadata
     convert, mapping = _converter()
     fields = {
@@ -154,18 +152,3 @@ def _saved_path(file: GGUFFile) -> Path:
         except importlib.metadata.PackageNotFoundError:
             key.update(f" {package} none".encode())
     return kernel_cache.cache_root() / "gguf-tokenizers" / f"{key.hexdigest()[:24]}.json"
-
-
-def _read_saved(path: Path) -> Any:
-    """The tokenizer saved at `path`.
-
-    Raises:
-        OSError: there is none.  ValueError: the file does not parse.
-    """
-    from tokenizers import Tokenizer as Backend
-
-    text = path.read_text(encoding="utf-8")
-    try:
-        return Backend.from_str(text)
-    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-        raise ValueError(f"{path}: {exc}") from None

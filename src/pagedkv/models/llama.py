@@ -223,11 +223,9 @@ class CausalLM(nn.Module):
         return logits.float()
 
     def pack_weights(self) -> bool:
-        """Send every matmul through oneDNN (`layers.pack_linear_`): bfloat16 weights held
-        in its blocked layout (same logits bit for bit, faster small batches; a tied LM head
-        gets a packed copy, as the embedding table stays plain for lookups), float32 ones
-        as they are (faster than torch's MKL matmul on AMD CPUs). Returns whether it applies
-        (float32, or bfloat16 where oneDNN runs it, on the CPU).
+        """Send every matmul through oneDNN (`layers.pack_linear_`; a tied LM head gets a
+        packed copy, as the embedding table stays plain for lookups). Returns whether it
+        applies (`layers.can_pack_linear`).
         """
         if not can_pack_linear(self.dtype, self.device):
             return False
@@ -239,10 +237,9 @@ class CausalLM(nn.Module):
 
     def use_matvec(self) -> bool:
         """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) with
-        the CPU's matrix-vector kernel (`ops.cpu_dense.linear_rows`: one thread, or every thread
-        where the OpenMP workers spin or the product is large), every other batch through
-        torch. Call it before `pack_weights`, which then holds a second, packed copy of each
-        weight. Returns whether it applies (float32 or bfloat16 weights on the CPU).
+        the CPU's matrix-vector kernel (`ops.cpu_dense.linear_rows`), every other batch
+        through torch. Call it before `pack_weights`, which then holds a second, packed copy
+        of each weight. Returns whether it applies (float32 or bfloat16 weights on the CPU).
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False

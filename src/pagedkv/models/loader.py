@@ -22,7 +22,6 @@ from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
-from pagedkv.models.layers import compute_inv_freq
 from pagedkv.models.llama import CausalLM
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
 from pagedkv.models.sharding import shard_of
@@ -203,22 +202,20 @@ def load_model(
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
         model = CausalLM(config, dtype=torch_dtype, tp=tp)
+    # The rotary buffer, no checkpoint tensor, is computed on the CPU even here: the huge
+    # pages placement keeps it, `to_empty` leaves it uninitialized.
+    inv_freq = model.rotary_emb.inv_freq
     if torch.device(device).type == "cpu":
         _place_on_huge_pages(model)
     else:
         model.to_empty(device=device)
+        model.rotary_emb.inv_freq.copy_(inv_freq)
     if tp.vocab_part(config.vocab_size) * tp.size != config.vocab_size:
         # The last rank's vocabulary rows past the real vocabulary: never looked up, and
         # their logits are cut off, but they must not hold NaN from uninitialized memory.
         model.model.embed_tokens.weight.data.zero_()
         if model.lm_head is not None:
             model.lm_head.weight.data.zero_()
-    # The rotary buffer is no checkpoint tensor (and `to_empty` leaves it uninitialized).
-    model.rotary_emb.inv_freq.copy_(
-        compute_inv_freq(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
-        )
-    )
     divisors = rope_divisors(gguf_file) if gguf_file is not None else None
     if divisors is not None:
         model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))

@@ -41,13 +41,12 @@ def shard_of(name: str, config: ModelConfig, tp: TensorParallel) -> tuple[int, r
     if split is None:
         return None
     dim, what = split
-    d = config.head_dim
-    if what == "heads":
-        heads = tp.heads(config.num_heads)
-        return dim, range(heads.start * d, heads.stop * d)
-    if what == "kv_heads":
-        heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
-        return dim, range(heads.start * d, heads.stop * d)
     if what == "mlp":
         return dim, tp.rows(config.intermediate_size)
-    return dim, tp.vocab_rows(config.vocab_size)
+    if what == "vocab":
+        return dim, tp.vocab_rows(config.vocab_size)
+    if what == "heads":
+        heads = tp.heads(config.num_heads)
+    else:
+        heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
+    return dim, range(heads.start * config.head_dim, heads.stop * config.head_dim)

@@ -5,14 +5,13 @@ metadata. Backends (`reference`, `cpu`, `triton`) load lazily; see `pagedkv.ops.
 from __future__ import annotations
 
 from pagedkv.ops.attention import (
-    available_backends,
     paged_attention,
     paged_attention_from_metadata,
     plan,
     warmup,
     write_kv,
 )
-from pagedkv.ops.backend import AttentionBackend
+from pagedkv.ops.backend import AttentionBackend, available_backends
 from pagedkv.ops.metadata import AttentionMetadata
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.ops import checks
-from pagedkv.ops.backend import available_backends, get_backend, resolve_backend
+from pagedkv.ops.backend import get_backend
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -88,7 +88,7 @@ def plan(
     Raises:
         ValueError: an index tensor, length, block id or backend that does not fit.
     """
-    _, block_size, num_kv_heads, _ = checks.check_kv_pair(key_cache, value_cache)
+    _, _, num_kv_heads, _ = checks.check_kv_pair(key_cache, value_cache)
     checks.check_num_heads(num_heads, num_kv_heads)
     checks.check_window(sliding_window)
     device = key_cache.device
@@ -130,13 +130,11 @@ def paged_attention_from_metadata(
     Raises:
         ValueError: as `paged_attention`.
     """
-    entry = attn_metadata.plans.get(sliding_window)
-    if entry is None:
+    if sliding_window not in attn_metadata.plans:
         checks.check_kv_pair(key_cache, value_cache)
-        checks.check_query(query, key_cache)
+        checks.check_query(query, key_cache)  # a bad query is named before plan() reads it
         plan(attn_metadata, key_cache, value_cache, query.shape[1], sliding_window)
-        entry = attn_metadata.plans[sliding_window]
-    cache_shape, dtype, num_heads, backend, backend_plan = entry
+    cache_shape, dtype, num_heads, backend, backend_plan = attn_metadata.plans[sliding_window]
     if key_cache.shape != cache_shape or value_cache.shape != cache_shape:
         checks.check_kv_pair(key_cache, value_cache)
         raise checks.fail("key_cache", f"shape {tuple(cache_shape)} (as planned)", key_cache.shape)
@@ -193,29 +191,13 @@ def paged_attention(
     """
     checks.check_kv_pair(key_cache, value_cache)
     checks.check_query(query, key_cache)
-    checks.check_batch(block_tables, seq_lens, query_start_loc, query.device)
-    resolve_backend(backend, query.device)
     metadata = AttentionMetadata(
         slot_mapping=torch.empty(query.shape[0], dtype=torch.int64),
         block_tables=block_tables,
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
-        max_query_len=None,
-        max_seq_len=None,
         backend=backend,
     )
     return paged_attention_from_metadata(
         query, key_cache, value_cache, metadata, scale=scale, sliding_window=sliding_window
     )
-
-
-__all__ = [
-    "AttentionMetadata",
-    "available_backends",
-    "paged_attention",
-    "paged_attention_from_metadata",
-    "plan",
-    "resolve_backend",
-    "warmup",
-    "write_kv",
-]

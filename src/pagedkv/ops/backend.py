@@ -13,6 +13,7 @@ One engine step calls them as FlashInfer's wrappers are called:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any, Protocol
@@ -92,44 +93,28 @@ class AttentionBackend(Protocol):
         """Compile (or load) every kernel this cache pair will need; never writes it."""
 
 
-_loaded: dict[str, AttentionBackend] = {}
-
-
+@functools.cache
 def _import(name: str) -> AttentionBackend:
-    backend = _loaded.get(name)
-    if backend is None:
-        backend = _loaded[name] = importlib.import_module(_MODULES[name])  # type: ignore[assignment]
-    return backend
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Map "auto" to the default backend of `device`, and check the name and device.
-
-    Raises:
-        ValueError: an unknown name, or a CPU-only backend for a device tensor.
-    """
-    if name == "auto":
-        return _DEFAULT.get(device.type, "reference")
-    if name not in _MODULES:
-        raise ValueError(f"backend: expected auto or one of {sorted(_MODULES)}, got {name!r}")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"backend: expected CPU tensors for backend 'cpu', got device {device}")
-    return name
+    return importlib.import_module(_MODULES[name])  # type: ignore[return-value]
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend module for `name` ("auto" included) on `device`.
+    """The backend module for `name` on `device`; "auto" is the device's default.
 
     Raises:
-        ValueError: as `resolve_backend`, or the backend cannot be imported here.
+        ValueError: an unknown name, a CPU-only backend for a device tensor, or a backend
+            that cannot be imported here.
     """
-    resolved = resolve_backend(name, device)
+    if name == "auto":
+        name = _DEFAULT.get(device.type, "reference")
+    elif name not in _MODULES:
+        raise ValueError(f"backend: expected auto or one of {sorted(_MODULES)}, got {name!r}")
+    elif name == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend: expected CPU tensors for backend 'cpu', got device {device}")
     try:
-        return _import(resolved)
+        return _import(name)
     except ImportError as exc:
-        raise ValueError(
-            f"backend: expected an importable backend, got {resolved!r} ({exc})"
-        ) from exc
+        raise ValueError(f"backend: expected an importable backend, got {name!r} ({exc})") from exc
 
 
 def available_backends() -> list[str]:

@@ -2,8 +2,8 @@
 bad argument ("<name>: expected X, got Y").
 
 The shape, dtype and device checks read tensor metadata only (no kernel launch, no device
-sync). The value checks (`check_lengths`, `check_slots`) read the small index tensors and
-run where those already live on the CPU.
+sync). The value checks (`check_lengths`; the backends' own passes raise `bad_block` and
+`slot_past_end`) read the small index tensors and run where those already live on the CPU.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[i
     return tuple(key_cache.shape)
 
 
-def check_num_heads(num_heads: object, num_kv_heads: int) -> int:
+def check_num_heads(num_heads: object, num_kv_heads: int) -> None:
     """Query heads: a positive multiple of the caches' KV heads."""
     if (
         isinstance(num_heads, bool)
@@ -59,7 +59,6 @@ def check_num_heads(num_heads: object, num_kv_heads: int) -> int:
         or num_heads % num_kv_heads
     ):
         raise fail("num_heads", f"a positive multiple of num_kv_heads = {num_kv_heads}", num_heads)
-    return num_heads
 
 
 def check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    max_query_len: int | None
-    max_seq_len: int | None
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
     backend: str = "auto"
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -93,16 +94,15 @@ class AttentionMetadata:
                 raise ValueError(f"query_lens[{s}]: expected 0 <= q <= seq_len={n}, got {q}")
         max_blocks = max((len(t) for t in block_tables), default=0)
         padded = [list(t) + [-1] * (max_blocks - len(t)) for t in block_tables]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
         return cls(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
                 num_seqs, max_blocks
             ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(
+                [0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device
+            ),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             backend=backend,

@@ -108,14 +108,10 @@ def plan(
 ) -> tuple[AttentionMetadata, int | None]:
     """Check lengths and block ids (CPU index tensors only: elsewhere it would sync)."""
     if metadata.seq_lens.is_cpu:
-        checks.check_lengths(
-            metadata.query_start_loc.numpy(),
-            metadata.seq_lens.numpy(),
-            metadata.num_tokens,
-            metadata.block_tables.shape[1] * key_cache.shape[1],
-        )
         tables, lens = metadata.block_tables.numpy(), metadata.seq_lens.numpy()
-        block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        starts = metadata.query_start_loc.numpy()
+        checks.check_lengths(starts, lens, metadata.num_tokens, tables.shape[1] * block_size)
         for s, seq_len in enumerate(lens.tolist()):
             used = tables[s, : -(-seq_len // block_size)]
             if ((used < 0) | (used >= num_blocks)).any():

@@ -82,25 +82,22 @@ _GENERATE_RESPONSES = {
 } | _ERRORS
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, shutdown_engine: bool = True) -> FastAPI:
+def create_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
     """Build the server app around a (not necessarily started) `AsyncEngine`.
 
-    The engine starts with the app (and stops with it if `shutdown_engine`); `model_name` is
-    the name `/v1/models` lists and requests must use (or omit). Serve the app with uvicorn,
-    or `launch.serve` for a bounded shutdown.
+    The engine starts and stops with the app; `model_name` is the name `/v1/models` lists
+    and requests must use (or omit). Serve the app with uvicorn, or `launch.serve` for a
+    bounded shutdown.
     """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
-        if shutdown_engine:
-            engine.shutdown()
+        engine.shutdown()
 
     app = FastAPI(title="pagedkv", version="0.1.0", lifespan=lifespan)
-    max_model_len = int(
-        getattr(engine.engine, "max_model_len", engine.model_config.max_position_embeddings)
-    )
+    max_model_len = engine.engine.max_model_len
     app.state.server = ServerState(engine, ServerMetrics(engine.stats), model_name, max_model_len)
     _add_error_handlers(app)
     _add_routes(app)
@@ -122,16 +119,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def error_response(
-    status: int,
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+def _error_response(error: APIError) -> JSONResponse:
+    """OpenAI's error body for `error`, with `Retry-After` on a 503."""
+    info = ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    body = ErrorResponse(error=info).model_dump()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def _reject(request: Request, reason: str) -> None:
@@ -143,7 +136,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.reason:
             _reject(request, exc.reason)
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -154,25 +147,23 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid" or (first.get("type") == "missing" and not loc):
             _reject(request, "invalid_json")
             detail = first.get("ctx", {}).get("error", first.get("msg", "no body"))
-            return error_response(400, f"invalid JSON body: {detail}")
+            return _error_response(APIError(f"invalid JSON body: {detail}"))
         _reject(request, "schema")
         message = "; ".join(_describe(e) for e in errors[:3])
-        return error_response(400, message, param=".".join(loc) or param_of(message))
+        return _error_response(APIError(message, param=".".join(loc) or param_of(message)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(
-            exc.status_code,
-            str(exc.detail),
-            "not_found_error" if exc.status_code == 404 else "invalid_request_error",
-        )
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        response = _error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
         response.headers.update(exc.headers or {})  # e.g. a 405's Allow
         return response
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal server error: {exc}", "server_error")
+        error = APIError(f"internal server error: {exc}", status=500, type="server_error")
+        return _error_response(error)
 
 
 def _describe(error: dict[str, Any]) -> str:
@@ -196,9 +187,10 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         state: ServerState = request.app.state.server
         if not state.engine.is_running:
-            error = state.engine.error
-            reason = f"the engine failed: {error}" if error is not None else "shutting down"
-            return error_response(503, f"the engine is not running: {reason}", "server_error")
+            failure = state.engine.error
+            reason = f"the engine failed: {failure}" if failure is not None else "shutting down"
+            message = f"the engine is not running: {reason}"
+            return _error_response(APIError(message, status=503, type="server_error"))
         return JSONResponse({"status": "ok"})
 
     @app.get(
@@ -227,14 +219,13 @@ def _add_routes(app: FastAPI) -> None:
         # max_tokens 0 with echo: generate one token and drop it, as vLLM does.
         max_tokens = max(body.max_tokens, 1)
         for prompt in prompts:
-            token_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-            check_context(state.max_model_len, len(token_ids), max_tokens)
+            check_context(state.max_model_len, len(prompt["prompt_token_ids"]), max_tokens)
         prompt_logprobs = body.logprobs if body.echo else None
         params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         builder = CompletionBuilder(
             random_id("cmpl"), state.model_name, body, state.engine.tokenizer
         )
-        return await _serve(request, state, builder, prompts, params, body.stream)
+        return await _serve(request, builder, prompts, params)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATE_RESPONSES
@@ -245,42 +236,37 @@ def _add_routes(app: FastAPI) -> None:
         text = render_chat(state, body.messages, add_generation_prompt=True)
         # The template already spells out special tokens such as BOS.
         prompt_ids = require_tokenizer(state, "messages").encode(text, add_special_tokens=False)
-        requested = body.requested_max_tokens()
-        max_tokens = requested or max(1, state.max_model_len - len(prompt_ids))
+        room = max(1, state.max_model_len - len(prompt_ids))
+        max_tokens = body.max_completion_tokens or body.max_tokens or room
         check_context(state.max_model_len, len(prompt_ids), max_tokens)
         params = make_sampling_params(body, max_tokens, body.num_logprobs())
         builder = ChatBuilder(random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer)
         prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
-        return await _serve(request, state, builder, [prompt], params, body.stream)
+        return await _serve(request, builder, [prompt], params)
 
 
 def _card(state: ServerState) -> ModelCard:
     return ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
 
 
-def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Any]:
-    """Each prompt as token ids, text prompts tokenized here so their length is checked
-    before admission (the engine gets {"prompt", "prompt_token_ids"} and keeps the text)."""
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[dict[str, Any]]:
+    """Each prompt as {"prompt_token_ids", and "prompt" for text}: text prompts are tokenized
+    here so their length is checked before admission (the engine keeps the text)."""
     return [
         {"prompt": p, "prompt_token_ids": require_tokenizer(state, "prompt").encode(p)}
         if isinstance(p, str)
-        else p
+        else {"prompt_token_ids": p}
         for p in body.prompts()
     ]
 
 
-async def _serve(
-    request: Request,
-    state: ServerState,
-    builder: Any,
-    prompts: list[Any],
-    params: Any,
-    stream: bool,
-) -> Response:
+async def _serve(request: Request, builder: Any, prompts: list[Any], params: Any) -> Response:
+    """Admit the prompts; stream the builder's chunks or answer with its whole response."""
     arrival = time.monotonic()
+    state: ServerState = request.app.state.server
     streams = await admit(state, builder.request_id, prompts, params)
     deltas = merge([track(state, s, arrival) for s in streams])
-    if stream:
+    if builder.body.stream:
         return StreamingResponse(
             _sse(builder, deltas),
             media_type="text/event-stream",

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import EngineFailed
@@ -49,29 +49,25 @@ class EngineShuttingDown(EngineDead):
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestDelta | BaseException]
-    tracker: DeltaTracker
-
-
-@dataclass
-class _Command:
-    kind: str  # "add" | "abort"
-    request_id: str
-    prompt: Any = None
-    params: Any = None
-    stream: _Stream | None = None
-    future: concurrent.futures.Future[None] | None = None
+class _Add:
+    stream: RequestStream
+    prompt: Any
+    params: Any
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass
 class RequestStream:
-    """One admitted request: iterate it for `RequestDelta`s; `abort()` if you stop early."""
+    """One admitted request: iterate it for `RequestDelta`s; `abort()` if you stop early.
+
+    The engine thread makes the deltas (`_tracker`) and puts them on `_queue` in `_loop`.
+    """
 
     request_id: str
     _engine: AsyncEngine
-    _queue: asyncio.Queue[RequestDelta | BaseException]
+    _loop: asyncio.AbstractEventLoop
+    _tracker: DeltaTracker
+    _queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
     is_finished: bool = False
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
@@ -84,8 +80,7 @@ class RequestStream:
                 self.is_finished = item.finished
                 yield item
         finally:
-            if not self.is_finished:
-                self.abort()
+            self.abort()  # a no-op once finished
 
     def abort(self) -> None:
         """Abort the request (idempotent); its blocks go back to the pool at once."""
@@ -99,8 +94,8 @@ class AsyncEngine:
 
     Args:
         engine: an `LLMEngine` (duck-typed: add_request, abort_request, step,
-            has_unfinished_requests, num_waiting, stats, check_health, tokenizer,
-            model_config).
+            has_unfinished_requests, stats, check_health, close, tokenizer, model_config,
+            max_model_len).
         max_waiting_requests: at most this many admitted requests may wait for the engine;
             more raise `EngineOverloaded` instead of queueing without bound. None: no bound.
     """
@@ -111,8 +106,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._cond = threading.Condition()
-        self._commands: list[_Command] = []
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._commands: list[_Add | str] = []  # an add, or the id of a request to abort
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._num_pending_adds = 0  # guarded by _cond
         self._stats: dict[str, Any] = {}
         self._is_stopping = False
@@ -181,7 +176,7 @@ class AsyncEngine:
         return dict(self._stats)
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: Any
+        self, request_id: str, prompt: str | list[int] | dict[str, Any], params: Any
     ) -> RequestStream:
         """Admit a request to the engine; returns its stream once the engine accepted it.
 
@@ -190,10 +185,8 @@ class AsyncEngine:
             EngineOverloaded: `max_waiting_requests` requests are already waiting.
             EngineDead: the engine thread is not running.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        stream = _Stream(loop, queue, DeltaTracker(stop=getattr(params, "stop", None)))
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        tracker = DeltaTracker(stop=params.stop_strings)
+        stream = RequestStream(request_id, self, asyncio.get_running_loop(), tracker)
         with self._cond:
             if self._drain_deadline is not None:
                 raise EngineShuttingDown("the server is shutting down: retry elsewhere")
@@ -206,19 +199,20 @@ class AsyncEngine:
                     f"(max_waiting_requests={self.max_waiting_requests}); retry later"
                 )
             self._num_pending_adds += 1
-            self._commands.append(_Command("add", request_id, prompt, params, stream, future))
+            add = _Add(stream, prompt, params)
+            self._commands.append(add)
             self._cond.notify()
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.wrap_future(add.future)
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added before the cancellation
             raise
-        return RequestStream(request_id, self, queue)
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown or finished ids are ignored."""
         with self._cond:
-            self._commands.append(_Command("abort", request_id))
+            self._commands.append(request_id)
             self._cond.notify()
 
     # ---- engine thread ------------------------------------------------------------------
@@ -248,19 +242,18 @@ class AsyncEngine:
                 self._is_stopping = True
             self._fail_all(self._stopped_error())
 
-    def _apply(self, commands: list[_Command]) -> None:
+    def _apply(self, commands: list[_Add | str]) -> None:
         for cmd in commands:
-            if cmd.kind == "abort":
-                if self._streams.pop(cmd.request_id, None) is not None:
-                    self.engine.abort_request(cmd.request_id)
+            if isinstance(cmd, str):
+                if self._streams.pop(cmd, None) is not None:
+                    self.engine.abort_request(cmd)
                 continue
-            assert cmd.future is not None and cmd.stream is not None, "add without a stream"
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params)
             except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop
                 cmd.future.set_exception(exc)
             else:
-                self._streams[cmd.request_id] = cmd.stream
+                self._streams[cmd.stream.request_id] = cmd.stream
                 cmd.future.set_result(None)
             finally:
                 with self._cond:
@@ -281,7 +274,7 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while its step ran
-            delta = stream.tracker.update(output)
+            delta = stream._tracker.update(output)
             if delta.finished:
                 del self._streams[output.request_id]
             if delta.samples or delta.finished:
@@ -296,13 +289,9 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         try:
-            stats = dict(self.engine.stats())
+            self._stats = dict(self.engine.stats())  # one swap: readers see a whole snapshot
         except Exception:  # noqa: BLE001 - stale metrics beat a dead server
             logger.exception("engine.stats() failed")
-            return
-        stats.setdefault("num_requests_running", self.engine.num_running)
-        stats.setdefault("num_requests_waiting", self.engine.num_waiting)
-        self._stats = stats  # one reference swap: readers see a whole snapshot
 
     def _stopped_error(self) -> BaseException:
         """What a request meets once the thread stopped: the failure that stopped it (a 500),
@@ -315,25 +304,21 @@ class AsyncEngine:
         """Abort every running request in the engine; each stream ends with `exc`."""
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
-            self._fail(request_id, exc)
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            _deliver(stream, exc)
+            _deliver(self._streams.pop(request_id), exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._fail(request_id, exc)
+        for stream in self._streams.values():
+            _deliver(stream, exc)
+        self._streams.clear()
         with self._cond:
             commands, self._commands = self._commands, []
         for cmd in commands:
-            if cmd.future is not None and not cmd.future.done():
+            if isinstance(cmd, _Add) and not cmd.future.done():
                 cmd.future.set_exception(exc)
 
 
-def _deliver(stream: _Stream, item: RequestDelta | BaseException) -> None:
+def _deliver(stream: RequestStream, item: RequestDelta | BaseException) -> None:
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        stream._loop.call_soon_threadsafe(stream._queue.put_nowait, item)
     except RuntimeError:
         pass  # the client's event loop is closed: nobody is listening any more

@@ -29,14 +29,6 @@ def announce_kernel_compile() -> None:
     kernel_cache.announce()
 
 
-def _check_model_dir(model: str) -> None:
-    path = Path(model)
-    if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
-        raise FileNotFoundError(
-            f"expected a model directory with config.json or a .gguf file, got {model!r}"
-        )
-
-
 def register(subparsers: Any) -> None:
     """Add `serve` and `generate` to the `pagedkv` command."""
     serve = subparsers.add_parser(
@@ -95,28 +87,40 @@ def register(subparsers: Any) -> None:
     gen.set_defaults(handler=run_generate)
 
 
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine's options from the flags (the model path checked); on a torchrun rank > 0
+    this process serves the engine's steps instead, then ends."""
+    announce_kernel_compile()
+    from pagedkv.engine.workers import launched_rank, run_worker
+
+    engine_args = EngineArgs.from_cli_args(args)
+    path = Path(engine_args.model)
+    if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
+        raise FileNotFoundError(
+            "expected a model directory with config.json or a .gguf file, "
+            f"got {engine_args.model!r}"
+        )
+    if launched_rank() > 0:
+        run_worker(engine_args)
+    return engine_args
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
-    announce_kernel_compile()
+    engine_args = _engine_args(args)
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.engine.workers import launched_rank, run_worker
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
     from pagedkv.server.launch import serve
 
-    engine_args = EngineArgs.from_cli_args(args)
-    _check_model_dir(engine_args.model)
-    if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not HTTP
-        run_worker(engine_args)  # then ends the process
     name = args.served_model_name or Path(engine_args.model).resolve().name
     started = time.perf_counter()
     engine = AsyncEngine(LLMEngine.from_engine_args(engine_args), args.max_waiting_requests)
-    stats = engine.engine.stats()
     logger.info(
         "loaded %s in %.1fs: %d KV blocks of %d tokens",
         args.model,
         time.perf_counter() - started,
-        stats.get("num_blocks", 0),
+        engine.engine.stats()["num_blocks"],
         args.block_size,
     )
     app = create_app(engine, model_name=name)
@@ -127,16 +131,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; a summary line goes to stderr."""
-    announce_kernel_compile()
+    engine_args = _engine_args(args)
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
-    from pagedkv.engine.workers import launched_rank, run_worker
     from pagedkv.server.streaming import DeltaTracker
 
-    engine_args = EngineArgs.from_cli_args(args)
-    _check_model_dir(engine_args.model)
-    if launched_rank() > 0:  # a torchrun rank > 0 serves steps, not the prompt
-        run_worker(engine_args)  # then ends the process
     engine = LLMEngine.from_engine_args(engine_args)
     prompt = _generate_prompt(args, engine.tokenizer)
     params = SamplingParams(
@@ -162,7 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     else "".join(f" {t}" for t in sample.token_ids)
                 )
                 print(text, end="", flush=True)
-                num_tokens = sample.num_tokens
+                num_tokens += len(sample.token_ids)
                 finish_reason = sample.finish_reason or finish_reason
     elapsed = time.perf_counter() - started
     engine.close()

@@ -51,12 +51,8 @@ def serve(app: Any, *, host: str, port: int, shutdown_timeout: float = 30.0) -> 
     )
     # uvicorn re-raises the signal it caught once it is done, under the handler that was
     # installed before it: make that a no-op for SIGTERM, so a drained server exits 0.
-    previous = signal.signal(signal.SIGTERM, _ignore)
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         _Server(config).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _ignore(sig: int, frame: FrameType | None) -> None:
-    """The SIGTERM handler after a bounded shutdown: the exit is already under way."""

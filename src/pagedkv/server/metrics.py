@@ -78,42 +78,14 @@ _LATENCY_BUCKETS = (
 )
 
 
-class _EngineStatsCollector(Collector):
-    def __init__(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
-        self._stats_fn = stats_fn
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._stats_fn()
-        for key, name, doc in _GAUGES:
-            if key in stats:
-                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
-        if stats.get("num_blocks"):
-            used = float(stats.get("num_used_blocks", 0))
-            yield GaugeMetricFamily(
-                "pagedkv_kv_cache_usage_ratio",
-                "Fraction of KV blocks in use.",
-                value=used / stats["num_blocks"],
-            )
-        for key, name, doc in _COUNTERS:
-            if key in stats:
-                yield CounterMetricFamily(name, doc, value=float(stats[key]))
-        queries = float(stats.get("prefix_cache_queries", 0))
-        hits = float(stats.get("prefix_cache_hits", 0))
-        yield GaugeMetricFamily(
-            "pagedkv_prefix_cache_hit_rate",
-            "Prefix cache hits / queries (tokens), since start.",
-            value=hits / queries if queries else 0.0,
-        )
-
-
-class ServerMetrics:
+class ServerMetrics(Collector):
     """The metrics of one server; `render()` is the `/metrics` body, and calls `stats_fn()`
     (the engine's latest stats dict) at every scrape."""
 
     def __init__(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats_fn))
-        reg = self.registry
+        self._stats_fn = stats_fn
+        self.registry = reg = CollectorRegistry()
+        reg.register(self)
 
         def latency(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=reg)
@@ -150,3 +122,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The engine's gauges and counters from its latest stats (the registry's scrape)."""
+        stats = self._stats_fn()
+        for key, name, doc in _GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        if stats.get("num_blocks"):
+            used = float(stats.get("num_used_blocks", 0))
+            yield GaugeMetricFamily(
+                "pagedkv_kv_cache_usage_ratio",
+                "Fraction of KV blocks in use.",
+                value=used / stats["num_blocks"],
+            )
+        for key, name, doc in _COUNTERS:
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
+        queries = float(stats.get("prefix_cache_queries", 0))
+        hits = float(stats.get("prefix_cache_hits", 0))
+        yield GaugeMetricFamily(
+            "pagedkv_prefix_cache_hit_rate",
+            "Prefix cache hits / queries (tokens), since start.",
+            value=hits / queries if queries else 0.0,
+        )

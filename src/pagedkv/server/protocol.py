@@ -37,6 +37,12 @@ def short(value: Any) -> str:
     return repr(value)
 
 
+class RequestModel(BaseModel):
+    """A request body: unknown fields are refused and types are strict (no "5" for 5)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -50,9 +56,7 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
@@ -60,10 +64,8 @@ def _finite(**kwargs: Any) -> Any:
     return Field(allow_inf_nan=False, **kwargs)
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="The served model's name; 404 for any other.")
     n: int = Field(1, ge=1, le=128)
@@ -89,21 +91,13 @@ class SamplingRequest(BaseModel):
     store: bool | None = Field(None, description="Ignored.")
     service_tier: str | None = Field(None, description="Ignored.")
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if "" in ([stop] if isinstance(stop, str) else (stop or [])):
-            raise ValueError("expected non-empty stop strings, got ''")
-        return stop
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for token, value in (bias or {}).items():
+        # Values are checked by `SamplingParams`, as `stop` is.
+        for token in bias or {}:
             if not token.isdigit():
                 raise ValueError(f"expected token ids as keys, got {short(token)}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"expected biases in [-100, 100], got {value} for {token}")
         return bias
 
     @model_validator(mode="after")
@@ -111,11 +105,6 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: expected only with stream: true, got stream: false")
         return self
-
-    def stop_list(self) -> list[str] | None:
-        if self.stop is None:
-            return None
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         return {int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None
@@ -153,10 +142,7 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("expected a non-empty prompt, got []")
         if any(isinstance(p, list) and not p for p in prompt):
             raise ValueError("expected non-empty token-id prompts, got []")
-        token_ids = [t for p in prompt for t in (p if isinstance(p, list) else [p])]
-        if any(isinstance(t, int) and t < 0 for t in token_ids):
-            raise ValueError("expected non-negative token ids")
-        return prompt
+        return prompt  # the engine checks the token ids against the vocabulary
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> CompletionRequest:
@@ -179,9 +165,7 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = Field(None, description="Ignored.")
@@ -198,9 +182,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextFormat(RequestModel):
     type: Literal["text"]
 
 
@@ -237,9 +219,6 @@ class ChatCompletionRequest(SamplingRequest):
                 f"{self.top_logprobs} with logprobs: false"
             )
         return self
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,10 +1,5 @@
-"""Running one OpenAI request through the `AsyncEngine`: admission, metrics, merging.
-
-`api.py` holds the routes and error handling; this module holds what they share: the
-model-name and context checks, chat rendering, sampling parameters from a request body,
-admitting a batch of prompts, and following their streams (with latency metrics and one
-INFO log line per request).
-"""
+"""What the routes of `api.py` share: request checks, admitting a batch of prompts to the
+`AsyncEngine`, and following their streams (latency metrics, one INFO log line each)."""
 
 from __future__ import annotations
 
@@ -123,7 +118,7 @@ def make_sampling_params(
             top_k=body.top_k,
             min_p=body.min_p,
             seed=body.seed,
-            stop=body.stop_list(),
+            stop=body.stop,
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
@@ -135,7 +130,7 @@ def make_sampling_params(
 
 
 async def admit(
-    state: ServerState, request_id: str, prompts: Sequence[str | list[int]], params: Any
+    state: ServerState, request_id: str, prompts: Sequence[dict[str, Any]], params: Any
 ) -> list[RequestStream]:
     """Add every prompt to the engine (ids `request_id-i`), all or none.
 

@@ -10,6 +10,7 @@ token settles it, so the concatenated deltas always equal the final text.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,6 @@ class SampleDelta:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    num_tokens: int  # generated tokens so far, this delta's included
 
 
 @dataclass
@@ -54,7 +54,7 @@ class DeltaTracker:
     Text that may start one of the request's `stop` strings is held back.
     """
 
-    stop: list[str] | None = None
+    stop: Sequence[str] | None = None
     _samples: dict[int, _SampleState] = field(default_factory=dict)
 
     @property
@@ -100,5 +100,4 @@ class DeltaTracker:
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=finish_reason,
-            num_tokens=state.num_tokens,
         )

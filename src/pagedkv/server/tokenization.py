@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from pagedkv.server.logprobs import token_text
-from pagedkv.server.protocol import ChatMessage, short
+from pagedkv.server.protocol import ChatMessage, RequestModel, short
+from pagedkv.server.responses import token_text
 from pagedkv.server.serving import (
     APIError,
     ServerState,
@@ -18,10 +18,8 @@ from pagedkv.server.serving import (
 )
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered by the template."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = Field(None, description="Exactly one of prompt and messages.")
@@ -48,10 +46,8 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]

@@ -11,6 +11,7 @@ import math
 import sys
 import textwrap
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--model", required=True, help="built-in name, model dir or config.json")
     plan.add_argument("--memory", required=True, help="memory per GPU, e.g. 80GiB")
     plan.add_argument(
-        "--context",
-        default=None,
-        help="tokens per sequence, e.g. 128k (default: the model's maximum)",
+        "--context", help="tokens per sequence, e.g. 128k (default: the model's maximum)"
     )
     plan.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
-    plan.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    plan.add_argument("--kv-dtype", help="KV cache dtype (default: --dtype)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     plan.add_argument(
@@ -96,7 +95,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--rate",
         type=float,
-        default=None,
         help="Poisson arrivals per step (default: all at step 0; long-context: 0.01)",
     )
     sim.add_argument("--block-size", type=int, default=16)
@@ -104,7 +102,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--tp", type=int, default=1, help="KV heads split over this many GPUs")
     sim.add_argument(
         "--max-model-len",
-        default=None,
         help="tokens contiguous-max reserves per request (default: the longest request that fits)",
     )
     sim.add_argument(
@@ -161,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         activation_margin=args.activation_margin,
     )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
     return 0
 
 
@@ -293,13 +290,9 @@ def format_results(header: dict[str, Any], results: list[tuple[PolicyResult, flo
         for r, secs in results
     ]
     widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
-    for row in rows:
-        lines.append(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
+    for name, *cells in rows:
+        right = (c.rjust(w) for c, w in zip(cells, widths[1:], strict=True))
+        lines.append("  ".join([name.ljust(widths[0]), *right]))
     for r, _ in results:
         for ex in r.stall_examples:
             lines.append(

@@ -50,11 +50,8 @@ def token_ids(
     below ``2 ** id_shift``.
     """
     own = ((2 * index + 1) << id_shift) + lo
-    shared = min(hi, request.prefix_len) - lo
-    if shared <= 0:
-        return list(range(own, own + hi - lo))
-    assert request.prefix_group is not None, "a prefix_len needs a prefix_group"
-    group = ((2 * request.prefix_group + 2) << id_shift) + lo
+    shared = max(0, min(hi, request.prefix_len) - lo)  # a prefix_len has a prefix_group
+    group = ((2 * (request.prefix_group or 0) + 2) << id_shift) + lo
     return list(range(group, group + shared)) + list(range(own + shared, own + hi - lo))
 
 
@@ -100,7 +97,7 @@ class _Replay:
         self.arrived: dict[str, tuple[int, float]] = {}  # id -> (step, clock) on arrival
         self.first_run: dict[str, tuple[int, float]] = {}  # id -> (step, clock) first scheduled
         self.sums = StepSums(policy.capacity)
-        self.timeline = Timeline(policy.capacity, False) if record else None
+        self.timeline = Timeline(policy.capacity) if record else None
 
     def has_work(self) -> bool:
         return self.next_arrival < len(self.requests) or self.scheduler.has_unfinished_requests()
@@ -202,24 +199,12 @@ def replay(
     snapshot_every: int = 1,
     on_step: Callable[[SchedulerOutput], None] | None = None,
 ) -> PolicyResult:
-    """Replay `requests` through the engine's scheduler until every one finished or was
-    rejected.
+    """`simulate` for a paged policy: replay `requests` (at least one) through the engine's
+    scheduler until every one finished or was rejected.
 
-    Args:
-        requests: the workload, at least one request (replayed by arrival, ties in order).
-        policy: a fresh `PagedPolicy` (its manager is used up by the run).
-        record: keep a `Timeline` (its `steps` are the clock at each engine step).
-        snapshot_every: engine steps between memory-map snapshots.
-        on_step: called with each step's `SchedulerOutput`, before its update.
-
-    Returns:
-        The policy's figures; `steps` is the clock when the trace drained, rounded up.
-
-    Raises:
-        ValueError: an empty workload.
+    The timeline's `steps` are the clock at each engine step, `snapshot_every` counts engine
+    steps, and `on_step` is called with each step's `SchedulerOutput` before its update.
     """
-    if not requests:
-        raise ValueError("requests: expected at least one request, got none")
     run = _Replay(requests, policy, record)
     if run.timeline is not None:
         run.timeline.snapshot_every = max(1, snapshot_every)

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import importlib.resources
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pagedkv.config import DTYPE_BYTES, ModelConfig
 
@@ -73,13 +72,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
-    """KV heads each GPU stores under tensor parallelism `tp` (`ModelConfig.kv_heads_per_rank`,
-    the rule the engine shards by).
-
-    Raises:
-        ValueError: tp < 1, tp does not divide the query heads, or tp and the KV heads do not
-            divide one another.
-    """
+    """KV heads each GPU stores under tensor parallelism `tp`: `ModelConfig.kv_heads_per_rank`
+    (the rule the engine shards by, and its ValueErrors) with errors naming `tp`."""
     return model.kv_heads_per_rank(tp, name="tp")
 
 
@@ -123,12 +117,6 @@ class Plan:
     full_context_sequence_fits: bool
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as JSON-ready values (`warnings` and `notes` as lists)."""
-        data = asdict(self)
-        data["warnings"], data["notes"] = list(self.warnings), list(self.notes)
-        return data
 
 
 def plan_memory(

@@ -137,10 +137,7 @@ def _memory_map(results: list[PolicyResult], path: Path, title: str, gib: float)
         if not tl.snapshots:
             continue
         image = np.stack(
-            [
-                _map_column(regions, need if tl.contiguous else 0, tl.capacity, edges)
-                for _, regions, need in tl.snapshots
-            ],
+            [_map_column(regions, need, tl.capacity, edges) for _, regions, need in tl.snapshots],
             axis=1,
         )  # (cells, time, 3)
         steps = np.asarray([s for s, _, _ in tl.snapshots], dtype=np.float64)

@@ -31,18 +31,17 @@ class Live:
 
     index: int
     request: Request
-    prompt_len: int  # tokens prefilled at admission
     start: int  # admission step; the admission step already produces one token
     addr: int = -1  # first token's address
     reserved: int = 0  # tokens reserved
 
     def length(self, step: int) -> int:
         """Tokens held at the end of `step` (one more per step since admission)."""
-        return self.prompt_len + 1 + step - self.start
+        return self.request.prompt_len + 1 + step - self.start
 
     @property
     def finish_step(self) -> int:
-        return self.start + self.request.total_len - self.prompt_len - 1
+        return self.start + self.request.output_len - 1
 
 
 class ContiguousPolicy:
@@ -56,7 +55,7 @@ class ContiguousPolicy:
         self.max_len = max_len
         self._starts = [0]  # free holes, sorted by address
         self._sizes = [capacity]
-        self._reserved = 0
+        self.reserved = 0  # tokens
 
     def size(self, request: Request) -> int:
         return request.total_len if self.max_len is None else self.max_len
@@ -65,14 +64,8 @@ class ContiguousPolicy:
         size = self.size(request)
         return size > self.capacity or request.total_len > size
 
-    def need_tokens(self, live: Live) -> int:
-        return self.size(live.request)
-
     def free_tokens(self) -> int:
-        return self.capacity - self._reserved
-
-    def reserved_tokens(self) -> int:
-        return self._reserved
+        return self.capacity - self.reserved
 
     def largest_free_tokens(self) -> int:
         return max(self._sizes, default=0)
@@ -89,7 +82,7 @@ class ContiguousPolicy:
         else:
             self._starts[i] += need
             sizes[i] -= need
-        self._reserved += need
+        self.reserved += need
         return True
 
     def release(self, live: Live) -> None:
@@ -105,11 +98,7 @@ class ContiguousPolicy:
         else:
             starts.insert(i, start)
             sizes.insert(i, size)
-        self._reserved -= live.reserved
-
-    def regions(self, lives: list[Live], step: int) -> list[tuple[int, int, int]]:
-        """(address, reserved tokens, tokens holding KV) per live request."""
-        return [(v.addr, v.reserved, v.length(step)) for v in lives]
+        self.reserved -= live.reserved
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,12 @@ class Timeline:
     """What `--plot` draws: per-step memory use and sampled memory maps, in tokens."""
 
     capacity: int
-    contiguous: bool  # free memory can be unusable only when allocations must be contiguous
     steps: list[float] = field(default_factory=list)  # the clock at each step
     reserved: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
-    # Every `snapshot_every` steps: (clock, [(address, reserved tokens, tokens holding KV)],
-    # tokens the queue head needs or 0): a free region smaller than that is a useless hole.
+    # Every `snapshot_every` steps: (clock, regions, tokens the queue head needs, 0 when any
+    # free memory serves it as in the paged policies): a smaller free region is a useless hole.
     snapshots: list[tuple[float, Regions, int]] = field(default_factory=list)
     snapshot_every: int = 1
     _snapshot_steps: list[int] = field(default_factory=list, repr=False)

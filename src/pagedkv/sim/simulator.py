@@ -49,7 +49,7 @@ class _Run:
         self.stalled: set[int] = set()
         self.examples: list[dict[str, int]] = []
         self.sums = StepSums(policy.capacity)
-        self.timeline = Timeline(policy.capacity, True) if record else None
+        self.timeline = Timeline(policy.capacity) if record else None
 
     def done(self) -> bool:
         return self.next_arrival == len(self.requests) and not self.queue and not self.running
@@ -68,7 +68,7 @@ class _Run:
                 self.rejected += 1
             else:
                 self.arrived[index] = step
-                self.queue.append(Live(index, request, request.prompt_len, step))
+                self.queue.append(Live(index, request, step))
         return step
 
     def admit(self, step: int) -> None:
@@ -83,10 +83,10 @@ class _Run:
             self.first_admit.setdefault(live.index, step)
             self.running[live.index] = live
             self.finishing.setdefault(live.finish_step, []).append(live)
-            self.base += live.prompt_len + 1 - step
+            self.base += live.request.prompt_len + 1 - step
 
     def stall(self, live: Live, step: int) -> None:
-        need, free = self.policy.need_tokens(live), self.policy.free_tokens()
+        need, free = self.policy.size(live.request), self.policy.free_tokens()
         if free < need:
             return
         self.stalls += 1
@@ -106,7 +106,7 @@ class _Run:
 
     def sample(self, step: int) -> None:
         n = len(self.running)
-        reserved = self.policy.reserved_tokens()
+        reserved = self.policy.reserved
         held = self.base + n * step
         if self.timeline is not None:
             self.timeline.record(step, step, (reserved, held, n), lambda: self.memory_map(step))
@@ -114,15 +114,14 @@ class _Run:
         self.sums.add(n, reserved, held, free, self.policy.largest_free_tokens())
 
     def memory_map(self, step: int) -> tuple[Regions, int]:
-        need = self.policy.need_tokens(self.queue[0]) if self.queue else 0
-        return self.policy.regions(list(self.running.values()), step), need
+        need = self.policy.size(self.queue[0].request) if self.queue else 0
+        return [(v.addr, v.reserved, v.length(step)) for v in self.running.values()], need
 
     def finish(self, step: int) -> None:
-        for live in self.finishing.pop(step, ()):
-            if self.running.get(live.index) is live:
-                del self.running[live.index]
-                self.base -= live.prompt_len + 1 - live.start
-                self.policy.release(live)
+        for live in self.finishing.pop(step, ()):  # no preemption: each one is running
+            del self.running[live.index]
+            self.base -= live.request.prompt_len + 1 - live.start
+            self.policy.release(live)
 
     def result(self, steps: int) -> PolicyResult:
         waits = [self.first_admit[i] - self.arrived[i] for i in self.first_admit]

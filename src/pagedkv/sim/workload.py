@@ -132,79 +132,47 @@ def _lognormal_int(rng: random.Random, mean: float, sigma: float, low: int, high
     return min(high, max(low, round(rng.lognormvariate(mu, sigma))))
 
 
-def _sharegpt_lengths(rng: random.Random, max_len: int = 4096) -> tuple[int, int]:
+def _sharegpt_lengths(rng: random.Random) -> tuple[int, int]:
     """(prompt, output) lengths from lognormals fit to ShareGPT's published statistics (vLLM
-    paper, Fig. 11: mean input ~161 tokens, mean output ~338 tokens), capped at `max_len` each.
+    paper, Fig. 11: mean input ~161 tokens, mean output ~338 tokens), capped at 4,096 each.
     """
-    return _lognormal_int(rng, 161, 1.1, 4, max_len), _lognormal_int(rng, 338, 0.9, 4, max_len)
-
-
-def sharegpt_workload(
-    num_requests: int, seed: int = 0, rate: float | None = None, max_len: int = 4096
-) -> list[Request]:
-    """ShareGPT-like chat lengths: long-tailed (lognormal) prompts and outputs."""
-    rng = random.Random(seed)
-    arrivals = _arrivals(rng, num_requests, rate)
-    return [Request(a, *_sharegpt_lengths(rng, max_len)) for a in arrivals]
-
-
-def long_context_workload(
-    num_requests: int, seed: int = 0, rate: float | None = 0.01
-) -> list[Request]:
-    """Long contexts: 128K-token requests among 64K and 512-token ones.
-
-    Lengths include the output (64 to 4,096 tokens, so requests end at different times and
-    leave holes behind). 10 % are 128K, 30 % 64K, 60 % 512 tokens.
-    """
-    rng = random.Random(seed)
-    arrivals = _arrivals(rng, num_requests, rate)
-    requests = []
-    for a in arrivals:
-        total = rng.choices((131072, 65536, 512), weights=(1, 3, 6))[0]
-        output = rng.randint(64, 256 if total == 512 else 4096)
-        requests.append(Request(arrival=a, prompt_len=total - output, output_len=output))
-    return requests
-
-
-def chat_workload(
-    num_requests: int, seed: int = 0, rate: float | None = None, num_prompts: int = 4
-) -> list[Request]:
-    """Chat with shared system prompts: `num_prompts` system prompts of 500 to 2,000 tokens,
-    each request one of them (group = its index) plus a ShareGPT-like user turn and answer."""
-    rng = random.Random(seed)
-    arrivals = _arrivals(rng, num_requests, rate)
-    system = [rng.randint(500, 2000) for _ in range(num_prompts)]
-    requests = []
-    for a in arrivals:
-        group = rng.randrange(num_prompts)
-        user, output = _sharegpt_lengths(rng)
-        requests.append(
-            Request(
-                arrival=a,
-                prompt_len=system[group] + user,
-                output_len=output,
-                prefix_group=group,
-                prefix_len=system[group],
-            )
-        )
-    return requests
+    return _lognormal_int(rng, 161, 1.1, 4, 4096), _lognormal_int(rng, 338, 0.9, 4, 4096)
 
 
 def make_workload(
     name: str, num_requests: int, seed: int = 0, rate: float | None = None
 ) -> list[Request]:
-    """A built-in workload by name (`WORKLOADS`; the old name `seed` is `long-context`).
+    """A built-in workload by name (`WORKLOADS`, described in `WORKLOAD_MIXES`; the old name
+    `seed` is `long-context`). `rate`: Poisson arrivals per step; by default all arrive at
+    step 0, but long-context ones at 0.01 per step.
 
     Raises:
-        ValueError: an unknown name or a non-positive count.
+        ValueError: an unknown name, a non-positive count or a non-positive rate.
     """
     if num_requests <= 0:
         raise ValueError(f"num_requests: expected > 0, got {num_requests}")
     name = DEPRECATED_WORKLOADS.get(name, name)
+    if name not in WORKLOADS:
+        raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
+    if name == "long-context" and rate is None:
+        rate = 0.01
+    rng = random.Random(seed)
+    arrivals = _arrivals(rng, num_requests, rate)
     if name == "sharegpt":
-        return sharegpt_workload(num_requests, seed, rate)
+        return [Request(a, *_sharegpt_lengths(rng)) for a in arrivals]
+    requests = []
     if name == "long-context":
-        return long_context_workload(num_requests, seed, 0.01 if rate is None else rate)
-    if name == "chat":
-        return chat_workload(num_requests, seed, rate)
-    raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
+        # Outputs of 64 to 4,096 tokens make requests end at different times, leaving holes.
+        for a in arrivals:
+            total = rng.choices((131072, 65536, 512), weights=(1, 3, 6))[0]
+            output = rng.randint(64, 256 if total == 512 else 4096)
+            requests.append(Request(arrival=a, prompt_len=total - output, output_len=output))
+        return requests
+    system = [rng.randint(500, 2000) for _ in range(4)]  # chat: prefix group = system prompt
+    for a in arrivals:
+        group = rng.randrange(len(system))
+        user, output = _sharegpt_lengths(rng)
+        requests.append(
+            Request(a, system[group] + user, output, prefix_group=group, prefix_len=system[group])
+        )
+    return requests

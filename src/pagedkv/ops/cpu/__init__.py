@@ -21,7 +21,6 @@ stack in one compiled call) is `pagedkv.ops.cpu_dense`, which reads this backend
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -62,7 +61,6 @@ class CpuPlan:
 
     cache_shape: torch.Size
     dtype: torch.dtype
-    num_heads: int
     sliding_window: int | None
     items: np.ndarray  # int64 [num_items, 4]: (kernel row, seq, start, end)
     row_items: np.ndarray  # int64 [num_rows + 1]
@@ -109,7 +107,6 @@ def plan(
     return CpuPlan(
         cache_shape=key_cache.shape,
         dtype=key_cache.dtype,
-        num_heads=num_heads,
         sliding_window=sliding_window,
         items=items,
         row_items=row_items,
@@ -134,12 +131,10 @@ def run(
     if plan.rows.shape[0] and not uses_kernel(key_cache):
         raise checks.fail("key_cache", "a contiguous pool, as the plan's", "a strided one")
     if not plan.prefill_seqs:
-        return _decode_rows(query, key_cache, value_cache, plan, scale).to(query.dtype)
+        return _decode_rows(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     if plan.rows.shape[0]:
-        out[plan.rows_index] = _decode_rows(query, key_cache, value_cache, plan, scale).to(
-            query.dtype
-        )
+        out[plan.rows_index] = _decode_rows(query, key_cache, value_cache, plan, scale)
     for s in plan.prefill_seqs:
         lo, hi = int(plan.query_start_loc[s]), int(plan.query_start_loc[s + 1])
         out[lo:hi] = _prefill_seq(
@@ -161,7 +156,8 @@ def _decode_rows(
     plan: CpuPlan,
     scale: float,
 ) -> torch.Tensor:
-    """The kernel rows' output, float32 [num_rows, num_heads, head_dim]."""
+    """The kernel rows' output, [num_rows, num_heads, head_dim] in the query's dtype (summed
+    in float32)."""
     rows = query if plan.rows_index is None else query[plan.rows_index]
     q = rows.to(torch.float32).contiguous()
     out = torch.empty_like(q)
@@ -170,7 +166,7 @@ def _decode_rows(
         q.numpy(), _cache_rows(key_cache), _cache_rows(value_cache), plan.block_tables,
         plan.items, plan.row_items, key_cache.shape[1], scale, out.numpy(),
     )  # fmt: skip
-    return out
+    return out.to(query.dtype)
 
 
 def _prefill_seq(
@@ -236,13 +232,11 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     float32 and bfloat16 both decode kernels and `cpu_dense`'s too); say so on stderr
     when it compiles. The other kernel dtype's variants are left to an engine that runs it:
     building both would keep a first start waiting for code it never runs."""
-    from pagedkv.ops import cpu_dense  # it imports this module
-
     dtype = key_cache.dtype
     name = str(dtype).removeprefix("torch.")
     # Other dtypes run the plan alone, which any earlier warm-up built.
     kernel_cache.announce(name if dtype in KERNEL_DTYPES else None)
-    _compile(dtype, cpu_dense)
+    _compile(dtype)
     kernel_cache.mark_compiled(name)
 
 
@@ -251,10 +245,12 @@ def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
     return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
 
 
-def _compile(dtype: torch.dtype, cpu_dense: ModuleType) -> None:
+def _compile(dtype: torch.dtype) -> None:
     """Run the plan on a tiny cache of `dtype` (a decode of one 1-token sequence); for a
     kernel dtype each decode kernel too, both matrix-vector kernels and a one-layer
     decoder stack over it."""
+    from pagedkv.ops import cpu_dense  # it imports this module
+
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
     metadata = AttentionMetadata.build([[0]], [1], [1], [0])
     p = plan(metadata, cache, 1, None)

@@ -29,11 +29,6 @@ small model's layer does not repay it, an LM head or a few rows' MLP does (bench
 Where the workers spin (`workers_spin`) every product is split."""
 
 
-def min_parallel_work() -> int:
-    """The least work a product is split for under the process's wait policy."""
-    return 0 if workers_spin() else PARALLEL_WORK
-
-
 def linear_rows(
     weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -45,15 +40,15 @@ def linear_rows(
         weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
         bias: [out_features] of the same dtype, or None.
         parallel: split the rows over torch's threads; default: where there is more than
-            one thread and the product is at least `min_parallel_work()` (the policy as it
-            is now: the OpenMP runtime keeps the one it started with).
+            one thread and the product is at least `PARALLEL_WORK` (0 where the workers
+            spin: the policy as it is now, the OpenMP runtime keeps the one it started with).
     """
     flat_weight = as_numpy(weight)
     flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
     out_features = weight.shape[0]
     parts = sync_threads()
     if parallel is None:
-        min_work: float = min_parallel_work()
+        min_work: float = 0 if workers_spin() else PARALLEL_WORK
     else:
         min_work = 0 if parallel else math.inf
 
@@ -104,26 +99,23 @@ class DecoderWeights:
         hidden] (all plain, C-contiguous, one dtype: float32 or bfloat16; None for an absent
         one). The tensors are read in place."""
         dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
-        empty = torch.empty(0, dtype=dtype)
         fields = {}
         for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
                      "gate_up", "down"):  # fmt: skip
-            views = [as_numpy(_plain(layer[name], name, dtype, empty)) for layer in layers]
+            views = [as_numpy(_plain(layer[name], name, dtype)) for layer in layers]
             fields[name] = _layers.typed_list(tuple(views))
         return cls(
             **fields,
-            final_norm=as_numpy(_plain(final_norm, "final_norm", dtype, empty)),
-            head=as_numpy(_plain(head, "head", dtype, empty)),
+            final_norm=as_numpy(_plain(final_norm, "final_norm", dtype)),
+            head=as_numpy(_plain(head, "head", dtype)),
             eps=eps,
             dtype=dtype,
         )
 
 
-def _plain(
-    t: torch.Tensor | None, name: str, dtype: torch.dtype, empty: torch.Tensor
-) -> torch.Tensor:
+def _plain(t: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor:
     if t is None:
-        return empty
+        return torch.empty(0, dtype=dtype)
     if t.is_mkldnn or t.dtype != dtype or not t.is_contiguous():
         raise checks.fail(name, f"a plain contiguous {dtype} tensor", f"{t.dtype} {t.layout}")
     return t.detach()

@@ -1,20 +1,18 @@
-"""Triton backend of the ops contract: paged attention and KV writes on CUDA.
-
-Loaded lazily by the ops registry as backend ``"triton"``; the public dispatcher
-in `pagedkv.ops` validates shapes, dtypes and devices before calling in here.
-Under ``TRITON_INTERPRET=1`` (set before this package is first imported) the same
-kernels run on CPU tensors, which is how the tests check them without a GPU.
+"""Triton backend of the ops contract (`pagedkv.ops.backend`): paged attention and KV
+writes on CUDA. Under ``TRITON_INTERPRET=1`` (set before this package is first imported)
+the same kernels run on CPU tensors, which is how the tests check them without a GPU.
 
 Routing, one launch per kind and no host sync (nothing is read back from the GPU):
     decode batch  ->  the decode kernel, split across partitions (+ one reduce launch)
     otherwise     ->  the general prefill/mixed kernel for all rows
-`plan` picks the kernel and bounds the sequence lengths from host-side values.
+`plan` picks the kernel and its launch arguments from host-side values, once per step.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -84,24 +82,23 @@ def choose_partition_size(
     return triton.cdiv(per_part, tile_tokens) * tile_tokens
 
 
-def _check_cache_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The kernels address both pools with the key pool's strides."""
     if key_cache.stride() != value_cache.stride():
         raise ValueError(
             "expected key_cache and value_cache with equal strides, "
             f"got {key_cache.stride()} and {value_cache.stride()}"
         )
-    if key_cache.stride(-1) != 1:
-        raise ValueError(f"expected caches with unit stride in head_dim, got {key_cache.stride()}")
 
 
 @dataclass
 class TritonPlan:
-    """Host-side bounds of a step's batch: which kernel, and how far to split."""
+    """A step's batch as the kernels take it: which kernel, and its launch arguments."""
 
-    metadata: AttentionMetadata
-    sliding_window: int | None
     is_decode: bool
-    max_seq_len: int
+    # block_tables, seq_lens, query_start_loc: made contiguous once for every layer
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    options: dict[str, Any]  # the kernel's keyword arguments besides `scale`
 
 
 def plan(
@@ -110,7 +107,8 @@ def plan(
     num_heads: int,
     sliding_window: int | None,
 ) -> TritonPlan:
-    """Route the batch from host-side values only (nothing is read back from the GPU).
+    """Route the batch and size its launch from host-side values only (nothing is read back
+    from the GPU).
 
     ``max_query_len <= 1`` selects the decode kernel even when some sequences have no new
     token. Without host lengths (a plain `paged_attention` call), ``num_tokens ==
@@ -121,15 +119,36 @@ def plan(
     md = metadata
     if md.seq_lens.is_cpu:  # under the interpreter: the checks the GPU path cannot afford
         reference.plan(md, key_cache, num_heads, sliding_window)
+    tables = md.block_tables if md.block_tables.stride(-1) == 1 else md.block_tables.contiguous()
+    index = (tables, md.seq_lens.contiguous(), md.query_start_loc.contiguous())
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     is_decode = (
         md.max_query_len <= 1 if md.max_query_len is not None else md.num_tokens == md.num_seqs
     )
-    max_seq_len = (
-        md.max_seq_len
-        if md.max_seq_len is not None
-        else md.block_tables.shape[1] * key_cache.shape[1]
+    if not is_decode:
+        block_m = prefill_block_m(
+            key_cache.dtype, md.num_tokens, md.num_seqs, num_heads // num_kv_heads, block_size
+        )
+        tile_blocks = tile_blocks_for(block_size, _PREFILL_TILE_LANES)
+        options = dict(sliding_window=sliding_window, block_m=block_m, tile_blocks=tile_blocks)
+        return TritonPlan(False, index, options)
+    max_span = (
+        md.max_seq_len if md.max_seq_len is not None else md.block_tables.shape[1] * block_size
     )
-    return TritonPlan(md, sliding_window, is_decode, max_seq_len)
+    if sliding_window is not None:
+        # Keys from the block holding (position - window + 1) to the position itself.
+        max_span = min(max_span, sliding_window + block_size - 1)
+    tile_blocks = tile_blocks_for(block_size, _DECODE_TILE_LANES)
+    partition = choose_partition_size(
+        md.num_tokens, num_kv_heads, max_span, tile_blocks * block_size, _num_sms(key_cache.device)
+    )
+    options = dict(
+        sliding_window=sliding_window,
+        max_span=max_span,
+        partition_size=partition,
+        tile_blocks=tile_blocks,
+    )
+    return TritonPlan(True, index, options)
 
 
 def run(
@@ -139,59 +158,15 @@ def run(
     plan: TritonPlan,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of the planned batch for one layer (see `pagedkv.ops.backend`)."""
-    md = plan.metadata
-    return _run(
-        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        scale=scale, sliding_window=plan.sliding_window, is_decode=plan.is_decode,
-        max_seq_len=plan.max_seq_len,
-    )  # fmt: skip
+    """See `AttentionBackend.run`: one launch of the planned kernel (two for a split decode)."""
+    _check_strides(key_cache, value_cache)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    attend = decode_attention if plan.is_decode else prefill_attention
+    return attend(query, key_cache, value_cache, *plan.index, scale=scale, **plan.options)
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Triton compiles per launch configuration on first use; nothing to do ahead."""
-
-
-def _run(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    scale: float,
-    sliding_window: int | None,
-    is_decode: bool,
-    max_seq_len: int,
-) -> torch.Tensor:
-    """Pick the kernel and its launch parameters from host-side bounds only."""
-    _check_cache_layout(key_cache, value_cache)
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    if not is_decode:
-        block_m = prefill_block_m(query.dtype, query.shape[0], seq_lens.shape[0], group, block_size)
-        return prefill_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale=scale, sliding_window=sliding_window, block_m=block_m,
-            tile_blocks=tile_blocks_for(block_size, _PREFILL_TILE_LANES),
-        )  # fmt: skip
-    max_span = max_seq_len
-    if sliding_window is not None:
-        # Keys from the block holding (position - window + 1) to the position itself.
-        max_span = min(max_span, sliding_window + block_size - 1)
-    tile_blocks = tile_blocks_for(block_size, _DECODE_TILE_LANES)
-    partition = choose_partition_size(
-        query.shape[0], num_kv_heads, max_span, tile_blocks * block_size, _num_sms(query.device)
-    )
-    return decode_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=scale,
-        sliding_window=sliding_window, max_span=max_span, partition_size=partition,
-        tile_blocks=tile_blocks,
-    )  # fmt: skip
 
 
 def write_kv(
@@ -201,17 +176,12 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store each token's K/V rows at its slot; tokens with a negative slot are skipped.
-
-    Args:
-        key, value: [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache's).
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
-        slot_mapping: [num_tokens] int32 | int64, slot = block_id * block_size + offset.
+    """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
 
     Raises:
-        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
+        ValueError: key_cache and value_cache differ in strides.
     """
-    _check_cache_layout(key_cache, value_cache)
+    _check_strides(key_cache, value_cache)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     write_kv_rows(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -10,6 +10,7 @@ from pagedkv.ops.triton.indexing import kv_tile_rows
 # Scores start from a finite floor, not -inf: a row whose tile is fully masked then
 # gets exp2(-inf - floor) = 0 instead of exp2(-inf + inf) = nan.
 NEG_FLOOR = tl.constexpr(-1.0e30)
+LOG2E = 1.4426950408889634  # the kernels take exp2 of scores scaled by scale * LOG2E
 
 
 @triton.jit

@@ -49,11 +49,12 @@ class KernelReport:
     tensor_core_ops: int  # mma / wgmma instructions in the PTX
 
 
-def _compile(fn: object, constexprs: dict, dtype: str, arch: int, name: str) -> KernelReport:
+def _compile(fn: Any, constexprs: dict, dtype: str, arch: int, tag: str) -> KernelReport:
     if not hasattr(fn, "arg_names") or not hasattr(fn, "parse"):
         raise RuntimeError(
             "expected compiled-mode kernels, got interpreted ones (unset TRITON_INTERPRET)"
         )
+    rows = constexprs.get("BLOCK_Q", 1) * constexprs.get("GROUP_PAD", 1)
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
@@ -71,7 +72,7 @@ def _compile(fn: object, constexprs: dict, dtype: str, arch: int, name: str) -> 
     registers, spill = _resource_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
     return KernelReport(
-        name=name,
+        name=f"{fn.__name__}[{tag}/m{rows}]",
         registers=registers,
         spill_bytes=spill,
         shared_bytes=kernel.metadata.shared,
@@ -135,16 +136,7 @@ def compile_kernels(
           for block_m in sorted({short_m, long_m})),
         (write._write_kv_kernel, write.write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim)),
     ]  # fmt: skip
-    return [
-        _compile(
-            fn,
-            meta,
-            dtype,
-            arch,
-            f"{fn.__name__}[{tag}/m{meta.get('BLOCK_Q', 1) * meta.get('GROUP_PAD', 1)}]",
-        )
-        for fn, meta in jobs
-    ]
+    return [_compile(fn, meta, dtype, arch, tag) for fn, meta in jobs]
 
 
 def main(argv: list[str] | None = None) -> None:

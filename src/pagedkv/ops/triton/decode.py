@@ -19,10 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.attend import NEG_FLOOR, attend_keys
+from pagedkv.ops.triton.attend import LOG2E, NEG_FLOOR, attend_keys
 from pagedkv.ops.triton.indexing import find_seq
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -205,7 +203,7 @@ def decode_attention(
     ) | (meta or {})  # fmt: skip
     _decode_kernel[(num_tokens, num_kv_heads, num_parts)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        part_max, part_sum, part_acc, scale * _LOG2E, sliding_window or 0, partition_size,
+        part_max, part_sum, part_acc, scale * LOG2E, sliding_window or 0, partition_size,
         seq_lens.shape[0], num_parts, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
         out.stride(1), **options,

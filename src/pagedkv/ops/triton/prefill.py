@@ -23,10 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.ops.triton.attend import attend_keys
+from pagedkv.ops.triton.attend import LOG2E, attend_keys
 from pagedkv.ops.triton.indexing import find_seq
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -117,11 +115,8 @@ def prefill_attention(
     """Causal attention of every packed new token (prefill, chunked prefill, decode mixed).
 
     Args:
-        query: [num_tokens, num_heads, head_dim], float16 | bfloat16 | float32.
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], equal strides.
-        block_tables: [num_seqs, max_blocks] int32.  seq_lens: [num_seqs] int32.
-        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
-        scale: softmax scale.  sliding_window: window in tokens, or None.
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            sliding_window: as for `decode_attention`.
         block_m: rows per program (query tokens x padded GQA group), a power of two.
         tile_blocks: blocks per key tile.
 
@@ -142,7 +137,7 @@ def prefill_attention(
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, sliding_window or 0, num_seqs,
+        scale * LOG2E, sliding_window or 0, num_seqs,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), **meta,
     )  # fmt: skip
