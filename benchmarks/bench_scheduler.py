@@ -84,11 +84,7 @@ class Pool:
         self.id_shift = int32_id_shift(num_seqs, max(r.total_len for r in requests))
         config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
         self.scheduler = scheduler = Scheduler(
-            config,
-            self.manager,
-            num_blocks=num_blocks,
-            block_size=BLOCK_SIZE,
-            max_model_len=max(r.total_len for r in requests),
+            config, self.manager, max_model_len=max(r.total_len for r in requests)
         )
         self.runner = StandInRunner(StepCost(), id_shift=self.id_shift)
         for index, request in enumerate(requests):

@@ -51,7 +51,6 @@ import pagedkv.ops.triton as tops
 from pagedkv.ops import reference
 from pagedkv.ops.triton import decode
 from pagedkv.ops.triton.attend import NEG_FLOOR
-from pagedkv.ops.triton.write import write_kv_rows
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max err / max |ref|
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -264,11 +263,7 @@ def run_v2(case: Case, cfg: Config, stream_only: bool = False, tables=None) -> t
     out = torch.empty_like(query)
     shape = (case.batch, NUM_HEADS, num_parts)
     part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty(
-        max(part_max.numel(), case.batch * NUM_KV_HEADS * num_parts),
-        dtype=torch.float32,
-        device=query.device,
-    )
+    part_sum = torch.empty_like(part_max)  # also the probe's [batch, kv heads, parts] sums
     part_acc = torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=query.device)
     group = NUM_HEADS // NUM_KV_HEADS
     _decode_v2_kernel[(case.batch, NUM_KV_HEADS, num_parts)](
@@ -331,13 +326,8 @@ def default_config(case: Case, num_sms: int) -> Config:
         case.batch, NUM_KV_HEADS, case.context, tile_blocks * block_size, num_sms
     )
     options = _routed_meta(block_size, tile_blocks, is_fp32=False, is_split=True)
-    return Config(
-        "v1",
-        tile_blocks,
-        options["num_warps"],
-        options["num_stages"],
-        triton.cdiv(case.context, part),
-    )
+    num_parts = triton.cdiv(case.context, part)
+    return Config("v1", tile_blocks, options["num_warps"], options["num_stages"], num_parts)
 
 
 class Sweep:
@@ -345,12 +335,8 @@ class Sweep:
 
     def __init__(self, case, timer, bandwidth, baseline_s, deadline, tol, block_size):
         self.case, self.timer, self.bandwidth = case, timer, bandwidth
-        self.baseline_s, self.deadline, self.tol, self.block_size = (
-            baseline_s,
-            deadline,
-            tol,
-            block_size,
-        )
+        self.baseline_s, self.deadline = baseline_s, deadline
+        self.tol, self.block_size = tol, block_size
         self.rows: dict[Config, dict] = {}
 
     def run(self, cfg: Config, stage: str) -> dict | None:
@@ -457,12 +443,16 @@ def sweep_case(sweep: Sweep, default: Config, smoke: bool, full: bool) -> None:
 def locality_probe(case: Case, timer: Timer, bandwidth: float, cfgs: list[Config]) -> list[dict]:
     """The access pattern alone: stream K/V through the table (shuffled, and identity)."""
     _, key_cache, _, tables, _, _ = case.args
+    block_size = key_cache.shape[1]
     identity = torch.arange(tables.numel(), dtype=torch.int32, device=tables.device)
     identity = identity.view_as(tables)  # blocks in memory order: the DRAM/TLB-friendly case
     rows = []
     for cfg in cfgs:
         for table_name, table in (("shuffled", tables), ("identity", identity)):
             for what in ("stream", "attend"):
+                row = dict(
+                    shape=case.name, what=what, table=table_name, config=cfg.label(block_size)
+                )
                 try:
                     if what == "stream":
                         fn = functools.partial(run_v2, case, cfg, stream_only=True, tables=table)
@@ -470,23 +460,9 @@ def locality_probe(case: Case, timer: Timer, bandwidth: float, cfgs: list[Config
                         fn = functools.partial(run_config, case, cfg, tables=table)
                     seconds = timer(fn, 10)
                     gbs = case.kv_bytes / seconds / 1e9
-                    row = dict(
-                        shape=case.name,
-                        what=what,
-                        table=table_name,
-                        config=cfg.label(key_cache.shape[1]),
-                        ms=seconds * 1e3,
-                        gbs=gbs,
-                        pct_bw=100 * gbs * 1e9 / bandwidth,
-                    )
+                    row.update(ms=seconds * 1e3, gbs=gbs, pct_bw=100 * gbs * 1e9 / bandwidth)
                 except Exception as exc:
-                    row = dict(
-                        shape=case.name,
-                        what=what,
-                        table=table_name,
-                        config=cfg.label(key_cache.shape[1]),
-                        error=repr(exc)[:160],
-                    )
+                    row["error"] = repr(exc)[:160]
                 rows.append(row)
                 print(
                     f"  probe {case.name} {what:6s} {table_name:8s} {row['config']:42s} "
@@ -547,8 +523,8 @@ def host_functions(case: Case, device: str, gen) -> dict:
         "ops.paged_attention_from_metadata": lambda: ops.paged_attention_from_metadata(
             query, key_cache, value_cache, md
         ),
-        "triton.paged_attention (no validation)": lambda: tops.paged_attention(
-            *case.args, scale=scale, sliding_window=None
+        "triton plan + run (no validation)": lambda: tops.run(
+            query, key_cache, value_cache, tops.plan(md, key_cache, NUM_HEADS, None), scale
         ),
         "decode.decode_attention (2 launches)": lambda: decode.decode_attention(
             *case.args,
@@ -562,8 +538,7 @@ def host_functions(case: Case, device: str, gen) -> dict:
         "_noop_kernel[grid] (1 arg)": lambda: _noop_kernel[(1,)](flag),
         "torch add_ (1 launch)": lambda: flag.add_(1),
         "ops.write_kv (32 tokens)": lambda: ops.write_kv(key, key, pool, pool_v, slots),
-        "triton.write_kv": lambda: tops.write_kv(key, key, pool, pool_v, slots),
-        "write_kv_rows (1 launch)": lambda: write_kv_rows(key, key, pool, pool_v, slots),
+        "triton.write_kv (1 launch)": lambda: tops.write_kv(key, key, pool, pool_v, slots),
     }
 
 
@@ -770,21 +745,9 @@ def _summary(shape_rows: list[dict]) -> None:
     ok = sorted((r for r in shape_rows if "ms" in r), key=lambda r: r["ms"])
     shown = ok[:8] + [r for r in ok[8:] if r["stage"] == "default"]
     shown += [r for r in shape_rows if "ms" not in r]
-    columns = [
-        "shape",
-        "stage",
-        "variant",
-        "tile",
-        "warps",
-        "stages",
-        "parts",
-        "ms",
-        "gbs",
-        "pct_bw",
-        "x_sdpa",
-        "rel_err",
-        "error",
-    ]
+    columns = (
+        "shape stage variant tile warps stages parts ms gbs pct_bw x_sdpa rel_err error".split()
+    )
     print_table([{c: r.get(c, "") for c in columns} for r in shown], columns)
 
 

@@ -26,7 +26,6 @@ _EXPORTS = {
     "CompletionOutput": "pagedkv.engine.outputs",
     "KVCacheManager": "pagedkv.memory",
     "OutOfBlocks": "pagedkv.errors",
-    "InvalidRequest": "pagedkv.errors",
     "PagedKVCache": "pagedkv.cache",
     "paged_attention": "pagedkv.ops",
     "write_kv": "pagedkv.ops",

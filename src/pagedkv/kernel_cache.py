@@ -72,9 +72,8 @@ def announce(dtype: str | None = None) -> None:
     global _announced
     if _announced:
         return
-    markers = kernel_dir().glob(f"{_MARKER}-{dtype or '*'}")
-    if next(markers, None) is not None:
-        return
+    if next(kernel_dir().glob(f"{_MARKER}-{dtype or '*'}"), None) is not None:
+        return  # built before
     _announced = True
     print(
         f"pagedkv: compiling CPU kernels once, about {COMPILE_SECONDS} s; cached in {kernel_dir()}",

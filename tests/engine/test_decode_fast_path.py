@@ -24,10 +24,7 @@ from pagedkv.memory import KVCacheManager
 def _scheduler(num_blocks: int, block_size: int, mode: str, *, fast: bool) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks=4 * num_blocks)
     config = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48, preemption_mode=mode)
-    scheduler = Scheduler(
-        config, kv, num_blocks=num_blocks, block_size=block_size, max_model_len=200,
-        eos_token_ids=[EOS],
-    )  # fmt: skip
+    scheduler = Scheduler(config, kv, max_model_len=200, eos_token_ids=[EOS])
     scheduler.decode_fast_path = fast
     return scheduler
 

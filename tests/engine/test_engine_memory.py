@@ -173,6 +173,8 @@ def test_impossible_request_is_rejected_and_the_engine_keeps_serving(model_dir) 
         engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("bad", [5, 100_000], SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bias", [5, 6, 7], SamplingParams(logit_bias={10**6: 1.0}))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -37,14 +37,7 @@ def make_scheduler(
         preemption_mode=mode,
         max_preemptions=max_preemptions,
     )
-    return Scheduler(
-        config,
-        kv,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        eos_token_ids=[EOS],
-    )
+    return Scheduler(config, kv, max_model_len=max_model_len, eos_token_ids=[EOS])
 
 
 def make_requests(
@@ -71,7 +64,7 @@ def check_outputs(requests: list[Request], outputs: dict[str, list[list[int]]]) 
 def test_scheduler_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import pagedkv.engine.scheduler, pagedkv.engine.request, pagedkv.engine.preemption\n"
+        "import pagedkv.engine.scheduler, pagedkv.engine.request, pagedkv.engine.planning\n"
         "import pagedkv.engine.stop, pagedkv.engine.scheduler_output\n"
         "import pagedkv.engine.sampling_params, pagedkv.engine.outputs\n"
         "import pagedkv.memory\n"

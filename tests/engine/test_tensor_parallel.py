@@ -100,7 +100,7 @@ def test_allocation_agrees_with_the_planner(tmp_path):
     model_dir = make_hf_model(tmp_path, "qwen3")
     with LLM(model_dir, dtype="float32", num_blocks=64, tensor_parallel_size=2) as llm:
         runner = llm.engine.runner
-        figures = allocation_figures(runner.runner.model, runner.kv_cache)
+        figures = allocation_figures(runner.model, runner.kv_cache)
         config = llm.engine.model_config
     assert figures["num_blocks"] == 64
     assert figures["kv_heads_per_gpu"] == kv_heads_per_gpu(config, 2) == 1

@@ -265,6 +265,18 @@ def test_prefix_caching_off_never_hits() -> None:
     m.check()
 
 
+def test_allocate_without_the_prefix_cache_takes_no_hit_but_keys_its_blocks() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", tokens(0, 5))
+    m.free("a")  # blocks 0 and 1 stay cached
+    assert m.num_blocks_to_allocate(tokens(0, 5), use_prefix_cache=False) == 3
+    assert m.allocate("b", tokens(0, 5), use_prefix_cache=False) == 0
+    assert m.block_table("b") == [2, 3, 4] and m.stats()["prefix_cache_queries"] == 5
+    assert m.allocate("c", tokens(10, 5), use_prefix_cache=False) == 0
+    assert m.num_cached_tokens(tokens(10, 5)) == 4  # c's full blocks are findable
+    m.check()
+
+
 def test_lookups_have_no_side_effects() -> None:
     m = KVCacheManager(6, 2)
     m.allocate("a", tokens(0, 5))

@@ -82,7 +82,7 @@ def test_incremental_detokenizer_deltas_concatenate_to_full_decode(tokenizer, te
     generated = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
     detok = IncrementalDetokenizer(tokenizer, prompt)
     deltas = [detok.add(token_id) for token_id in generated]
-    assert "".join(deltas) == detok.text == tokenizer.decode(generated) == text
+    assert "".join(deltas) == tokenizer.decode(generated) == text
     assert all("\ufffd" not in d for d in deltas)
 
 

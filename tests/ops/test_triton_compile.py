@@ -30,7 +30,8 @@ _CONFIGS = [
 _SCRIPT = """
 import json, sys
 from dataclasses import asdict
-from pagedkv.ops.triton.compile_check import compile_kernels
+sys.path.insert(0, "benchmarks")
+from triton_compile_check import compile_kernels
 for dtype, bs, group, dim, window in json.loads(sys.argv[1]):
     for r in compile_kernels(dtype=dtype, block_size=bs, group=group, head_dim=dim,
                              use_window=window):

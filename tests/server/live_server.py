@@ -73,12 +73,11 @@ class LiveServer:
 def start_server(
     model_dir: Path, *, max_waiting_requests: int | None = None, **engine_kwargs: Any
 ) -> LiveServer:
+    from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
 
     kwargs = dict(dtype="float32", device="cpu", block_size=4, num_blocks=128, seed=0)
     kwargs.update(engine_kwargs)
-    engine = AsyncEngine.from_engine_args(
-        str(model_dir), max_waiting_requests=max_waiting_requests, **kwargs
-    )
-    return LiveServer(create_app(engine, model_name=MODEL_NAME))
+    engine = LLMEngine.from_engine_args(str(model_dir), **kwargs)
+    return LiveServer(create_app(AsyncEngine(engine, max_waiting_requests), model_name=MODEL_NAME))

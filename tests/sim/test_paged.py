@@ -39,9 +39,7 @@ def _trace(id_shift: int) -> list[tuple]:
     block_size, num_blocks = 4, 20
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48)
-    scheduler = Scheduler(
-        config, manager, num_blocks=num_blocks, block_size=block_size, max_model_len=64
-    )
+    scheduler = Scheduler(config, manager, max_model_len=64)
     runner = StandInRunner(StepCost(), id_shift=id_shift)
     for index in range(12):
         request = Request(0.0, 9 + index % 5, 14, prefix_group=index // 4, prefix_len=8)

@@ -24,8 +24,9 @@ import torch
 from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.memory.sequence import positive_int
 
-_DTYPES = {
-    **dict.fromkeys(("float32", "fp32"), torch.float32),
+# The supported dtypes by name (the model loader's too).
+DTYPES_BY_NAME = {
+    **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
     **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
     **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
 }
@@ -33,10 +34,10 @@ _DTYPES = {
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if dtype not in DTYPES_BY_NAME:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES_BY_NAME)}, got {dtype!r}")
+        return DTYPES_BY_NAME[dtype]
+    if dtype not in DTYPES_BY_NAME.values():
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     return dtype
 

@@ -10,7 +10,6 @@ copied on write (`KVCacheManager.pop_copies`).
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,7 +107,6 @@ class BeamSearchRun:
         self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
         # One row per live beam, each a sequence of the step.
         self.max_num_beams = min(engine.config.scheduler.max_num_seqs, self.max_num_batched_tokens)
-        self.debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
         eos = () if params.ignore_eos else tuple(sorted(engine.scheduler.eos_token_ids))
         self._searches = [self._new_search(i, p, eos) for i, p in enumerate(prompts)]
         self._serial = itertools.count()
@@ -169,7 +167,7 @@ class BeamSearchRun:
                         active.remove(search)
                 used = self.manager.num_blocks - self.manager.num_free_blocks
                 self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
-                if self.debug:
+                if self.engine.debug:
                     self.manager.check()
         except BaseException:
             for search in active:

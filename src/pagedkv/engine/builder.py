@@ -22,6 +22,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.workers import (
     TensorParallelRunner,
+    Worker,
     first_failure,
     share_cpu_threads,
     start_workers,
@@ -37,17 +38,12 @@ _GPU_MEMORY_SHARE = 0.8
 logger = logging.getLogger(__name__)
 
 
-def build_engine_parts(
-    args: EngineArgs,
-) -> tuple[EngineConfig, ModelRunner | TensorParallelRunner, Tokenizer | None, int]:
+def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tokenizer | None]:
     """Everything `LLMEngine.__init__` takes, built from the options in `args`.
 
     With `tensor_parallel_size` N > 1 this process becomes rank 0 of N: it starts the
-    workers (`engine.workers`), loads its share and wraps its runner in a
-    `TensorParallelRunner`; scheduler and KV manager stay here.
-
-    Returns:
-        (config, runner, tokenizer, max_model_len).
+    workers (`engine.workers`), loads its share and runs it in a `TensorParallelRunner`;
+    scheduler and KV manager stay here.
 
     Raises:
         ValueError: a model directory that cannot be loaded, a model that does not split
@@ -55,85 +51,93 @@ def build_engine_parts(
         WorkerFailed: a tensor-parallel worker failed while starting.
     """
     model_config = ModelConfig.from_hf(args.model)
-    max_model_len = args.max_model_len or model_config.max_position_embeddings
-    torch_dtype = resolve_dtype(args.dtype, model_config)
-    runner: ModelRunner | TensorParallelRunner
     if args.tensor_parallel_size > 1:
         check_split(model_config, args.tensor_parallel_size)  # before any process starts
-        num_threads = torch.get_num_threads()
         tp, workers, device = start_workers(args)
         try:
-            rank_runner = build_rank_runner(args, model_config, tp, device)
-            runner = TensorParallelRunner(rank_runner, workers, num_threads)
+            config = create_engine_config(args, model_config, device)
+            runner = build_rank_runner(args, config, tp, workers)
         except BaseException as exc:
             raise first_failure(workers) or exc from exc
     else:
-        device = resolve_device(args.device)
-        runner = build_rank_runner(args, model_config, NO_PARALLEL, device)
-    config = EngineConfig(
+        config = create_engine_config(args, model_config, resolve_device(args.device))
+        runner = build_rank_runner(args, config, NO_PARALLEL)
+    return config, runner, load_tokenizer(args.model)
+
+
+def create_engine_config(args: EngineArgs, model_config: ModelConfig, device: str) -> EngineConfig:
+    """The options in `args` for `model_config` on `device` (the same on every rank)."""
+    return EngineConfig(
         model=model_config,
+        max_model_len=args.max_model_len or model_config.max_position_embeddings,
         cache=args.create_cache_config(),
         scheduler=args.create_scheduler_config(),
-        model_path=str(args.model),
-        dtype=str(torch_dtype).removeprefix("torch."),
-        device=str(device),
+        model_path=args.model,
+        dtype=str(resolve_dtype(args.dtype, model_config)).removeprefix("torch."),
+        device=device,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    return config, runner, load_tokenizer(args.model), max_model_len
 
 
 def build_rank_runner(
-    args: EngineArgs, model_config: ModelConfig, tp: TensorParallel, device: str
+    args: EngineArgs, config: EngineConfig, tp: TensorParallel, workers: list[Worker] | None = None
 ) -> ModelRunner:
-    """Load rank `tp.rank`'s share of the model, allocate its KV pool and wrap both.
+    """Load rank `tp.rank`'s share of the model, allocate its KV pool and wrap both; rank 0
+    of a group passes its `workers` (none under torchrun) and gets a `TensorParallelRunner`.
 
     Every rank calls this at start-up, in step: rank 0 sizes the pool for all of them (a
     block id must mean the same block on every rank) and the others receive its sizes.
     """
-    max_model_len = args.max_model_len or model_config.max_position_embeddings
-    torch_dtype = resolve_dtype(args.dtype, model_config)
+    model_config, device = config.model, config.device
+    torch_dtype = resolve_dtype(config.dtype)
+    num_threads = torch.get_num_threads()
     if tp.size > 1 and not device.startswith("cuda"):
         share_cpu_threads(tp.size)
     network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
+    num_kv_heads = model_config.kv_heads_per_rank(tp.size)
     shape = (
         model_config.num_layers,
         args.block_size,
-        network.num_kv_heads,
+        num_kv_heads,
         model_config.head_dim,
         torch_dtype,
     )
     sizes = None
     if tp.rank == 0:
-        cache, scheduler = args.create_cache_config(), args.create_scheduler_config()
         sizes = (
-            _num_device_blocks(cache, scheduler, shape, max_model_len, device, tp.size),
-            PagedKVCache.num_blocks_for_memory(cache.swap_space, *shape),
+            _num_device_blocks(
+                config.cache, config.scheduler, shape, config.max_model_len, device, tp.size
+            ),
+            PagedKVCache.num_blocks_for_memory(config.cache.swap_space, *shape),
         )
     num_blocks, num_host_blocks = tp.broadcast_object(sizes)
     kv_cache = PagedKVCache(
         model_config.num_layers,
         num_blocks,
         args.block_size,
-        network.num_kv_heads,
+        num_kv_heads,
         model_config.head_dim,
         dtype=torch_dtype,
         device=device,
         num_host_blocks=num_host_blocks,
     )
     _log_allocation(network, kv_cache)
-    # Before the runner packs the weights: both read them plain.
+    # Before packing the weights: both read them plain.
     if args.cpu_matvec:
         network.use_matvec()
     if args.cpu_fused_decode:
         network.use_fused_decode()
-    runner = ModelRunner(
-        network,
-        kv_cache,
-        attention_backend=args.attention_backend,
-        pack_weights=args.pack_weights,
-        token_buckets=args.token_buckets,
-    )
+    if args.pack_weights:
+        network.pack_weights()
+    options: dict[str, Any] = {
+        "attention_backend": args.attention_backend,
+        "token_buckets": args.token_buckets,
+    }
+    if workers is None:
+        runner = ModelRunner(network, kv_cache, **options)
+    else:
+        runner = TensorParallelRunner(network, kv_cache, workers, num_threads, **options)
     tp.barrier()  # every rank compiled and allocated: the engine may start
     return runner
 
@@ -147,10 +151,7 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
     """
     buffers = [t for name, t in network.named_buffers() if "inv_freq" not in name]
     weight_bytes = sum(t.numel() * t.element_size() for t in [*network.parameters(), *buffers])
-    per_block = kv_cache.bytes_per_block(
-        kv_cache.num_layers, kv_cache.block_size, kv_cache.num_kv_heads, kv_cache.head_dim,
-        kv_cache.dtype,
-    )  # fmt: skip
+    per_block = kv_cache.num_bytes // kv_cache.num_blocks
     return {
         "weight_bytes": weight_bytes,
         "kv_heads_per_gpu": kv_cache.num_kv_heads,
@@ -158,7 +159,7 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
         "kv_bytes_per_block": per_block,
         "num_blocks": kv_cache.num_blocks,
         "max_kv_tokens": kv_cache.num_blocks * kv_cache.block_size,
-        "kv_cache_bytes": per_block * kv_cache.num_blocks,
+        "kv_cache_bytes": kv_cache.num_bytes,
     }
 
 

@@ -22,7 +22,6 @@ from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-from pagedkv.engine.workers import TensorParallelRunner
 from pagedkv.memory import KVCacheManager
 from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,21 +33,15 @@ class LLMEngine:
     """The serving core: a scheduler over a `KVCacheManager`, a model runner, a tokenizer."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        runner: ModelRunner | TensorParallelRunner,
-        tokenizer: Tokenizer | None,
-        *,
-        max_model_len: int,
+        self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer | None
     ) -> None:
         """Prefer `from_engine_args`; this wires already-built parts together.
 
         Args:
-            config: the engine's configuration (model, cache, scheduler).
+            config: the engine's configuration (model, cache, scheduler, max_model_len).
             runner: owns the model and the KV tensors (of every rank, under tensor
                 parallelism).
             tokenizer: None serves token-id prompts only.
-            max_model_len: longest sequence (prompt + output).
         """
         self.config = config
         self.runner = runner
@@ -59,22 +52,21 @@ class LLMEngine:
             num_host_blocks=runner.kv_cache.num_host_blocks,
         )
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.max_model_len = config.max_model_len
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_manager,
-            num_blocks=runner.kv_cache.num_blocks,
-            block_size=config.cache.block_size,
-            max_model_len=max_model_len,
+            max_model_len=config.max_model_len,
             eos_token_ids=eos,
             detokenize=self._detokenize if tokenizer is not None else None,
         )
         self._rng = random.Random(config.seed)
         self._arrivals = 0
-        self._debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
+        # PAGEDKV_DEBUG=1: check the KV manager's invariants after every step.
+        self.debug = os.environ.get("PAGEDKV_DEBUG", "") not in ("", "0")
         self.num_steps = 0
 
     @classmethod
@@ -96,8 +88,7 @@ class LLMEngine:
             args = EngineArgs.from_kwargs(args, kwargs)
         elif kwargs:
             raise TypeError(f"from_engine_args: expected EngineArgs alone, got also {kwargs}")
-        config, runner, tokenizer, max_model_len = build_engine_parts(args)
-        return cls(config, runner, tokenizer, max_model_len=max_model_len)
+        return cls(*build_engine_parts(args))
 
     @property
     def model_config(self) -> ModelConfig:
@@ -217,7 +208,7 @@ class LLMEngine:
         for seq_id, (start, rows) in self.runner.pop_prompt_logprobs().items():
             _add_prompt_logprobs(live[seq_id[0]], start, rows)
         outputs = self._postprocess(step, results, live)
-        if self._debug:
+        if self.debug:
             self.kv_manager.check()
         self.num_steps += 1
         return outputs

@@ -143,13 +143,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: expected a non-empty list, got {messages!r:.60}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                list(conversation), add_generation_prompt=add_generation_prompt
-            )
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [tokenizer.chat_prompt(list(c), add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

@@ -33,10 +33,6 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestMetrics:

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
 
 from pagedkv.engine.request import Request, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.errors import OutOfBlocks
+from pagedkv.memory import KVCacheManager
 
 # One planned piece of work: (sequence, first position to compute, tokens to compute).
 Plan = list[tuple[Sequence, int, int]]
@@ -49,14 +49,13 @@ class StepBudget:
 
 
 class PlanningMixin:
-    """Per-request planning for `Scheduler`; `PreemptionMixin` and `Scheduler` build on it."""
+    """Per-request planning for `Scheduler`, which owns the queues and preempts."""
 
-    kv: Any
-    block_size: int
+    kv: KVCacheManager
     running: list[Request]
     requests: dict[str, Request]
 
-    # Preemption and finishing live elsewhere in Scheduler; declared for type checking only.
+    # Preemption and finishing live in Scheduler; declared for type checking only.
     _preempt: Callable[..., None]
     finish_sequence: Callable[..., None]
 
@@ -187,7 +186,7 @@ class PlanningMixin:
                 continue
             if seq.is_allocated:
                 start = seq.num_computed
-            elif _skips_prefix_cache(request):
+            elif not _uses_prefix_cache(request):
                 start = 0
             else:
                 start = self.kv.num_cached_tokens(seq.token_ids)
@@ -203,10 +202,11 @@ class PlanningMixin:
         for seq, start, num in plan:
             if seq.is_allocated:
                 need += self.kv.num_blocks_to_append(seq.seq_id, num)
-            elif _skips_prefix_cache(self.requests[seq.seq_id[0]]):
-                need += -(-(start + num) // self.block_size)
             else:
-                need += self.kv.num_blocks_to_allocate(seq.token_ids[: start + num])
+                need += self.kv.num_blocks_to_allocate(
+                    seq.token_ids[: start + num],
+                    use_prefix_cache=_uses_prefix_cache(self.requests[seq.seq_id[0]]),
+                )
         return need
 
     def _run_plan(
@@ -220,7 +220,11 @@ class PlanningMixin:
                 if seq.is_allocated:
                     self.kv.append(seq.seq_id, seq.token_ids[start:end])
                 else:
-                    start = self._allocate(request, seq, end)
+                    start = self.kv.allocate(
+                        seq.seq_id,
+                        seq.token_ids[:end],
+                        use_prefix_cache=_uses_prefix_cache(request),
+                    )
                     seq.is_allocated = True
                     if request.metrics.num_computed_tokens == 0 and seq.index == 0:
                         request.metrics.num_cached_tokens = start
@@ -249,28 +253,11 @@ class PlanningMixin:
                 )
             )
 
-    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
-        """Allocate `seq`'s first `end` tokens; returns how many were found cached.
 
-        A request asking for prompt logprobs takes no prefix-cache hit (a cached block has no
-        logits): its first token alone is allocated (too short to look up), then the rest is
-        appended. Its full blocks still enter the prefix cache for others.
-        """
-        if not _skips_prefix_cache(request):
-            return int(self.kv.allocate(seq.seq_id, seq.token_ids[:end]))
-        self.kv.allocate(seq.seq_id, seq.token_ids[:1])
-        if end > 1:
-            try:
-                self.kv.append(seq.seq_id, seq.token_ids[1:end])
-            except OutOfBlocks:
-                self.kv.free(seq.seq_id)
-                raise
-        return 0
-
-
-def _skips_prefix_cache(request: Request) -> bool:
-    """Prompt logprobs need every prompt position's logits, so the prompt is computed."""
-    return request.params.prompt_logprobs is not None
+def _uses_prefix_cache(request: Request) -> bool:
+    """A request asking for prompt logprobs takes no prefix-cache hit: a cached block has
+    no logits, so its whole prompt is computed (its full blocks still enter the cache)."""
+    return request.params.prompt_logprobs is None
 
 
 def _prompt_logprob_targets(request: Request, seq: Sequence, start: int, end: int) -> list[int]:

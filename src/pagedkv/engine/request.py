@@ -41,7 +41,6 @@ class Sequence:
     num_computed: int = 0
     is_allocated: bool = False  # holds device blocks in the manager
     is_swapped: bool = False  # holds host blocks in the manager
-    num_swapped_blocks: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # `text` grows in `Scheduler.update` through the engine's detokenizer (stop strings are
@@ -129,21 +128,15 @@ class Request:
         )
 
     @property
-    def num_preemptions(self) -> int:
-        return self.metrics.num_preemptions
-
-    @property
     def is_forked(self) -> bool:
         return len(self.seqs) == self.n
 
     def seq(self, index: int) -> Sequence:
-        """The sequence with sample index `index` (KeyError if none)."""
-        if index < len(self.seqs) and self.seqs[index].index == index:
-            return self.seqs[index]
-        for seq in self.seqs:
-            if seq.index == index:
-                return seq
-        raise KeyError(f"request {self.request_id!r} has no sequence {index}")
+        """The sequence of sample `index`: ``seqs[index]``, since the fork appends samples
+        1..n-1 in order after sample 0 (KeyError if none)."""
+        if not 0 <= index < len(self.seqs):
+            raise KeyError(f"request {self.request_id!r} has no sequence {index}")
+        return self.seqs[index]
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

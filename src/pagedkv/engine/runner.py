@@ -7,7 +7,7 @@ import torch
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
-from pagedkv.engine.sampler import Sampler, SampleResult, create_generator
+from pagedkv.engine.sampler import Sampler, SampleResult, create_generator, top_logprobs
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
@@ -42,7 +42,6 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         *,
         attention_backend: str = "auto",
-        pack_weights: bool = False,
         token_buckets: bool = False,
     ) -> None:
         """Wrap a loaded model and its KV pools.
@@ -51,19 +50,17 @@ class ModelRunner:
             model: forward(input_ids, positions, kv_cache, attn_metadata) + compute_logits.
             kv_cache: the K/V pools the scheduler's block ids index.
             attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
-            pack_weights: `model.pack_weights()` (where it applies: the CPU).
             token_buckets: run every matmul at `bucket_num_tokens` rows: the step's padding
                 rows (token 0 at position 0) pass the matmuls and norms but not `write_kv`
                 or attention, and are never sampled.
         """
-        if pack_weights:
-            model.pack_weights()
         self.model = model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.device = kv_cache.device
         self.sampler = Sampler()
         self.token_buckets = token_buckets
+        self.num_heads = model.config.num_heads // model.tp.size  # this rank's query heads
         # Per request id, per sample index: its generator, created on first use and kept
         # across steps (and preemptions) until `release`.
         self._generators: dict[str, dict[int, torch.Generator]] = {}
@@ -75,7 +72,7 @@ class ModelRunner:
         warmup(
             kv_cache.key_caches[0],
             kv_cache.value_caches[0],
-            model.num_heads,
+            self.num_heads,
             backend=attention_backend,
         )
         # Under tensor parallelism every rank runs the whole step (logits are a
@@ -118,7 +115,7 @@ class ModelRunner:
                 metadata,
                 self.kv_cache.key_caches[0],
                 self.kv_cache.value_caches[0],
-                self.model.num_heads,
+                self.num_heads,
                 window,
             )
         hidden = self.model(
@@ -160,14 +157,8 @@ class ModelRunner:
             logits = self._compute_logits(hidden, list(range(start, start + len(ids))))
             if not self.is_driver:
                 continue
-            logprobs = torch.log_softmax(logits, dim=-1)
-            index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
-            chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
-            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-            rows += [
-                {**dict(zip(top_ids[i], top_values[i], strict=True)), token: chosen[i]}
-                for i, token in enumerate(ids)
-            ]
+            index = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+            rows += top_logprobs(torch.log_softmax(logits, dim=-1), index, [k] * len(ids))
         return rows
 
     def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:

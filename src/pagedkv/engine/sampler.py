@@ -82,19 +82,13 @@ class Sampler:
             )
         if logprobs is None:
             return [SampleResult(token, None, None) for token in tokens.tolist()]
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        values, ids = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-        results = []
-        for i, token in enumerate(tokens.tolist()):
-            k = params[i].logprobs
-            if k is None:
-                results.append(SampleResult(token, None, None))
-                continue
-            top = dict(zip(top_ids[i][:k], top_values[i][:k], strict=True))
-            top[token] = chosen[i]
-            results.append(SampleResult(token, chosen[i], top))
-        return results
+        tops = top_logprobs(logprobs, tokens, [p.logprobs or 0 for p in params])
+        return [
+            SampleResult(token, None, None)
+            if p.logprobs is None
+            else SampleResult(token, top[token], top)
+            for token, top, p in zip(tokens.tolist(), tops, params, strict=True)
+        ]
 
     def _sample_rows(
         self,
@@ -116,12 +110,23 @@ class Sampler:
         return _argmax(probs / noise)
 
 
-def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Add each row's `logit_bias` (a copy when any row has one). logits: [rows, vocab].
-
-    Raises:
-        ValueError: a biased token id is outside the vocabulary.
+def top_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[dict[int, float]]:
+    """Per row i of `logprobs` ([rows, vocab]): token id -> logprob of its top `ks[i]`
+    tokens and of `token_ids[i]` ([rows] int64).
     """
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    values, ids = (t.tolist() for t in logprobs.topk(max(ks), dim=-1))
+    return [
+        {**dict(zip(ids[i][:k], values[i][:k], strict=True)), token: chosen[i]}
+        for i, (token, k) in enumerate(zip(token_ids.tolist(), ks, strict=True))
+    ]
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Add each row's `logit_bias` (a copy when any row has one). logits: [rows, vocab];
+    `LLMEngine.add_request` checked the token ids against the vocabulary."""
     biased = [
         (row, token, value)
         for row, p in enumerate(params)
@@ -131,9 +136,6 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     if not biased:
         return logits
     rows, ids, values = zip(*biased, strict=True)
-    vocab = logits.shape[-1]
-    if max(ids) >= vocab:
-        raise ValueError(f"logit_bias: expected token ids in [0, {vocab}), got {max(ids)}")
     out = logits.clone()
     index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
     out.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 # Below this a temperature is treated as greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
 # Seeds are 64-bit integers, signed or not (torch.Generator.manual_seed's range).
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # OpenAI's range for `logit_bias` values.
 MAX_LOGIT_BIAS = 100.0
 
@@ -73,9 +73,9 @@ class SamplingParams:
         if self.top_p <= 0.0:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=_SEED_MIN)
-            if self.seed > _SEED_MAX:
-                raise ValueError(f"seed: expected <= {_SEED_MAX} (64 bits), got {self.seed}")
+            _check_int("seed", self.seed, minimum=SEED_MIN)
+            if self.seed > SEED_MAX:
+                raise ValueError(f"seed: expected <= {SEED_MAX} (64 bits), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)

@@ -26,37 +26,34 @@ appended to in this call. `append` makes full blocks prefix-cacheable at once; a
 block whose KV was never written must not stay in the prefix cache.
 
 Per-request planning, with the decode fast path that keeps a step of 1,024 decoding
-sequences cheap, lives in `pagedkv.engine.planning`; preemption and swapping in
-`pagedkv.engine.preemption`.
+sequences cheap, lives in `pagedkv.engine.planning`; this module owns the queues
+(admission, preemption, resumption).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
-from pagedkv.engine.planning import StepBudget
-from pagedkv.engine.preemption import PreemptionMixin
+from pagedkv.engine.planning import PlanningMixin, StepBudget
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.engine.stop import check_stop, stop_bounds
+from pagedkv.memory import KVCacheManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler(PlanningMixin):
     """Decides, step by step, which tokens run and which blocks they use."""
 
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_manager: Any,
+        kv_manager: KVCacheManager,
         *,
-        num_blocks: int,
-        block_size: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[Sequence], str] | None = None,
@@ -65,8 +62,8 @@ class Scheduler(PreemptionMixin):
 
         Args:
             config: batch limits, preemption mode, thrash bound.
-            kv_manager: a `pagedkv.memory.KVCacheManager` (the scheduler owns its seq ids).
-            num_blocks, block_size: the device pool, to reject requests that never fit.
+            kv_manager: the device pool (the scheduler owns its seq ids); a request that
+                never fits it is rejected.
             max_model_len: longest sequence (prompt + output) the model accepts.
             eos_token_ids: tokens that end a completion unless `ignore_eos`.
             detokenize: the text of a sequence's newest token; `update` appends it to
@@ -75,8 +72,6 @@ class Scheduler(PreemptionMixin):
         """
         self.config = config
         self.kv = kv_manager
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self._eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
@@ -88,7 +83,7 @@ class Scheduler(PreemptionMixin):
         self.num_swapped_out = 0
         # Keep a little room when admitting next to running requests, so their next decode
         # tokens do not immediately force a preemption.
-        self._watermark = max(1, num_blocks // 100)
+        self._watermark = max(1, kv_manager.num_blocks // 100)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -109,11 +104,11 @@ class Scheduler(PreemptionMixin):
                 f"expected prompt + 1 token <= max_model_len "
                 f"({self.max_model_len}), got {prompt_len} prompt tokens"
             )
-        blocks = -(-(prompt_len + 1) // self.block_size)
-        if blocks > self.num_blocks:
+        blocks = -(-(prompt_len + 1) // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
             raise ValueError(
                 f"expected a prompt that fits the pool with one new token "
-                f"({self.num_blocks} blocks of {self.block_size} tokens), got "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens), got "
                 f"{prompt_len} prompt tokens needing {blocks} blocks"
             )
         if request.n > self.config.max_num_seqs:
@@ -247,9 +242,7 @@ class Scheduler(PreemptionMixin):
         requests, detokenize = self.requests, self.detokenize
         for seq_id in seq_ids:
             request = requests[seq_id[0]]
-            seq = request.seqs[0]
-            if seq.seq_id != seq_id:
-                seq = request.seq(seq_id[1])
+            seq = request.seqs[seq_id[1]]
             token = int(sampled[seq_id])
             seq.token_ids.append(token)
             text_start = len(seq.text)
@@ -271,7 +264,7 @@ class Scheduler(PreemptionMixin):
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
             request = self.waiting[0]
-            if self._num_running_seqs() + request.num_unfinished_target > self.config.max_num_seqs:
+            if self._exceeds_max_num_seqs(request):
                 return
             plan = self._plan(request, budget)
             is_alone = not self.running
@@ -289,3 +282,101 @@ class Scheduler(PreemptionMixin):
                 self._run_alone(request, plan, out, budget)
                 return
             self._run_plan(request, plan, out, budget)
+
+    # ---- preemption, resumption and the thrash bound ------------------------------------
+
+    def _preempt(
+        self, request: Request, out: SchedulerOutput, budget: StepBudget, *, visited: bool = False
+    ) -> None:
+        """Take `request` (never appended to in this step) off the device.
+
+        `visited`: its plan already released its decode reservations.
+        """
+        self.running.remove(request)
+        if not visited:
+            decodes = sum(1 for s in request.seqs if s.is_decode and not s.is_finished)
+            assert budget.reserved_decodes is not None, "preempting before decodes counted"
+            budget.reserved_decodes = max(0, budget.reserved_decodes - decodes)
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(request.request_id)
+        held = [s for s in request.seqs if s.is_allocated]
+        if self.config.preemption_mode == "swap" and self._can_swap_out(held):
+            for seq in held:
+                out.swap_out.extend(self.kv.swap_out(seq.seq_id))
+                seq.is_allocated, seq.is_swapped = False, True
+            request.status = RequestStatus.SWAPPED
+            request.metrics.num_swaps += 1
+            self.num_swapped_out += 1
+            if self._is_protected(request):
+                self.swapped.appendleft(request)
+            else:
+                self.swapped.append(request)
+            return
+        self._recompute(request)
+
+    def _can_swap_out(self, held: list[Sequence]) -> bool:
+        # Counts shared blocks once per holder: an upper bound on the host blocks needed.
+        need = sum(len(self.kv.block_table(s.seq_id)) for s in held)
+        return need <= self.kv.num_free_host_blocks and need <= self.kv.num_blocks
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seqs = [s for s in request.seqs if s.is_swapped]
+            # Room for the blocks plus each sequence's next token.
+            margin = len(request.unfinished_seqs()) if self.running else 0
+            need = sum(self.kv.num_blocks_to_swap_in(s.seq_id) for s in seqs) + margin
+            if need > self.kv.num_free_blocks and (not self.running or need > self.kv.num_blocks):
+                # Swapped siblings come back unshared: if they cannot fit even in an empty
+                # pool, recompute instead (the prefix cache shares their prompt again).
+                self.swapped.popleft()
+                self._recompute(request)
+                continue
+            if need > self.kv.num_free_blocks or self._exceeds_max_num_seqs(request):
+                return
+            for seq in seqs:
+                out.swap_in.extend(self.kv.swap_in(seq.seq_id))
+                seq.is_allocated, seq.is_swapped = True, False
+            self.swapped.popleft()
+            self._start_running(request)
+            plan = self._plan(request, budget)
+            if self._blocks_needed(plan) <= self.kv.num_free_blocks:
+                self._run_plan(request, plan, out, budget)
+            else:
+                budget.refund(plan)
+
+    def _recompute(self, request: Request) -> None:
+        """Free `request`'s device or host blocks and queue it at the head of `waiting`:
+        prompt + outputs are prefilled again on resumption."""
+        for seq in request.seqs:
+            if seq.is_allocated or seq.is_swapped:
+                self.kv.free(seq.seq_id)
+                seq.is_allocated = seq.is_swapped = False
+                seq.num_computed = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if not self._is_protected(request):
+            self.running.append(request)
+            return
+        # Thrash bound: a request preempted too often runs ahead of every unprotected one
+        # (protected ones among themselves by arrival), so victims come from the others.
+        position = 0
+        while (
+            position < len(self.running)
+            and self._is_protected(self.running[position])
+            and self.running[position].arrival_index < request.arrival_index
+        ):
+            position += 1
+        self.running.insert(position, request)
+
+    def _is_protected(self, request: Request) -> bool:
+        return request.metrics.num_preemptions > self.config.max_preemptions
+
+    def _exceeds_max_num_seqs(self, request: Request) -> bool:
+        """Whether running `request` too would take more than `max_num_seqs` sequences."""
+        num_running = sum(r.num_unfinished_target for r in self.running)
+        return num_running + request.num_unfinished_target > self.config.max_num_seqs

@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedkv.cache import PagedKVCache
 from pagedkv.config import ModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
 from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.errors import WorkerFailed
-from pagedkv.models import resolve_device
+from pagedkv.models import CausalLM, resolve_device
 from pagedkv.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -159,24 +160,25 @@ def share_cpu_threads(size: int) -> None:
         torch.set_num_threads(threads)
 
 
-class TensorParallelRunner:
-    """Rank 0's runner: sends each step to the workers, then runs its own share.
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: sends each step to the workers, then runs its own share."""
 
-    The same interface as `ModelRunner` (execute, release, pop_prompt_logprobs, kv_cache,
-    check_health, close).
-    """
-
-    def __init__(self, runner: ModelRunner, workers: list[Worker], num_threads: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        workers: list[Worker],
+        num_threads: int,
+        **options: Any,
+    ) -> None:
         """Args:
-        runner: rank 0's own runner.
+        model, kv_cache, options: as `ModelRunner`'s, rank 0's share.
         workers: the spawned worker processes (none under torchrun).
         num_threads: torch's thread count before the ranks shared the cores; `close`
             gives it back.
         """
-        self.runner = runner
-        self.model = runner.model
-        self.tp = runner.model.tp
-        self.kv_cache = runner.kv_cache
+        super().__init__(model, kv_cache, **options)
+        self.tp = model.tp
         self.workers = workers
         # The failure that ended the group, if any; shared with the finalizer, so that an
         # engine dropped without `close` still stops its workers and leaves the group (and
@@ -196,16 +198,10 @@ class TensorParallelRunner:
         self.check_health()
         try:
             self.tp.broadcast_object(step)
-            return self.runner.execute(step)
+            return super().execute(step)
         except Exception as exc:
             error = self._state["error"] = self._failure_after(exc)
             raise error from exc
-
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)
-
-    def pop_prompt_logprobs(self) -> dict[Any, Any]:
-        return self.runner.pop_prompt_logprobs()
 
     def check_health(self) -> None:
         """Raise `WorkerFailed` if any worker has stopped (cheap: no collective)."""
@@ -298,11 +294,12 @@ def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
 
 
 def _serve_steps(args: EngineArgs, launch: Launch) -> None:
-    from pagedkv.engine.builder import build_rank_runner
+    from pagedkv.engine.builder import build_rank_runner, create_engine_config
 
     device = rank_device(args.device, launch)
     tp = _init_group(launch, device, [])
-    runner = build_rank_runner(args, ModelConfig.from_hf(args.model), tp, device)
+    config = create_engine_config(args, ModelConfig.from_hf(args.model), device)
+    runner = build_rank_runner(args, config, tp)
     while (step := tp.broadcast_object()) is not None:
         runner.execute(step)
     dist.destroy_process_group()

@@ -17,13 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
-from pagedkv.memory._introspect import ViewsMixin
-from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.prefix import ROOT_UID
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_tuple
+from pagedkv.memory.state import ManagerState
 
 
-class KVCacheManager(ViewsMixin):
+class KVCacheManager(ManagerState):
     """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
 
     Args:
@@ -45,90 +44,16 @@ class KVCacheManager(ViewsMixin):
     free or swap out a sequence between that call and its forward pass.
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        num_host_blocks: int = 0,
-    ) -> None:
-        positive_int("num_blocks", num_blocks)
-        self._block_size = positive_int("block_size", block_size)
-        positive_int("num_host_blocks", num_host_blocks, minimum=0)
-        self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
-        self._pool = BlockPool(num_blocks, self._index)
-        self._host = BlockPool(num_host_blocks)
-        self._seqs: dict[SeqId, SeqState] = {}
-        self._copies: list[tuple[int, int]] = []
-        self._num_queries = self._num_hits = self._num_cow = 0
-        self._num_forked = 0  # block references shared by fork (each a block not copied)
-        self._num_swapped_out = self._num_swapped_in = 0
-
-    # ----- sizes and membership -------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self._pool.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
-    def num_host_blocks(self) -> int:
-        return self._host.num_blocks
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._index is not None
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Device blocks an allocation can use now: free plus cached (evictable)."""
-        return self._pool.num_free_blocks
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        return self._host.num_free_blocks
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def seq_ids(self) -> list[SeqId]:
-        """Ids of the live sequences (resident or swapped out), oldest first."""
-        return list(self._seqs)
-
-    def is_swapped(self, seq_id: SeqId) -> bool:
-        """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
-        return self._get(seq_id).host_block_ids is not None
-
-    def _get(self, seq_id: SeqId) -> SeqState:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
-        return seq
-
-    def _resident(self, seq_id: SeqId, op: str) -> SeqState:
-        seq = self._get(seq_id)
-        if seq.host_block_ids is not None:
-            raise ValueError(
-                f"{op}: expected a resident sequence, got {seq_id!r} swapped out "
-                "(only swap_in and free apply)"
-            )
-        return seq
-
     # ----- prefix lookups -------------------------------------------------------------------
     def _lookup(
-        self, token_ids: Sequence[Any], with_rest: bool = False
+        self, token_ids: Sequence[Any], with_rest: bool = False, use_prefix_cache: bool = True
     ) -> tuple[list[int], int, Sequence[Any]]:
-        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index."""
+        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index, no hit
+        without `use_prefix_cache`."""
         if self._index is None:
             return [], ROOT_UID, ()
         # The last token is always computed (its logits are needed): at most n - 1 cached.
-        max_blocks = (len(token_ids) - 1) // self._block_size
+        max_blocks = (len(token_ids) - 1) // self._block_size if use_prefix_cache else 0
         return self._index.lookup(token_ids, self._block_size, max_blocks, with_rest)
 
     def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
@@ -139,13 +64,16 @@ class KVCacheManager(ViewsMixin):
         """
         return len(self._lookup(token_ids)[0]) * self._block_size
 
-    def num_blocks_to_allocate(self, token_ids: Sequence[Any]) -> int:
-        """Free blocks `allocate(_, token_ids)` would take now (after prefix hits).
+    def num_blocks_to_allocate(
+        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+    ) -> int:
+        """Free blocks `allocate(_, token_ids, use_prefix_cache=...)` would take now (after
+        prefix hits).
 
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
         """
-        hits = self._lookup(token_ids)[0]
+        hits = self._lookup(token_ids, use_prefix_cache=use_prefix_cache)[0]
         num_needed = -(-len(token_ids) // self._block_size)
         return num_needed - len(hits) + self._pool.num_evictable(hits)
 
@@ -170,16 +98,20 @@ class KVCacheManager(ViewsMixin):
         return num_new + is_cow, is_cow
 
     # ----- sequence lifecycle ---------------------------------------------------------------
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[Any]) -> int:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+    ) -> int:
         """Start sequence `seq_id` holding `token_ids`, reusing cached leading blocks.
 
         Args:
             seq_id: a new sequence id (any hashable).
             token_ids: the prompt, or its first chunk (continue with `append`).
+            use_prefix_cache: False to reuse no cached block, so every token is computed
+                (e.g. for its logits); the full blocks still enter the prefix index.
 
         Returns:
             Leading tokens whose KV is already cached: a multiple of `block_size`, at most
-            ``len(token_ids) - 1``. The engine computes the rest.
+            ``len(token_ids) - 1`` (0 without `use_prefix_cache`). The engine computes the rest.
 
         Raises:
             ValueError: empty `token_ids`, or `seq_id` in use.
@@ -191,7 +123,9 @@ class KVCacheManager(ViewsMixin):
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
-        hits, chain_uid, keys = self._lookup(tokens, with_rest=True)
+        hits, chain_uid, keys = self._lookup(
+            tokens, with_rest=True, use_prefix_cache=use_prefix_cache
+        )
         index, block_size, pool = self._index, self._block_size, self._pool
         num_hits = len(hits)
         num_fresh = -(-len(tokens) // block_size) - num_hits
@@ -213,8 +147,9 @@ class KVCacheManager(ViewsMixin):
                 chain_uid, keys, block_ids[num_hits : num_hits + len(keys)]
             )
             num_keyed = len(tokens) // block_size
-            self._num_queries += len(tokens)
-            self._num_hits += num_hits * block_size
+            if use_prefix_cache:  # the counts of prefix lookups
+                self._num_queries += len(tokens)
+                self._num_hits += num_hits * block_size
         self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid)
         return num_hits * block_size
 
@@ -273,9 +208,7 @@ class KVCacheManager(ViewsMixin):
             KeyError: unknown `seq_id`.  ValueError: swapped out.
         """
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.is_tail_own:
-            # `is_tail_own`: resident, its tokens a list, a partial last block its own. So
-            # the token goes into that block, or, when it is full, into one fresh block.
+        if seq is not None and seq.is_tail_own:  # the common case: see `SeqState`
             tokens = seq.token_ids
             if not len(tokens) % self._block_size:
                 if not self._pool.num_free_blocks:

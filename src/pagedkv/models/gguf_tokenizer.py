@@ -50,21 +50,6 @@ def _converter() -> tuple[Any, dict[str, str]]:
     return convert_gguf_tokenizer, GGUF_TOKENIZER_MAPPING["tokenizer"]
 
 
-def _pre_tokenizer(pre: str | None) -> Any:
-    """A pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` values the converter leaves at
-    GPT-2's split, or None to keep the converter's."""
-    from tokenizers import pre_tokenizers
-
-    if pre == "smollm":  # digits one by one, then GPT-2's split (as SmolLM's tokenizer.json)
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    return None
-
-
 def _post_processor(tokens: list[str], bos_id: int | None, eos_id: int | None) -> Any:
     """`[BOS] $A [EOS]` with whichever of the two the file asks to add."""
     from tokenizers import processors
@@ -114,6 +99,8 @@ def load_gguf_tokenizer(file: GGUFFile) -> Tokenizer | None:
 def _convert(file: GGUFFile, tokens: list[str], bos_id: int | None, eos_id: int | None) -> Any:
     """The file's `tokenizers.Tokenizer`, built by transformers' converter and completed
     (raises as `load_gguf_tokenizer`)."""
+    from tokenizers import pre_tokenizers
+
     meta = file.metadata
     convert, mapping = _converter()
     fields = {
@@ -129,9 +116,14 @@ def _convert(file: GGUFFile, tokens: list[str], bos_id: int | None, eos_id: int 
             f"{file.path}: cannot build tokenizer type {tokenizer_type!r} "
             f"(pre-tokenizer {meta.get('tokenizer.ggml.pre')!r}): {exc}"
         ) from None
-    pre = _pre_tokenizer(meta.get("tokenizer.ggml.pre")) if tokenizer_type == "gpt2" else None
-    if pre is not None:
-        tokenizer.pre_tokenizer = pre
+    if tokenizer_type == "gpt2" and meta.get("tokenizer.ggml.pre") == "smollm":
+        # SmolLM's split (its tokenizer.json): digits one by one, then the converter's GPT-2 one.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
     add_bos = meta.get("tokenizer.ggml.add_bos_token", tokenizer_type == "llama")
     add_eos = meta.get("tokenizer.ggml.add_eos_token", False)

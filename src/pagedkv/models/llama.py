@@ -97,16 +97,6 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    @property
-    def num_heads(self) -> int:
-        """Query heads of this rank (all of them without tensor parallelism)."""
-        return len(self.tp.heads(self.config.num_heads))
-
-    @property
-    def num_kv_heads(self) -> int:
-        """KV heads this rank's KV pool holds."""
-        return len(self.tp.kv_heads(self.config.num_heads, self.config.num_kv_heads))
-
     def forward(
         self,
         input_ids: Tensor,
@@ -175,7 +165,7 @@ class CausalLM(nn.Module):
         if window not in attn_metadata.plans:
             plan_attention(
                 attn_metadata, kv_cache.key_caches[0], kv_cache.value_caches[0],
-                self.num_heads, window,
+                attention.num_heads, window,
             )  # fmt: skip
         _, _, _, backend, plan = attn_metadata.plans[window]
         num_real = attn_metadata.num_tokens

@@ -3,13 +3,13 @@
 Only `safetensors` is needed at run time (no transformers). Every checkpoint tensor is
 validated by name and shape against what the config implies before it is copied into the
 (possibly fused) parameter it belongs to; whatever is missing or extra is reported by name.
-Under tensor parallelism a rank reads only its part of each tensor (`models.sharding`).
+Under tensor parallelism a rank reads only its part of each tensor (`parallel.shard_of`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,19 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedkv.cache.huge_pages import empty_on_huge_pages
+from pagedkv.cache.kv_cache import DTYPES_BY_NAME
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.llama import CausalLM
-from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
-from pagedkv.models.sharding import shard_of
+from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, shard_of
 
-_DTYPES = {
-    **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
-    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
-    **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
-}
 # Checkpoint projection -> (fused parameter, index of its part in the fusion).
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -49,18 +44,14 @@ def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -
     Raises:
         ValueError: not float32, bfloat16 or float16.
     """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
-        return dtype
-    name = str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")  # a torch.dtype by its name
     if name == "auto":
         name = (config.dtype if config is not None else "float32").removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in DTYPES_BY_NAME:
         raise ValueError(
             f"dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}"
         )
-    return _DTYPES[name]
+    return DTYPES_BY_NAME[name]
 
 
 def resolve_device(device: torch.device | str) -> str:
@@ -147,11 +138,6 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
                     yield name, f.get_slice(name)
 
 
-def _shape(source: Any) -> tuple[int, ...]:
-    """A tensor's or a lazy safetensors slice's shape."""
-    return tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
-
-
 def _read(source: Any, shard: tuple[int, range] | None) -> torch.Tensor:
     """All of `source`, or the part `shard` (dimension, range) names."""
     if shard is None:
@@ -219,7 +205,11 @@ def load_model(
     divisors = rope_divisors(gguf_file) if gguf_file is not None else None
     if divisors is not None:
         model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))
-    _load_weights(model, config, tensors, tp)
+    with torch.no_grad():
+        for name, source in checked_tensors(tensors, config):
+            tensor = _read(source, shard_of(name, config, tp))
+            # A vocabulary shard may be cut short (the last rank's padding rows).
+            _target(model, name)[: tensor.shape[0]].copy_(tensor)
     return model.eval()
 
 
@@ -242,30 +232,31 @@ def _place_on_huge_pages(model: torch.nn.Module) -> None:
     model.load_state_dict(views, assign=True)
 
 
-def _load_weights(
-    model: CausalLM,
-    config: ModelConfig,
-    tensors: Iterator[tuple[str, Any]],
-    tp: TensorParallel,
-) -> None:
-    """tensors: (checkpoint name, a tensor or a lazy safetensors slice)."""
+def checked_tensors(
+    tensors: Iterable[tuple[str, Any]], config: ModelConfig
+) -> Iterator[tuple[str, Any]]:
+    """The (checkpoint name, tensor or lazy safetensors slice) pairs of `tensors`, each
+    checked by name and shape against `checkpoint_shapes(config)`; a tied model's stored
+    LM head is left out.
+
+    Raises:
+        ValueError: an unexpected or misshapen tensor (named, with expected/got shape), or,
+            once `tensors` is exhausted, missing ones (the first five named).
+    """
     expected = checkpoint_shapes(config)
     seen: set[str] = set()
-    with torch.no_grad():
-        for name, source in tensors:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # some tied checkpoints still store the (identical) head
-            shape = _shape(source)
-            if name not in expected:
-                raise ValueError(
-                    f"unexpected weight {name!r} (shape {shape}) for {config.architecture}"
-                )
-            if shape != expected[name]:
-                raise ValueError(f"weight {name!r}: expected shape {expected[name]}, got {shape}")
-            tensor = _read(source, shard_of(name, config, tp))
-            # A vocabulary shard may be cut short (the last rank's padding rows).
-            _target(model, name)[: tensor.shape[0]].copy_(tensor)
-            seen.add(name)
+    for name, source in tensors:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints still store the (identical) head
+        shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+        if name not in expected:
+            raise ValueError(
+                f"unexpected weight {name!r} (shape {shape}) for {config.architecture}"
+            )
+        if shape != expected[name]:
+            raise ValueError(f"weight {name!r}: expected shape {expected[name]}, got {shape}")
+        seen.add(name)
+        yield name, source
     missing = [n for n in expected if n not in seen]
     if missing:
         shown = ", ".join(missing[:5]) + (

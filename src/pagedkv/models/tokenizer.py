@@ -88,11 +88,7 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS).
-
-        Text rendered by `apply_chat_template` usually holds its BOS already: encode it with
-        `add_special_tokens=False`.
-        """
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -142,6 +138,19 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from None
 
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """`messages` as an engine prompt: {"prompt": `apply_chat_template`'s text,
+        "prompt_token_ids": its ids}, encoded without special tokens (the template spells
+        them out, BOS included).
+
+        Raises:
+            ValueError: as `apply_chat_template`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The model dir's tokenizer, or None when it has no tokenizer.json; for a `.gguf` file,
@@ -184,7 +193,6 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - self._CONTEXT_TOKENS, 0)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the text it completes ("" if none yet)."""
@@ -198,5 +206,4 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
         return delta

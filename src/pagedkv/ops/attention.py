@@ -93,7 +93,10 @@ def plan(
     checks.check_window(sliding_window)
     device = key_cache.device
     backend = get_backend(metadata.backend, device)
-    checks.check_batch(metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, device)
+    checks.check_index("seq_lens", metadata.seq_lens, (None,), device)
+    num_seqs = metadata.seq_lens.shape[0]
+    checks.check_index("block_tables", metadata.block_tables, (num_seqs, None), device)
+    checks.check_index("query_start_loc", metadata.query_start_loc, (num_seqs + 1,), device)
     metadata.plans[sliding_window] = (
         key_cache.shape,
         key_cache.dtype,

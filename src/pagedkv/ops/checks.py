@@ -9,6 +9,7 @@ sync). The value checks (`check_lengths`; the backends' own passes raise `bad_bl
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -50,14 +51,13 @@ def check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[i
     return tuple(key_cache.shape)
 
 
+def _is_positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_num_heads(num_heads: object, num_kv_heads: int) -> None:
     """Query heads: a positive multiple of the caches' KV heads."""
-    if (
-        isinstance(num_heads, bool)
-        or not isinstance(num_heads, int)
-        or num_heads < 1
-        or num_heads % num_kv_heads
-    ):
+    if not _is_positive_int(num_heads) or num_heads % num_kv_heads:
         raise fail("num_heads", f"a positive multiple of num_kv_heads = {num_kv_heads}", num_heads)
 
 
@@ -101,19 +101,6 @@ def check_index(
         raise fail(name, f"shape {expected}", f"shape {tuple(tensor.shape)}")
 
 
-def check_batch(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    device: torch.device,
-) -> None:
-    """The index tensors of a packed batch: int32 on `device`, with matching sizes."""
-    check_index("seq_lens", seq_lens, (None,), device)
-    num_seqs = seq_lens.shape[0]
-    check_index("block_tables", block_tables, (num_seqs, None), device)
-    check_index("query_start_loc", query_start_loc, (num_seqs + 1,), device)
-
-
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     """The softmax scale: `scale`, or 1 / sqrt(head_dim) for None."""
     if scale is None:
@@ -125,11 +112,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 
 def check_window(sliding_window: int | None) -> None:
     """None, or a positive int."""
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window < 1
-    ):
+    if sliding_window is not None and not _is_positive_int(sliding_window):
         raise fail("sliding_window", "None or a positive int", repr(sliding_window))
 
 

@@ -43,12 +43,11 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        """Number of sequences in the batch."""
         return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:
-        """Number of new (query) tokens in the batch."""
+        """New (query) tokens in the batch."""
         return self.slot_mapping.shape[0]
 
     @classmethod
@@ -71,9 +70,6 @@ class AttentionMetadata:
             slot_mapping: per new token its slot, in packed order.
             device: where the tensors live.
             backend: passed through to `paged_attention`.
-
-        Returns:
-            The metadata.
 
         Raises:
             ValueError: lengths disagree ("expected X, got Y").

@@ -233,15 +233,14 @@ def _add_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
-        text = render_chat(state, body.messages, add_generation_prompt=True)
-        # The template already spells out special tokens such as BOS.
-        prompt_ids = require_tokenizer(state, "messages").encode(text, add_special_tokens=False)
-        room = max(1, state.max_model_len - len(prompt_ids))
+        prompt = render_chat(state, body.messages, add_generation_prompt=True)
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        room = max(1, state.max_model_len - num_prompt_tokens)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
-        check_context(state.max_model_len, len(prompt_ids), max_tokens)
-        params = make_sampling_params(body, max_tokens, body.num_logprobs())
+        check_context(state.max_model_len, num_prompt_tokens, max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = make_sampling_params(body, max_tokens, logprobs)
         builder = ChatBuilder(random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer)
-        prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
         return await _serve(request, builder, [prompt], params)
 
 
@@ -250,13 +249,16 @@ def _card(state: ServerState) -> ModelCard:
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[dict[str, Any]]:
-    """Each prompt as {"prompt_token_ids", and "prompt" for text}: text prompts are tokenized
-    here so their length is checked before admission (the engine keeps the text)."""
+    """Each prompt of the batch as {"prompt_token_ids", and "prompt" for text}: text prompts
+    are tokenized here so their length is checked before admission (the engine keeps the text)."""
+    batch: Any = body.prompt
+    if isinstance(batch, str) or all(isinstance(t, int) for t in batch):
+        batch = [batch]  # one prompt
     return [
         {"prompt": p, "prompt_token_ids": require_tokenizer(state, "prompt").encode(p)}
         if isinstance(p, str)
         else {"prompt_token_ids": p}
-        for p in body.prompts()
+        for p in batch
     ]
 
 

@@ -116,22 +116,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    @classmethod
-    def from_engine_args(
-        cls, model: str, *, max_waiting_requests: int | None = None, **engine_kwargs: Any
-    ) -> AsyncEngine:
-        """Load `LLMEngine.from_engine_args(model, **engine_kwargs)` behind an AsyncEngine."""
-        from pagedkv.engine.engine import LLMEngine
-
-        return cls(LLMEngine.from_engine_args(model, **engine_kwargs), max_waiting_requests)
-
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
-
-    @property
-    def model_config(self) -> Any:
-        return self.engine.model_config
 
     @property
     def is_running(self) -> bool:

@@ -1,8 +1,7 @@
 """`pagedkv serve` and `pagedkv generate`: the engine from a terminal.
 
 The engine's flags are the fields of `EngineArgs` (`--block-size` is `block_size`, ...), the
-same options `LLM` takes. Torch and the engine are imported inside the handlers, so
-`pagedkv --help` stays fast.
+same options `LLM` takes.
 """
 
 from __future__ import annotations
@@ -14,19 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedkv import kernel_cache
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.server.streaming import DeltaTracker
 
 logger = logging.getLogger("pagedkv.server")
-
-
-def announce_kernel_compile() -> None:
-    """Before torch loads: say at once when the CPU kernels compile on this first start.
-
-    (The OpenMP thread policy itself is set by importing pagedkv: `pagedkv.threads`.)
-    """
-    from pagedkv import kernel_cache
-
-    kernel_cache.announce()
 
 
 def register(subparsers: Any) -> None:
@@ -90,7 +82,7 @@ def register(subparsers: Any) -> None:
 def _engine_args(args: argparse.Namespace) -> EngineArgs:
     """The engine's options from the flags (the model path checked); on a torchrun rank > 0
     this process serves the engine's steps instead, then ends."""
-    announce_kernel_compile()
+    kernel_cache.announce()  # before torch loads, so the line comes at once
     from pagedkv.engine.workers import launched_rank, run_worker
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -133,8 +125,6 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; a summary line goes to stderr."""
     engine_args = _engine_args(args)
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.engine.sampling_params import SamplingParams
-    from pagedkv.server.streaming import DeltaTracker
 
     engine = LLMEngine.from_engine_args(engine_args)
     prompt = _generate_prompt(args, engine.tokenizer)
@@ -174,7 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
+def _generate_prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int] | dict[str, Any]:
     if args.prompt_token_ids is not None:
         try:
             return [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
@@ -187,7 +177,4 @@ def _generate_prompt(args: argparse.Namespace, tokenizer: Any) -> str | list[int
         raise ValueError("the model directory has no tokenizer: pass --prompt-token-ids")
     if not args.chat:
         return args.prompt
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.chat_prompt([{"role": "user", "content": args.prompt}])

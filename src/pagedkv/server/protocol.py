@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedkv.engine.sampling_params import SEED_MAX, SEED_MIN
+
 # OpenAI caps `logprobs` (completions) and `top_logprobs` (chat) at 20.
 MAX_LOGPROBS = 20
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def random_id(prefix: str) -> str:
@@ -73,7 +74,7 @@ class SamplingRequest(RequestModel):
     top_p: float = _finite(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 keeps every token; 0 is refused.")
     min_p: float = _finite(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="64-bit seed.")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="64-bit seed.")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -105,9 +106,6 @@ class SamplingRequest(RequestModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: expected only with stream: true, got stream: false")
         return self
-
-    def logit_bias_ids(self) -> dict[int, float] | None:
-        return {int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None
 
 
 class CompletionRequest(SamplingRequest):
@@ -154,15 +152,6 @@ class CompletionRequest(SamplingRequest):
                 f"got {self.best_of}"
             )
         return self
-
-    def prompts(self) -> list[str] | list[list[int]]:
-        """The prompt as a batch: a list of strings or a list of token-id lists."""
-        p: Any = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
-        return list(p)
 
 
 class ChatMessage(RequestModel):
@@ -219,9 +208,6 @@ class ChatCompletionRequest(SamplingRequest):
                 f"{self.top_logprobs} with logprobs: false"
             )
         return self
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class UsageInfo(BaseModel):

@@ -8,7 +8,7 @@ n samples each. Logprobs come from the engine's token id -> logprob dicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.server.protocol import (
@@ -33,39 +33,25 @@ from pagedkv.server.streaming import RequestDelta, SampleDelta
 
 
 class _Builder:
-    """Shared bookkeeping: one logprob formatter per choice, token counts for `usage`."""
+    """Shared bookkeeping: choice numbering, the kept chunks, token counts for `usage`."""
 
-    # The body of stream chunks: one choice each, or none and the usage.
+    # The body of stream chunks (one choice each, or none and the usage) and of `response()`.
     chunk_type: type[CompletionResponse] | type[ChatCompletionChunk]
+    response_type: type[CompletionResponse] | type[ChatCompletionResponse]
+    # No sample text or tokens are sent (an echo of the prompt alone).
+    _is_echo_only = False
 
     def __init__(self, request_id: str, model: str, body: SamplingRequest, tokenizer: Any) -> None:
         self.request_id = request_id
         self.model = model
         self.body = body
         self.tokenizer = tokenizer
-        self._formatters: dict[int, LogprobFormatter] = {}
         self._parts: dict[int, list[Any]] = {}  # choice index -> its chunks' choices
         self._prompt_tokens: dict[int, int] = {}
         self._completion_tokens = 0
 
-    def _choice_formatter(
-        self, prompt_index: int, sample: SampleDelta
-    ) -> tuple[int, LogprobFormatter, bool]:
-        """The sample's choice index, its logprob formatter, and whether it is new."""
-        index = prompt_index * self.body.n + sample.index
-        is_new = index not in self._formatters
-        if is_new:
-            self._formatters[index] = LogprobFormatter(self.tokenizer)
-        return index, self._formatters[index], is_new
-
-    @property
-    def _is_echo_only(self) -> bool:
-        return False
-
-    def _count(self, prompt_index: int, delta: RequestDelta) -> None:
-        self._prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
-        if not self._is_echo_only:
-            self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
+    def _index(self, prompt_index: int, sample: SampleDelta) -> int:
+        return prompt_index * self.body.n + sample.index
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt_tokens.values())
@@ -82,8 +68,14 @@ class _Builder:
         """One sample's delta as the choice of a stream chunk."""
         raise NotImplementedError
 
+    def _merged(self, parts: list[Any]) -> Any:
+        """One choice of `response()` from its stream chunks' choices."""
+        raise NotImplementedError
+
     def _delta_choices(self, prompt_index: int, delta: RequestDelta) -> list[Any]:
-        self._count(prompt_index, delta)
+        self._prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
+        if not self._is_echo_only:
+            self._completion_tokens += sum(len(s.token_ids) for s in delta.samples)
         return [self._sample_choice(prompt_index, delta, sample) for sample in delta.samples]
 
     def chunks(self, prompt_index: int, delta: RequestDelta) -> list[Any]:
@@ -94,6 +86,12 @@ class _Builder:
         """Keep a delta for `response()`, which merges each choice's stream chunks."""
         for choice in self._delta_choices(prompt_index, delta):
             self._parts.setdefault(choice.index, []).append(choice)
+
+    def response(self) -> Any:
+        choices = [self._merged(parts) for _, parts in sorted(self._parts.items())]
+        return self.response_type(
+            id=self.request_id, model=self.model, choices=choices, usage=self.usage()
+        )
 
     def first_chunks(self) -> list[Any]:
         return []
@@ -113,11 +111,14 @@ class CompletionBuilder(_Builder):
     """
 
     body: CompletionRequest
-    chunk_type = CompletionResponse
+    chunk_type = response_type = CompletionResponse
 
-    @property
-    def _is_echo_only(self) -> bool:
-        return self.body.echo and self.body.max_tokens == 0
+    def __init__(
+        self, request_id: str, model: str, body: CompletionRequest, tokenizer: Any
+    ) -> None:
+        super().__init__(request_id, model, body, tokenizer)
+        self._text_offsets: dict[int, int] = {}  # choice index -> its text's length so far
+        self._is_echo_only = body.echo and body.max_tokens == 0
 
     def _prompt_text(self, delta: RequestDelta) -> str:
         if delta.prompt is not None:
@@ -128,42 +129,64 @@ class CompletionBuilder(_Builder):
         self, prompt_index: int, delta: RequestDelta, sample: SampleDelta
     ) -> CompletionChoice:
         """A choice's first delta has the echoed prompt in front."""
-        index, formatter, is_new = self._choice_formatter(prompt_index, sample)
-        text, logprobs = "", CompletionLogprobs() if self.body.logprobs is not None else None
-        if is_new and self.body.echo:
-            text = self._prompt_text(delta)
-            if logprobs is not None:
-                logprobs = formatter.prompt(
-                    delta.prompt_token_ids, delta.prompt_logprobs, self.body.logprobs or 0
-                )
+        index = self._index(prompt_index, sample)
+        is_first = index not in self._text_offsets
+        self._text_offsets.setdefault(index, 0)
+        texts, logprobs = [], []
+        if is_first and self.body.echo:
+            texts.append(self._prompt_text(delta))
+            logprobs.append(self._logprobs(index, delta.prompt_token_ids, delta.prompt_logprobs))
         if not self._is_echo_only:
-            text += sample.text
-            if logprobs is not None:
-                _extend(logprobs, formatter.completion(sample))
+            texts.append(sample.text)
+            logprobs.append(self._logprobs(index, sample.token_ids, sample.logprobs))
         return CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason
+            index=index,
+            text="".join(texts),
+            logprobs=_joined(logprobs) if self.body.logprobs is not None else None,
+            finish_reason=sample.finish_reason,
         )
 
-    def response(self) -> CompletionResponse:
-        choices = []
-        for index, parts in sorted(self._parts.items()):
-            logprobs = None
-            if self.body.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                for part in parts:
-                    _extend(logprobs, part.logprobs)
-            text = "".join(part.text for part in parts)
-            choices.append(
-                CompletionChoice(
-                    index=index, text=text, logprobs=logprobs, finish_reason=parts[-1].finish_reason
+    def _merged(self, parts: list[Any]) -> CompletionChoice:
+        return CompletionChoice(
+            index=parts[0].index,
+            text="".join(part.text for part in parts),
+            logprobs=_joined([p.logprobs for p in parts])
+            if self.body.logprobs is not None
+            else None,
+            finish_reason=parts[-1].finish_reason,
+        )
+
+    def _logprobs(
+        self, index: int, token_ids: list[int], tops: Sequence[dict[int, float] | None] | None
+    ) -> CompletionLogprobs:
+        """Legacy logprobs of choice `index`'s next tokens. `tops[i]`: token id -> logprob of
+        token i and of the top tokens at its position (as the engine reports them), None
+        where there are none (the first prompt token: nothing predicts it). `tops` None (no
+        logprobs asked for): an empty result."""
+        out = CompletionLogprobs()
+        for token_id, top in zip(token_ids, tops or [], strict=False):
+            text = token_text(self.tokenizer, token_id)
+            out.tokens.append(text)
+            out.text_offset.append(self._text_offsets[index])
+            self._text_offsets[index] += len(text)
+            if top is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(_finite(top.get(token_id)))
+                out.top_logprobs.append(
+                    {token_text(self.tokenizer, t): _finite(lp) for t, lp in _sorted(top)}
                 )
-            )
-        return self._chunk(choices, self.usage())
+        return out
 
 
-def _extend(logprobs: CompletionLogprobs, part: CompletionLogprobs) -> None:
-    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        getattr(logprobs, name).extend(getattr(part, name))
+def _joined(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
+    """Consecutive runs of tokens' logprobs as one."""
+    joined = CompletionLogprobs()
+    for part in parts:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(joined, name).extend(getattr(part, name))
+    return joined
 
 
 class ChatBuilder(_Builder):
@@ -171,6 +194,7 @@ class ChatBuilder(_Builder):
 
     body: ChatCompletionRequest
     chunk_type = ChatCompletionChunk
+    response_type = ChatCompletionResponse
 
     def first_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice's stream with the role, then sends content deltas.
@@ -184,34 +208,42 @@ class ChatBuilder(_Builder):
     def _sample_choice(
         self, prompt_index: int, delta: RequestDelta, sample: SampleDelta
     ) -> ChatChunkChoice:
-        index, formatter, _ = self._choice_formatter(prompt_index, sample)
         logprobs = None
         if self.body.logprobs:
-            logprobs = ChatLogprobs(content=formatter.chat(sample, self.body.top_logprobs or 0))
+            logprobs = ChatLogprobs(content=self._logprobs(sample, self.body.top_logprobs or 0))
         return ChatChunkChoice(
-            index=index,
+            index=self._index(prompt_index, sample),
             delta=DeltaMessage(content=sample.text),
             logprobs=logprobs,
             finish_reason=sample.finish_reason,
         )
 
-    def response(self) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(content="".join(p.delta.content for p in parts)),
-                finish_reason=parts[-1].finish_reason,
-                logprobs=(
-                    ChatLogprobs(content=[t for p in parts for t in p.logprobs.content])
-                    if self.body.logprobs
-                    else None
-                ),
-            )
-            for i, parts in sorted(self._parts.items())
-        ]
-        return ChatCompletionResponse(
-            id=self.request_id, model=self.model, choices=choices, usage=self.usage()
+    def _merged(self, parts: list[Any]) -> ChatChoice:
+        return ChatChoice(
+            index=parts[0].index,
+            message=ChatResponseMessage(content="".join(p.delta.content for p in parts)),
+            finish_reason=parts[-1].finish_reason,
+            logprobs=ChatLogprobs(content=[t for p in parts for t in p.logprobs.content])
+            if self.body.logprobs
+            else None,
         )
+
+    def _logprobs(self, sample: SampleDelta, num_top: int) -> list[ChatTokenLogprob]:
+        """Each token's logprob object, with the `num_top` most likely tokens."""
+
+        def entry(cls: type[Any], token_id: int, logprob: float | None, **extra: Any) -> Any:
+            text = token_text(self.tokenizer, token_id)
+            return cls(token=text, logprob=_finite(logprob), bytes=list(text.encode()), **extra)
+
+        return [
+            entry(
+                ChatTokenLogprob,
+                token_id,
+                top.get(token_id),
+                top_logprobs=[entry(TopLogprob, t, lp) for t, lp in _sorted(top)[:num_top]],
+            )
+            for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False)
+        ]
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -219,69 +251,6 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-@dataclass
-class LogprobFormatter:
-    """Builds OpenAI logprobs for one choice, delta by delta (keeps the text offset)."""
-
-    tokenizer: Any
-    text_offset: int = 0
-
-    def completion(self, sample: SampleDelta) -> CompletionLogprobs:
-        out = CompletionLogprobs()
-        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            self._add_token(out, token_id)
-            out.token_logprobs.append(_finite(top.get(token_id)))
-            out.top_logprobs.append(self._top_dict(_sorted(top)))
-        return out
-
-    def prompt(
-        self,
-        token_ids: list[int],
-        prompt_logprobs: list[dict[int, float] | None] | None,
-        num_top: int,
-    ) -> CompletionLogprobs:
-        """The echoed prompt's logprobs: null for the first token (nothing predicts it)."""
-        out = CompletionLogprobs()
-        for i, token_id in enumerate(token_ids):
-            self._add_token(out, token_id)
-            top = prompt_logprobs[i] if prompt_logprobs is not None else None
-            if top is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            out.token_logprobs.append(_finite(top.get(token_id)))
-            tops = _sorted(top)[:num_top]
-            if all(t != token_id for t, _ in tops):
-                tops.append((token_id, top[token_id]))
-            out.top_logprobs.append(self._top_dict(tops))
-        return out
-
-    def chat(self, sample: SampleDelta, num_top: int) -> list[ChatTokenLogprob]:
-        out = []
-        for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False):
-            tops = [self._chat_entry(TopLogprob, t, lp) for t, lp in _sorted(top)[:num_top]]
-            out.append(
-                self._chat_entry(ChatTokenLogprob, token_id, top.get(token_id), top_logprobs=tops)
-            )
-        return out
-
-    def _add_token(self, out: CompletionLogprobs, token_id: int) -> None:
-        """Append a token's text and its offset in the choice's text."""
-        text = token_text(self.tokenizer, token_id)
-        out.tokens.append(text)
-        out.text_offset.append(self.text_offset)
-        self.text_offset += len(text)
-
-    def _top_dict(self, tops: list[tuple[int, float]]) -> dict[str, float]:
-        return {token_text(self.tokenizer, t): _finite(lp) for t, lp in tops}
-
-    def _chat_entry(
-        self, cls: type[Any], token_id: int, logprob: float | None, **extra: Any
-    ) -> Any:
-        text = token_text(self.tokenizer, token_id)
-        return cls(token=text, logprob=_finite(logprob), bytes=list(text.encode()), **extra)
 
 
 def _sorted(top: dict[int, float]) -> list[tuple[int, float]]:

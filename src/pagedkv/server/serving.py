@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.server.async_engine import AsyncEngine, RequestStream
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import SamplingRequest, short
@@ -72,12 +73,14 @@ def require_tokenizer(state: ServerState, param: str) -> Any:
     return tokenizer
 
 
-def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool) -> str:
-    """The chat template applied to pydantic `ChatMessage`s (400 if it cannot be)."""
+def render_chat(
+    state: ServerState, messages: list[Any], add_generation_prompt: bool
+) -> dict[str, Any]:
+    """Pydantic `ChatMessage`s as an engine prompt, `Tokenizer.chat_prompt` (or a 400)."""
     tokenizer = require_tokenizer(state, "messages")
     try:
         plain = [{"role": m.role, "content": m.text()} for m in messages]
-        return str(tokenizer.apply_chat_template(plain, add_generation_prompt))
+        return tokenizer.chat_prompt(plain, add_generation_prompt)
     except ValueError as exc:
         raise APIError(f"messages: {exc}", param="messages") from None
 
@@ -105,10 +108,8 @@ def check_context(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
 
 def make_sampling_params(
     body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-) -> Any:
+) -> SamplingParams:
     """`SamplingParams` from a request body (ValueError from its validation becomes a 400)."""
-    from pagedkv.engine.sampling_params import SamplingParams
-
     try:
         return SamplingParams(
             n=body.n,
@@ -123,14 +124,14 @@ def make_sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            logit_bias=body.logit_bias_ids(),
+            logit_bias={int(t): v for t, v in body.logit_bias.items()} if body.logit_bias else None,
         )
     except ValueError as exc:
         raise APIError(str(exc), param=param_of(str(exc)), reason="schema") from None
 
 
 async def admit(
-    state: ServerState, request_id: str, prompts: Sequence[dict[str, Any]], params: Any
+    state: ServerState, request_id: str, prompts: Sequence[dict[str, Any]], params: SamplingParams
 ) -> list[RequestStream]:
     """Add every prompt to the engine (ids `request_id-i`), all or none.
 

@@ -65,7 +65,7 @@ def add_tokenize_routes(app: FastAPI, responses: dict[int | str, Any]) -> None:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
         if body.messages is not None:
-            text = render_chat(state, body.messages, body.add_generation_prompt)
+            text = render_chat(state, body.messages, body.add_generation_prompt)["prompt"]
             add_special = bool(body.add_special_tokens)
         else:
             text = body.prompt or ""
@@ -84,7 +84,7 @@ def add_tokenize_routes(app: FastAPI, responses: dict[int | str, Any]) -> None:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
         tokenizer = require_tokenizer(state, "tokens")
-        vocab = int(state.engine.model_config.vocab_size)
+        vocab = int(state.engine.engine.model_config.vocab_size)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(

@@ -35,7 +35,7 @@ from pagedkv.engine.request import SeqId, Sequence
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.sim.policies import PagedPolicy, StepCost
-from pagedkv.sim.results import PolicyResult, Regions, StepSums, Timeline
+from pagedkv.sim.results import PolicyResult, Regions, Replay
 from pagedkv.sim.workload import Request
 
 _ID_SHIFT = 32
@@ -77,27 +77,24 @@ class StandInRunner:
         return sampled
 
 
-class _Replay:
+class _Replay(Replay):
     """The state of one paged replay; `replay` drives it."""
 
-    def __init__(self, requests: list[Request], policy: PagedPolicy, record: bool) -> None:
-        self.requests = sorted(enumerate(requests), key=lambda item: item[1].arrival)
-        self.policy = policy
+    policy: PagedPolicy
+
+    def __init__(
+        self, requests: list[Request], policy: PagedPolicy, record: bool, snapshot_every: int
+    ) -> None:
+        super().__init__(requests, policy, record, snapshot_every)
         self.manager = policy.manager
         self.scheduler = Scheduler(
             policy.scheduler_config,
             policy.manager,
-            num_blocks=policy.num_blocks,
-            block_size=policy.block_size,
             max_model_len=max(r.total_len for r in requests),
         )
         self.runner = StandInRunner(policy.step_cost)
         self.clock = 0.0
-        self.num_steps = self.next_arrival = self.rejected = 0
-        self.arrived: dict[str, tuple[int, float]] = {}  # id -> (step, clock) on arrival
-        self.first_run: dict[str, tuple[int, float]] = {}  # id -> (step, clock) first scheduled
-        self.sums = StepSums(policy.capacity)
-        self.timeline = Timeline(policy.capacity) if record else None
+        self.num_steps = 0
 
     def has_work(self) -> bool:
         return self.next_arrival < len(self.requests) or self.scheduler.has_unfinished_requests()
@@ -106,29 +103,14 @@ class _Replay:
         """Hand the arrivals up to the clock to the scheduler; jump over idle time."""
         if not self.scheduler.has_unfinished_requests():
             self.clock = max(self.clock, self.requests[self.next_arrival][1].arrival)
-        while (
-            self.next_arrival < len(self.requests)
-            and self.requests[self.next_arrival][1].arrival <= self.clock
-        ):
-            index, request = self.requests[self.next_arrival]
-            if self.policy.never_fits(request):
-                self.rejected += 1
-            else:
-                params = SamplingParams(
-                    max_tokens=request.output_len, temperature=0.0, ignore_eos=True
-                )
-                prompt = token_ids(index, request, 0, request.prompt_len)
-                self.scheduler.add_request(
-                    EngineRequest(
-                        str(index),
-                        prompt,
-                        params,
-                        arrival_time=self.clock,
-                        arrival_index=self.next_arrival,
-                    )
-                )
-                self.arrived[str(index)] = (self.num_steps, self.clock)
-            self.next_arrival += 1
+        for index, request in self.arrivals(self.clock):
+            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+            prompt = token_ids(index, request, 0, request.prompt_len)
+            engine_request = EngineRequest(
+                str(index), prompt, params, arrival_time=self.clock, arrival_index=self.next_arrival
+            )
+            self.scheduler.add_request(engine_request)
+            self.arrived[str(index)] = (self.num_steps, self.clock)
 
     def step(self, on_step: Callable[[SchedulerOutput], None] | None) -> None:
         """One engine step: schedule, run, sample the figures, update, advance the clock."""
@@ -170,24 +152,14 @@ class _Replay:
         return regions, 0
 
     def result(self) -> PolicyResult:
-        waits = [first[1] - self.arrived[i][1] for i, first in self.first_run.items()]
-        return PolicyResult(
-            policy=self.policy.name,
-            requests=len(self.requests),
-            admitted=len(self.first_run),
-            queued=sum(first[0] > self.arrived[i][0] for i, first in self.first_run.items()),
-            rejected=self.rejected,
+        return self.policy_result(
             preemptions=self.scheduler.num_preemptions,
             steps=math.ceil(self.clock),
-            capacity_tokens=self.policy.capacity,
-            **self.sums.means(),
             fragmentation_stalls=0,  # any free block serves any sequence
             fragmentation_stalled_requests=0,
             stall_examples=[],
-            mean_wait_steps=sum(waits) / max(1, len(waits)),
             engine_steps=self.num_steps,
             manager_stats=dict(self.manager.stats()),
-            timeline=self.timeline,
         )
 
 
@@ -205,9 +177,7 @@ def replay(
     The timeline's `steps` are the clock at each engine step, `snapshot_every` counts engine
     steps, and `on_step` is called with each step's `SchedulerOutput` before its update.
     """
-    run = _Replay(requests, policy, record)
-    if run.timeline is not None:
-        run.timeline.snapshot_every = max(1, snapshot_every)
+    run = _Replay(requests, policy, record, snapshot_every)
     while run.has_work():
         run.arrive()
         if run.scheduler.has_unfinished_requests():

@@ -27,7 +27,7 @@ _MAX_POINTS = 3000
 
 def write_plots(
     results: list[PolicyResult], out_dir: Path, title: str, bytes_per_token: int
-) -> list[Path]:
+) -> None:
     """Write `memory_use.png` and `memory_map.png` into `out_dir` (created if missing).
 
     Args:
@@ -35,20 +35,15 @@ def write_plots(
         title: the figure title (model, workload, memory).
         bytes_per_token: KV bytes per token, to label axes in GiB.
 
-    Returns:
-        The paths written.
-
     Raises:
         ValueError: a result without a timeline.
     """
     if any(r.timeline is None for r in results):
         raise ValueError("plots: expected results simulated with record=True")
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "memory_use.png", out_dir / "memory_map.png"]
     gib = bytes_per_token / 2**30
-    _memory_use(results, paths[0], title, gib)
-    _memory_map(results, paths[1], title, gib)
-    return paths
+    _memory_use(results, out_dir / "memory_use.png", title, gib)
+    _memory_map(results, out_dir / "memory_map.png", title, gib)
 
 
 def _memory_use(results: list[PolicyResult], path: Path, title: str, gib: float) -> None:

@@ -158,6 +158,9 @@ class PagedPolicy:
         return -(-request.total_len // self.block_size) > self.num_blocks
 
 
+Policy = ContiguousPolicy | PagedPolicy
+
+
 def create_policy(
     name: str,
     *,
@@ -167,7 +170,7 @@ def create_policy(
     max_len: int,
     scheduler: SchedulerConfig | None = None,
     step_cost: StepCost | None = None,
-) -> ContiguousPolicy | PagedPolicy:
+) -> Policy:
     """Build a policy by name.
 
     Args:

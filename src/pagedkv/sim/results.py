@@ -1,4 +1,5 @@
-"""What a simulated replay reports: per-policy figures and, for plots, a timeline.
+"""What a simulated replay reports: per-policy figures and, for plots, a timeline; and
+`Replay`, the part of a replay the contiguous (`simulator`) and paged (`paged`) ones share.
 
 Standard library only. The clock counts steps of the contiguous policies (one token per
 running request per step); a paged step takes `StepCost.time(batched tokens)` of them.
@@ -6,9 +7,12 @@ running request per step); a paged step takes `StepCost.time(batched tokens)` of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pagedkv.sim.policies import Policy
+from pagedkv.sim.workload import Request
 
 _MAX_SNAPSHOTS = 400
 Regions = list[tuple[int, int, int]]  # (address, reserved tokens, tokens holding KV)
@@ -129,3 +133,50 @@ class PolicyResult:
         data = asdict(self)
         data.pop("timeline")
         return data
+
+
+class Replay:
+    """One replay's requests in arrival order, its rejections and its figures."""
+
+    def __init__(
+        self, requests: list[Request], policy: Policy, record: bool, snapshot_every: int
+    ) -> None:
+        self.requests = sorted(enumerate(requests), key=lambda item: item[1].arrival)
+        self.policy = policy
+        self.next_arrival = self.rejected = 0
+        # Request id -> (step, clock) of its arrival, and of its first step running.
+        self.arrived: dict[object, tuple[int, float]] = {}
+        self.first_run: dict[object, tuple[int, float]] = {}
+        self.sums = StepSums(policy.capacity)
+        self.timeline = (
+            Timeline(policy.capacity, snapshot_every=max(1, snapshot_every)) if record else None
+        )
+
+    def arrivals(self, clock: float) -> Iterator[tuple[int, Request]]:
+        """(workload index, request) of each request arrived by `clock`, in arrival order;
+        one that could never fit, even alone, is rejected instead."""
+        requests = self.requests
+        while self.next_arrival < len(requests) and requests[self.next_arrival][1].arrival <= clock:
+            index, request = requests[self.next_arrival]
+            self.next_arrival += 1
+            if self.policy.never_fits(request):
+                self.rejected += 1
+            else:
+                yield index, request
+
+    def policy_result(self, **figures: Any) -> PolicyResult:
+        """The run's `PolicyResult`; `figures` are the fields only the caller knows."""
+        first, arrived = self.first_run, self.arrived
+        waits = [first[i][1] - arrived[i][1] for i in first]
+        return PolicyResult(
+            policy=self.policy.name,
+            requests=len(self.requests),
+            admitted=len(first),
+            queued=sum(first[i][0] > arrived[i][0] for i in first),
+            rejected=self.rejected,
+            capacity_tokens=self.policy.capacity,
+            mean_wait_steps=sum(waits) / max(1, len(waits)),
+            timeline=self.timeline,
+            **self.sums.means(),
+            **figures,
+        )

@@ -21,35 +21,32 @@ import math
 from collections import deque
 
 from pagedkv.sim import paged
-from pagedkv.sim.policies import ContiguousPolicy, Live, PagedPolicy
-from pagedkv.sim.results import PolicyResult, Regions, StepSums, Timeline
+from pagedkv.sim.policies import ContiguousPolicy, Live, PagedPolicy, Policy
+from pagedkv.sim.results import PolicyResult, Regions, Replay, Timeline
 from pagedkv.sim.workload import Request
 
 __all__ = ["PolicyResult", "Timeline", "simulate"]
 
-Policy = ContiguousPolicy | PagedPolicy
 _MAX_STALL_EXAMPLES = 5
 
 
-class _Run:
+class _Run(Replay):
     """The state of one contiguous replay; `simulate` drives it."""
 
-    def __init__(self, requests: list[Request], policy: ContiguousPolicy, record: bool) -> None:
-        self.requests = sorted(enumerate(requests), key=lambda item: item[1].arrival)
-        self.policy = policy
+    policy: ContiguousPolicy
+
+    def __init__(
+        self, requests: list[Request], policy: ContiguousPolicy, record: bool, snapshot_every: int
+    ) -> None:
+        super().__init__(requests, policy, record, snapshot_every)
         self.queue: deque[Live] = deque()
         self.running: dict[int, Live] = {}  # insertion order = admission order
         self.finishing: dict[int, list[Live]] = {}
-        self.first_admit: dict[int, int] = {}
-        self.arrived: dict[int, int] = {}
         # Aggregate: held tokens = base + len(running) * step.
         self.base = 0
-        self.rejected = self.next_arrival = 0
         self.stalls = 0
         self.stalled: set[int] = set()
         self.examples: list[dict[str, int]] = []
-        self.sums = StepSums(policy.capacity)
-        self.timeline = Timeline(policy.capacity) if record else None
 
     def done(self) -> bool:
         return self.next_arrival == len(self.requests) and not self.queue and not self.running
@@ -58,17 +55,9 @@ class _Run:
         """Queue the arrivals up to `step`; jump over idle steps. Returns the step to run."""
         if not self.queue and not self.running:
             step = max(step, math.ceil(self.requests[self.next_arrival][1].arrival))
-        while (
-            self.next_arrival < len(self.requests)
-            and self.requests[self.next_arrival][1].arrival <= step
-        ):
-            index, request = self.requests[self.next_arrival]
-            self.next_arrival += 1
-            if self.policy.never_fits(request):
-                self.rejected += 1
-            else:
-                self.arrived[index] = step
-                self.queue.append(Live(index, request, step))
+        for index, request in self.arrivals(step):
+            self.arrived[index] = (step, step)
+            self.queue.append(Live(index, request, step))
         return step
 
     def admit(self, step: int) -> None:
@@ -80,7 +69,7 @@ class _Run:
                 self.stall(live, step)
                 return
             self.queue.popleft()
-            self.first_admit.setdefault(live.index, step)
+            self.first_run.setdefault(live.index, (step, step))
             self.running[live.index] = live
             self.finishing.setdefault(live.finish_step, []).append(live)
             self.base += live.request.prompt_len + 1 - step
@@ -124,22 +113,12 @@ class _Run:
             self.policy.release(live)
 
     def result(self, steps: int) -> PolicyResult:
-        waits = [self.first_admit[i] - self.arrived[i] for i in self.first_admit]
-        return PolicyResult(
-            policy=self.policy.name,
-            requests=len(self.requests),
-            admitted=len(self.first_admit),
-            queued=sum(w > 0 for w in waits),
-            rejected=self.rejected,
+        return self.policy_result(
             preemptions=0,
             steps=steps,
-            capacity_tokens=self.policy.capacity,
-            **self.sums.means(),
             fragmentation_stalls=self.stalls,
             fragmentation_stalled_requests=len(self.stalled),
             stall_examples=self.examples,
-            mean_wait_steps=sum(waits) / max(1, len(waits)),
-            timeline=self.timeline,
         )
 
 
@@ -164,9 +143,7 @@ def simulate(
         raise ValueError("requests: expected at least one request, got none")
     if isinstance(policy, PagedPolicy):
         return paged.replay(requests, policy, record=record, snapshot_every=snapshot_every)
-    run = _Run(requests, policy, record)
-    if run.timeline is not None:
-        run.timeline.snapshot_every = max(1, snapshot_every)
+    run = _Run(requests, policy, record, snapshot_every)
     step = 0
     while not run.done():
         step = run.arrive(step)

@@ -21,7 +21,7 @@ from pagedkv.ops import reference
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton.decode import decode_attention
 from pagedkv.ops.triton.prefill import prefill_attention
-from pagedkv.ops.triton.write import write_kv_rows
+from pagedkv.ops.triton.write import check_strides, write_kv
 
 __all__ = ["plan", "run", "warmup", "write_kv"]
 
@@ -80,15 +80,6 @@ def choose_partition_size(
     num_parts = min(wanted, _MAX_PARTITIONS, triton.cdiv(max_context, _MIN_PARTITION))
     per_part = triton.cdiv(max_context, max(1, num_parts))
     return triton.cdiv(per_part, tile_tokens) * tile_tokens
-
-
-def _check_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """The kernels address both pools with the key pool's strides."""
-    if key_cache.stride() != value_cache.stride():
-        raise ValueError(
-            "expected key_cache and value_cache with equal strides, "
-            f"got {key_cache.stride()} and {value_cache.stride()}"
-        )
 
 
 @dataclass
@@ -159,7 +150,7 @@ def run(
     scale: float,
 ) -> torch.Tensor:
     """See `AttentionBackend.run`: one launch of the planned kernel (two for a split decode)."""
-    _check_strides(key_cache, value_cache)
+    check_strides(key_cache, value_cache)
     query = query if query.stride(-1) == 1 else query.contiguous()
     attend = decode_attention if plan.is_decode else prefill_attention
     return attend(query, key_cache, value_cache, *plan.index, scale=scale, **plan.options)
@@ -167,21 +158,3 @@ def run(
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Triton compiles per launch configuration on first use; nothing to do ahead."""
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
-
-    Raises:
-        ValueError: key_cache and value_cache differ in strides.
-    """
-    _check_strides(key_cache, value_cache)
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
-    write_kv_rows(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -13,8 +13,8 @@ group. Key tiles walk the block table from the first block inside the window to
 the diagonal; blocks wholly outside the causal/window band are never visited.
 
 Tiles: long prompts get 128-row tiles (8 warps, 3 stages, wgmma, 174 registers, 96 KiB
-shared, no spills per compile_check.py on sm_90), the FlashAttention-2 shape; short chunks
-and decode rows get 64-row tiles. Masks cost a few integer ops per score.
+shared, no spills on sm_90 per benchmarks/triton_compile_check.py), the FlashAttention-2
+shape; short chunks and decode rows get 64-row tiles. Masks cost a few integer ops per score.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Scatter new tokens' K/V rows into their cache slots (one program per token)."""
+"""Scatter new tokens' K/V rows into their cache slots (one program per token), and the
+stride check every kernel of the backend relies on."""
 
 from __future__ import annotations
 
@@ -38,19 +39,35 @@ def write_meta(*, num_kv_heads: int, head_dim: int) -> dict:
     )  # fmt: skip
 
 
-def write_kv_rows(
+def check_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Every kernel here addresses both pools with the key pool's strides."""
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            "expected key_cache and value_cache with equal strides, "
+            f"got {key_cache.stride()} and {value_cache.stride()}"
+        )
+
+
+def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Launch the scatter; shapes as in `pagedkv.ops.triton.write_kv`."""
+    """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
+
+    Raises:
+        ValueError: key_cache and value_cache differ in strides.
+    """
+    check_strides(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
+        key, value, key_cache, value_cache, slot_mapping.contiguous(), key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim),

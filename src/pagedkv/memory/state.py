@@ -1,5 +1,6 @@
-"""`KVCacheManager`'s read-only views: `block_table`, `num_tokens`, `slot_mapping` of one
-sequence, and `check()` and `stats()` of the whole state.
+"""`KVCacheManager`'s state and every read-only view of it: sizes and membership,
+`block_table`, `num_tokens`, `slot_mapping` of one sequence, and `check()` and `stats()` of
+the whole state. The operations that change the state live in `pagedkv.memory.manager`.
 
 `check` rebuilds the counts from the sequences' block tables, never reading them from the
 pool, so a forgotten decrement (a block whose count exceeds its holders) or a leak (a block
@@ -8,15 +9,11 @@ neither free nor held) cannot hide. O(num_blocks + tokens held): for tests and d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Sequence
 
-from pagedkv.memory.prefix import ROOT_UID
-from pagedkv.memory.sequence import SeqId, SeqState
-
-if TYPE_CHECKING:
-    from pagedkv.memory.manager import KVCacheManager
-    from pagedkv.memory.prefix import PrefixIndex
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.sequence import SeqId, SeqState, positive_int
 
 
 def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None:
@@ -52,13 +49,86 @@ def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqSta
         parent_uid = uid
 
 
-class ViewsMixin:
-    """`KVCacheManager`'s read-only views (see the module docstring)."""
+class ManagerState:
+    """The state `KVCacheManager` changes, and every read-only view of it. The arguments
+    are those of `KVCacheManager`."""
 
-    _block_size: int
-    # Provided by KVCacheManager; declared for type checking only.
-    _resident: Callable[[SeqId, str], SeqState]
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        positive_int("num_blocks", num_blocks)
+        self._block_size = positive_int("block_size", block_size)
+        positive_int("num_host_blocks", num_host_blocks, minimum=0)
+        self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
+        self._pool = BlockPool(num_blocks, self._index)
+        self._host = BlockPool(num_host_blocks)
+        self._seqs: dict[SeqId, SeqState] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._num_queries = self._num_hits = self._num_cow = 0
+        self._num_forked = 0  # block references shared by fork (each a block not copied)
+        self._num_swapped_out = self._num_swapped_in = 0
 
+    # ----- sizes and membership -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self._host.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._index is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks an allocation can use now: free plus cached (evictable)."""
+        return self._pool.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free_blocks
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[SeqId]:
+        """Ids of the live sequences (resident or swapped out), oldest first."""
+        return list(self._seqs)
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
+        return self._get(seq_id).host_block_ids is not None
+
+    def _get(self, seq_id: SeqId) -> SeqState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def _resident(self, seq_id: SeqId, op: str) -> SeqState:
+        seq = self._get(seq_id)
+        if seq.host_block_ids is not None:
+            raise ValueError(
+                f"{op}: expected a resident sequence, got {seq_id!r} swapped out "
+                "(only swap_in and free apply)"
+            )
+        return seq
+
+    # ----- one sequence ---------------------------------------------------------------------
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the sequence's block ids, logical block order. Raises as `num_tokens`."""
         return self._resident(seq_id, "block_table").block_ids.tolist()
@@ -97,6 +167,7 @@ class ViewsMixin:
             slots += range(base + first, base + last)
         return slots
 
+    # ----- the whole state ------------------------------------------------------------------
     def check(self) -> None:
         """Prove the state consistent, or raise AssertionError naming the first thing wrong.
 
@@ -104,12 +175,10 @@ class ViewsMixin:
         free + cached + held = num_blocks (device and host); every indexed block held by a
         sequence holds exactly its key's tokens after its key's parent.
         """
-        manager = cast("KVCacheManager", self)
-        pool, host, index = manager._pool, manager._host, manager._index
-        block_size = manager.block_size
+        pool, host, index, block_size = self._pool, self._host, self._index, self._block_size
         holders = [0] * pool.num_blocks
         host_holders = [0] * host.num_blocks
-        for seq_id, seq in manager._seqs.items():
+        for seq_id, seq in self._seqs.items():
             num_tokens = len(seq.token_ids)
             assert num_tokens > 0, f"sequence {seq_id!r} holds no token"
             num_blocks = -(-num_tokens // block_size)
@@ -145,7 +214,7 @@ class ViewsMixin:
         host.check(host_holders)
         if index is not None:
             index.check()
-        for src, dst in manager._copies:
+        for src, dst in self._copies:
             assert 0 <= src < pool.num_blocks and 0 <= dst < pool.num_blocks, (
                 f"queued copy ({src}, {dst}) names a block outside the pool"
             )
@@ -159,9 +228,8 @@ class ViewsMixin:
         (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
         num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
         """
-        manager = cast("KVCacheManager", self)
-        pool, host, index = manager._pool, manager._host, manager._index
-        num_swapped = sum(s.host_block_ids is not None for s in manager._seqs.values())
+        pool, host, index = self._pool, self._host, self._index
+        num_swapped = sum(s.host_block_ids is not None for s in self._seqs.values())
         return {
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
@@ -170,14 +238,14 @@ class ViewsMixin:
             "num_indexed_blocks": len(index) if index is not None else 0,
             "num_host_blocks": host.num_blocks,
             "num_free_host_blocks": host.num_free_blocks,
-            "num_seqs": len(manager._seqs),
+            "num_seqs": len(self._seqs),
             "num_swapped_seqs": num_swapped,
-            "prefix_cache_queries": manager._num_queries,
-            "prefix_cache_hits": manager._num_hits,
-            "num_forked_blocks": manager._num_forked,
-            "num_cow_copies": manager._num_cow,
+            "prefix_cache_queries": self._num_queries,
+            "prefix_cache_hits": self._num_hits,
+            "num_forked_blocks": self._num_forked,
+            "num_cow_copies": self._num_cow,
             "num_evictions": pool.num_evictions,
-            "num_swapped_out_blocks": manager._num_swapped_out,
-            "num_swapped_in_blocks": manager._num_swapped_in,
-            "num_pending_copies": len(manager._copies),
+            "num_swapped_out_blocks": self._num_swapped_out,
+            "num_swapped_in_blocks": self._num_swapped_in,
+            "num_pending_copies": len(self._copies),
         }

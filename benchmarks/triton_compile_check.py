@@ -4,9 +4,11 @@ No GPU is needed: Triton lowers to PTX and its bundled ``ptxas`` assembles a cub
 whose register count, spill (stack) bytes and shared memory ``cuobjdump`` reads. This
 catches what the interpreter cannot (code that does not compile, register spills,
 loads that are not pipelined) and is the evidence behind the speed notes in
-``decode.py`` and ``prefill.py``. Run without ``TRITON_INTERPRET``::
+``pagedkv/ops/triton/decode.py`` and ``prefill.py``; tests/ops/test_triton_compile.py
+asserts on its reports. A developer's tool, so it lives beside the benchmarks, not in the
+package. Run without ``TRITON_INTERPRET``::
 
-    python -m pagedkv.ops.triton.compile_check --dtype bf16 --block-size 16 --group 4
+    python benchmarks/triton_compile_check.py --dtype bf16 --block-size 16 --group 4
 """
 
 from __future__ import annotations
@@ -109,9 +111,6 @@ def compile_kernels(
     Args:
         dtype: "bf16" | "fp16" | "fp32".  block_size, group, head_dim, num_kv_heads: the model.
         use_window: compile the sliding-window variants.  arch: compute capability x10.
-
-    Returns:
-        One report per kernel.
 
     Raises:
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1``.
