@@ -40,12 +40,16 @@ def write_meta(*, num_kv_heads: int, head_dim: int) -> dict:
 
 
 def check_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Every kernel here addresses both pools with the key pool's strides."""
+    """Every kernel here addresses both pools with the key pool's strides, and a head's
+    elements as adjacent (a layer's caches are checked again per call: only the first
+    layer's went through the public checks when the step was planned)."""
     if key_cache.stride() != value_cache.stride():
         raise ValueError(
             "expected key_cache and value_cache with equal strides, "
             f"got {key_cache.stride()} and {value_cache.stride()}"
         )
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"expected caches with unit stride in head_dim, got {key_cache.stride()}")
 
 
 def write_kv(
@@ -58,7 +62,7 @@ def write_kv(
     """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
 
     Raises:
-        ValueError: key_cache and value_cache differ in strides.
+        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
     """
     check_strides(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
