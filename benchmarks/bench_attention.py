@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from pagedkv.threads import apply_thread_policy
+from pagedkv.runtime.threads import apply_thread_policy
 
 # Before torch (and its OpenMP runtime) loads: the engine's thread policy, so that the
 # kernel is timed as the engine runs it.

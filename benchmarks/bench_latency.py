@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 
-from pagedkv.threads import apply_thread_policy, workers_spin
+from pagedkv.runtime.threads import apply_thread_policy, workers_spin
 
 # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning
 # (the library's default). Under a spinning policy (`OMP_WAIT_POLICY=ACTIVE` in the caller's

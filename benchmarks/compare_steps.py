@@ -22,7 +22,7 @@ process-wide differences (start-up, the OpenMP policy); `compare_commits.py` doe
 
 from __future__ import annotations
 
-from pagedkv.threads import apply_thread_policy
+from pagedkv.runtime.threads import apply_thread_policy
 
 apply_thread_policy()  # before torch loads its OpenMP runtime
 

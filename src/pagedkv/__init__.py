@@ -2,7 +2,7 @@
 
 Names are re-exported lazily so that the torch-free layers (`pagedkv.memory`,
 `pagedkv.sim`, the scheduler) import without pulling in torch. Importing the package sets
-the OpenMP thread policy first (`pagedkv.threads`).
+the OpenMP thread policy first (`pagedkv.runtime.threads`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pagedkv.threads import apply_thread_policy
+from pagedkv.runtime.threads import apply_thread_policy
 
 apply_thread_policy()
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedkv import kernel_cache
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.runtime import kernel_cache
 
 _HELP = "/reset forgets the conversation, /stats shows the KV cache, /exit leaves (or Ctrl-D)"
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv import kernel_cache
 from pagedkv.demo_workload import (
     DemoRequest,
     contiguous_admission,
@@ -35,6 +34,7 @@ from pagedkv.demo_workload import (
 )
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.runtime import kernel_cache
 
 # Small enough for a 2-core CPU, shaped like Llama (GQA, SiLU MLP, RoPE).
 DEMO_MODEL_CONFIG: dict[str, Any] = {

@@ -8,9 +8,9 @@ import torch
 from numba import njit
 from paged_cases import expected, make_case
 
-from pagedkv import kernel_cache
 from pagedkv.ops import paged_attention
 from pagedkv.ops.cpu import bf16
+from pagedkv.runtime import kernel_cache
 
 
 @njit
@@ -85,5 +85,6 @@ def test_kernel_cache_key_covers_the_bf16_source(tmp_path, monkeypatch) -> None:
     here = kernel_cache.kernel_dir()
     copy = tmp_path / "bf16.py"
     copy.write_text(bf16.__loader__.get_source(bf16.__name__) + "\n# changed\n")
-    monkeypatch.setattr(kernel_cache, "_IMPORTED", (copy,))
+    files = [copy if path.name == "bf16.py" else path for path in kernel_cache.KERNEL_FILES]
+    monkeypatch.setattr(kernel_cache, "KERNEL_FILES", tuple(files))
     assert kernel_cache.kernel_dir() != here

@@ -124,10 +124,12 @@ def build_rank_runner(
     )
     _log_allocation(network, kv_cache)
     # Before packing the weights: both read them plain.
-    if args.cpu_matvec:
-        network.use_matvec()
-    if args.cpu_fused_decode:
-        network.use_fused_decode()
+    if (args.cpu_matvec and network.use_matvec()) | (
+        args.cpu_fused_decode and network.use_fused_decode()
+    ):
+        from pagedkv.runtime import decode
+
+        decode.warmup(torch_dtype)  # the runtime's kernels, before the first request
     if args.pack_weights:
         network.pack_weights()
     options: dict[str, Any] = {

@@ -19,9 +19,9 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
-from pagedkv import kernel_cache
 from pagedkv.gguf_file import GGUF_INSTALL_HINT, GGUFFile
 from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.runtime import kernel_cache
 
 
 def _converter() -> tuple[Any, dict[str, str]]:

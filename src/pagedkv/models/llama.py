@@ -43,7 +43,7 @@ from pagedkv.ops import plan as plan_attention
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
     from pagedkv.ops import AttentionMetadata
-    from pagedkv.ops.cpu_dense import DecoderWeights
+    from pagedkv.runtime.decode import DecoderWeights
 
 _Device = torch.device | str | None
 
@@ -158,7 +158,8 @@ class CausalLM(nn.Module):
         (logits None)."""
         if self.decoder_weights is None or hidden.shape[0] > FUSED_DECODE_ROWS:
             return None
-        from pagedkv.ops import cpu, cpu_dense
+        from pagedkv.ops import cpu
+        from pagedkv.runtime import decode
 
         attention = self._layers()[0].self_attn
         window = attention.sliding_window
@@ -171,7 +172,7 @@ class CausalLM(nn.Module):
         num_real = attn_metadata.num_tokens
         if backend is not cpu or not cpu.is_decode_only(plan, num_real):
             return None
-        return cpu_dense.decode_layers(
+        return decode.decode_layers(
             hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.decoder_weights,
             kv_cache.key_pool, kv_cache.value_pool, plan, attention.scale,
             hidden.shape[0] <= MATVEC_ROWS[hidden.dtype],
@@ -227,13 +228,13 @@ class CausalLM(nn.Module):
 
     def use_matvec(self) -> bool:
         """Multiply at most `MATVEC_ROWS[dtype]` rows (a decode step of a few sequences) with
-        the CPU's matrix-vector kernel (`ops.cpu_dense.linear_rows`), every other batch
+        the CPU's matrix-vector kernel (`runtime.decode.linear_rows`), every other batch
         through torch. Call it before `pack_weights`, which then holds a second, packed copy
         of each weight. Returns whether it applies (float32 or bfloat16 weights on the CPU).
         """
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return False
-        from pagedkv.ops.cpu_dense import linear_rows  # Numba: loaded only where it runs
+        from pagedkv.runtime.decode import linear_rows  # Numba: loaded only where it runs
 
         self._make_tied_head()
         for module in self.modules():
@@ -243,7 +244,7 @@ class CausalLM(nn.Module):
 
     def use_fused_decode(self) -> bool:
         """Send a decode step of at most `FUSED_DECODE_ROWS` rows through every layer, the
-        final norm and the LM head in one compiled call (`ops.cpu_dense.decode_layers`: the
+        final norm and the LM head in one compiled call (`runtime.decode.decode_layers`: the
         same operations and roundings, no Python between them; `compute_logits` returns
         its logits). Call it before `pack_weights`: it reads the plain weights. Returns
         whether it applies: float32 or bfloat16 on the CPU, one rank, and one sliding window
@@ -254,7 +255,7 @@ class CausalLM(nn.Module):
         windows = {layer.self_attn.sliding_window for layer in self._layers()}
         if self.tp.size > 1 or len(windows) > 1:
             return False
-        from pagedkv.ops.cpu_dense import DecoderWeights  # Numba: loaded only where it runs
+        from pagedkv.runtime.decode import DecoderWeights  # Numba: loaded only where it runs
 
         layers = []
         for layer in self._layers():

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedkv import kernel_cache
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.runtime import kernel_cache
 from pagedkv.server.streaming import DeltaTracker
 
 logger = logging.getLogger("pagedkv.server")

@@ -14,8 +14,8 @@ A bfloat16 cache is read as its bits and widened to float32 in the kernels' loop
 (`bf16.py`); sums run in float32.
 
 The models' side of a decode step on the CPU (products of a few rows, the whole decoder
-stack in one compiled call) is `pagedkv.ops.cpu_dense`, which reads this backend's plans;
-`warmup` compiles it too, so that one start compiles everything its cache dtype runs.
+stack in one compiled call) is `pagedkv.runtime`, which reads this backend's plans and
+compiles its own kernels when a model takes them (`pagedkv.runtime.warmup`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedkv import kernel_cache
 from pagedkv.ops import checks
+from pagedkv.ops.cpu import kernels
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.reference import attention_mask
-from pagedkv.threads import workers_spin
+from pagedkv.runtime import kernel_cache
+from pagedkv.runtime.threads import workers_spin
 
 __all__ = [
     "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "is_decode_only", "plan", "run",
@@ -51,8 +52,6 @@ spinning workers: an item is merged at the end, and where waking a thread costs 
 scoring 256 tokens (sleeping workers) a short sequence stays one item. A serial batch is
 cut finer (`kernels.plan_items`)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-_kernels = kernel_cache.load_kernels()
 
 
 @dataclass
@@ -94,14 +93,14 @@ def plan(
     spin = workers_spin()
     row_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * key_cache.element_size()
     serial_total = -(-SERIAL_BYTES // row_bytes)
-    items, row_items, rows, prefill, total, error, seq = _kernels.plan_items(
+    items, row_items, rows, prefill, total, error, seq = kernels.plan_items(
         starts, lens, tables, num_tokens, num_blocks, block_size, sliding_window or 0,
         MAX_DECODE_QUERY if uses_kernel(key_cache) else 0, sync_threads(), MIN_CHUNK[spin],
         serial_total,
     )  # fmt: skip
-    if error == _kernels.BAD_BLOCK:
+    if error == kernels.BAD_BLOCK:
         raise checks.bad_block(tables, lens, seq, num_blocks, block_size)
-    if error != _kernels.OK:
+    if error != kernels.OK:
         checks.check_lengths(starts, lens, num_tokens, tables.shape[1] * block_size)
         raise AssertionError(f"plan_items reported error {error} that check_lengths missed")
     return CpuPlan(
@@ -161,7 +160,7 @@ def _decode_rows(
     rows = query if plan.rows_index is None else query[plan.rows_index]
     q = rows.to(torch.float32).contiguous()
     out = torch.empty_like(q)
-    decode = _kernels.decode_parallel if plan.parallel else _kernels.decode_serial
+    decode = kernels.decode_parallel if plan.parallel else kernels.decode_serial
     decode(
         q.numpy(), _cache_rows(key_cache), _cache_rows(value_cache), plan.block_tables,
         plan.items, plan.row_items, key_cache.shape[1], scale, out.numpy(),
@@ -229,15 +228,15 @@ def write_kv(
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Load or compile the kernel variants that caches of this dtype use (the plan; for
-    float32 and bfloat16 both decode kernels and `cpu_dense`'s too); say so on stderr
-    when it compiles. The other kernel dtype's variants are left to an engine that runs it:
-    building both would keep a first start waiting for code it never runs."""
+    float32 and bfloat16 both decode kernels too); say so on stderr when it compiles. The
+    other kernel dtype's variants are left to an engine that runs it: building both would
+    keep a first start waiting for code it never runs."""
     dtype = key_cache.dtype
     name = str(dtype).removeprefix("torch.")
     # Other dtypes run the plan alone, which any earlier warm-up built.
-    kernel_cache.announce(name if dtype in KERNEL_DTYPES else None)
+    kernel_cache.announce(f"attention-{name}" if dtype in KERNEL_DTYPES else None)
     _compile(dtype)
-    kernel_cache.mark_compiled(name)
+    kernel_cache.mark_compiled(f"attention-{name}")
 
 
 def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
@@ -247,10 +246,7 @@ def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
 
 def _compile(dtype: torch.dtype) -> None:
     """Run the plan on a tiny cache of `dtype` (a decode of one 1-token sequence); for a
-    kernel dtype each decode kernel too, both matrix-vector kernels and a one-layer
-    decoder stack over it."""
-    from pagedkv.ops import cpu_dense  # it imports this module
-
+    kernel dtype each decode kernel too."""
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
     metadata = AttentionMetadata.build([[0]], [1], [1], [0])
     p = plan(metadata, cache, 1, None)
@@ -259,16 +255,3 @@ def _compile(dtype: torch.dtype) -> None:
     for parallel in (False, True):
         p.parallel = parallel
         run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
-        weight = torch.zeros(1, 2, dtype=dtype)
-        cpu_dense.linear_rows(weight, None, parallel)(torch.zeros(1, 2, dtype=dtype))
-    sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
-             "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
-    weights = cpu_dense.DecoderWeights.create(
-        [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}],
-        torch.zeros(8, dtype=dtype), torch.zeros(5, 8, dtype=dtype), 1e-6,
-    )  # fmt: skip
-    row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
-    slots = torch.zeros(1, dtype=torch.int64)
-    cpu_dense.decode_layers(
-        row, half, half, slots, weights, cache[None], cache[None].clone(), p, 1.0
-    )

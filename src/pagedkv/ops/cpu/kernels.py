@@ -1,9 +1,10 @@
 """The CPU backend's compiled code: plan a batch, attend decode rows over the paged cache.
 
 NumPy and Numba only (no torch: tensors arrive as NumPy views), and from pagedkv only the
-bfloat16 helpers of `bf16.py`: `pagedkv.kernel_cache` imports this file from a copy in the
-user's cache directory, keyed by both files' source, so that every checkout and venv of one
-pagedkv version shares the compiled code.
+bfloat16 helpers of `bf16.py` and `pagedkv.runtime.kernel_cache`, which keeps the compiled
+code in the user's cache directory, keyed by the kernel files' source, so that every
+checkout and venv of one pagedkv version shares it. `attend_item`, `merge_row` and
+`exp_parts` are public: the decoder stack (`pagedkv.runtime.stack`) calls them too.
 
 Work split (flash-decoding on the CPU). A decode row attends to key positions
 ``[lo, pos]`` of its sequence; the plan cuts that range at multiples of `chunk` into
@@ -14,7 +15,7 @@ still uses every core:
     items:    [lo, c)   [c, 2c)   [2c, 3c)   ...   [kc, pos]      (c = chunk)
 
 Each item leaves an unnormalized partial state per query head (running max `row_max`, sum
-of weights `row_sum`, weighted values `acc`); `_merge` combines a row's items into its
+of weights `row_sum`, weighted values `acc`); `merge_row` combines a row's items into its
 output. Within an item, tokens are scored a span at a time (up to `SPAN` tokens, across
 block boundaries) before one online-softmax update per head, so small blocks do not pay a
 rescale each.
@@ -27,6 +28,9 @@ from numba import njit, prange
 
 from pagedkv.ops.cpu import bf16
 from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.runtime import kernel_cache
+
+kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
 OK, BAD_BOUNDS, BAD_QUERY_LEN, BAD_SEQ_LEN, BAD_BLOCK = range(5)
 SPAN = 64
@@ -115,8 +119,8 @@ def _failed(code, seq):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc,
-          row_max, row_sum):  # fmt: skip  # pragma: no cover
+def attend_item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
+                acc, row_max, row_sum):  # fmt: skip  # pragma: no cover
     """Attend item i's query row to its key range; leave its partial state. query: float32
     [num_rows, H, D]; caches [num_slots, num_kv_heads, D], float32 or bfloat16 bits (uint16);
     acc [H, D], row_max and row_sum [H], all overwritten."""
@@ -125,7 +129,7 @@ def _item(i, query, key_cache, value_cache, block_tables, items, block_size, sca
     table = block_tables[seq]
     slots = np.empty(2 * SPAN, dtype=np.int64)
     scores = np.empty((num_heads, SPAN), dtype=np.float32)
-    pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `_exp_parts`
+    pow2 = np.empty(SPAN, dtype=np.int32)  # bits of 2^n for `exp_parts`
     acc[:] = 0.0
     row_max[:] = NEG_INIT
     row_sum[:] = 0.0
@@ -249,7 +253,7 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
         for t in range(n):
             new_max = max(new_max, scores[h, t])
         for t in range(n):
-            scores[h, t], pow2[t] = _exp_parts(scores[h, t] - new_max)
+            scores[h, t], pow2[t] = exp_parts(scores[h, t] - new_max)
         total = np.float32(0.0)
         for t in range(n):
             scores[h, t] *= two_to[t]
@@ -262,7 +266,7 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
 
 
 @njit(fastmath=True, inline="always")
-def _exp_parts(y):  # pragma: no cover
+def exp_parts(y):  # pragma: no cover
     """exp(y), y <= 0, as 2^f and the bits of 2^k (y / ln 2 = k + f, k an integer, |f| <=
     1/2), multiplied by the caller once the bits are read as float32 (through an int32 buffer
     or `bf16.bits_as_float32`): unlike libm's expf (a scalar call) this vectorizes. A degree-7
@@ -316,7 +320,7 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
 
 
 @njit(cache=True, fastmath=True)
-def _merge(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
+def merge_row(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
     """Combine row r's partial states (items row_items[r]:row_items[r + 1]) into out[r]."""
     i0, i1 = row_items[r], row_items[r + 1]
     num_heads, head_dim = out.shape[1], out.shape[2]
@@ -346,11 +350,11 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, row_item
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
-        # int64 as the serial callers pass it (an unsigned prange index compiles `_item` again)
-        _item(np.int64(i), query, key_cache, value_cache, block_tables, items, block_size,
-              scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
+        # int64 as the serial callers pass it (an unsigned prange index compiles it again)
+        attend_item(np.int64(i), query, key_cache, value_cache, block_tables, items,
+                    block_size, scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
-        _merge(r, row_items, acc, row_max, row_sum, out)
+        merge_row(r, row_items, acc, row_max, row_sum, out)
 
 
 @njit(cache=True, fastmath=True)
@@ -364,7 +368,7 @@ def decode_serial(query, key_cache, value_cache, block_tables, items, row_items,
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in range(num_items):
-        _item(i, query, key_cache, value_cache, block_tables, items, block_size, scale, acc[i],
-              row_max[i], row_sum[i])  # fmt: skip
+        attend_item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
+                    acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in range(out.shape[0]):
-        _merge(r, row_items, acc, row_max, row_sum, out)
+        merge_row(r, row_items, acc, row_max, row_sum, out)

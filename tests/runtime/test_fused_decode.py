@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_hf_model
-from test_llama_models import BLOCK_SIZE, VARIANTS, PagedBatch, _prompt
+from helpers.paged_batch import BLOCK_SIZE, VARIANTS, PagedBatch, prompt
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.layers import FUSED_DECODE_ROWS
-from pagedkv.ops import AttentionMetadata, cpu, cpu_dense
+from pagedkv.ops import AttentionMetadata, cpu
+from pagedkv.runtime import decode
 
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
 # by rounding, and bfloat16 (rounded where torch rounds) may now and then move by one step.
@@ -21,13 +22,13 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-
 @pytest.fixture
 def count_fused(monkeypatch):
     calls = []
-    run = cpu_dense.decode_layers
+    run = decode.decode_layers
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_dense, "decode_layers", counted)
+    monkeypatch.setattr(decode, "decode_layers", counted)
     return calls
 
 
@@ -48,7 +49,7 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
     applies = fused.use_fused_decode()
     assert applies == (variant != "qwen2-window")
     batches = [PagedBatch(model, seed=3) for model in (plain, fused)]
-    prompts = {0: _prompt(13, seed=5), 1: _prompt(21, seed=6)}
+    prompts = {0: prompt(13, seed=5), 1: prompt(21, seed=6)}
     for _ in range(6):  # a prefill, then decodes of both sequences across block ends
         logits = [
             batch.step(model, prompts) for batch, model in zip(batches, (plain, fused), strict=True)
@@ -79,7 +80,7 @@ def test_the_logits_of_the_rows_asked_for_come_from_the_stack(
     outputs = []
     for model in (plain, fused):
         batch = PagedBatch(model, seed=3)
-        batch.step(model, {i: _prompt(9 - i, seed=1 + i) for i in range(num_seqs)})
+        batch.step(model, {i: prompt(9 - i, seed=1 + i) for i in range(num_seqs)})
         slots, tables, lens = [], [], []
         for seq, token_count in batch.lens.items():  # each sequence's next token by hand
             table = batch.tables[seq]
@@ -106,7 +107,7 @@ def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fus
     assert fused.use_fused_decode()
     batch = PagedBatch(fused)
     limit = FUSED_DECODE_ROWS
-    batch.step(fused, {seq: _prompt(4, seed=seq) for seq in range(limit + 1)})
+    batch.step(fused, {seq: prompt(4, seed=seq) for seq in range(limit + 1)})
     batch.step(fused, {seq: [7] for seq in range(limit + 1)})  # one row too many
     batch.step(fused, {seq: [7] for seq in range(limit)})
     assert count_fused == [limit]
@@ -117,7 +118,7 @@ def test_a_slot_past_the_pool_is_refused_before_any_write(tmp_path):
     _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.float32)
     assert fused.use_fused_decode()
     batch = PagedBatch(fused)
-    batch.step(fused, {0: _prompt(6, seed=1)})
+    batch.step(fused, {0: prompt(6, seed=1)})
     before = batch.cache.key_pool.clone()
     num_slots = batch.cache.num_blocks * batch.cache.block_size
     table = batch.tables[0]
@@ -131,8 +132,8 @@ def test_a_slot_past_the_pool_is_refused_before_any_write(tmp_path):
 def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch, count_fused):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": _prompt(n, seed=n)} for n in (3, 9, 17, 30)]
-    for module in (cpu, cpu_dense):  # a share per thread even on one
+    prompts = [{"prompt_token_ids": prompt(n, seed=n)} for n in (3, 9, 17, 30)]
+    for module in (cpu, decode):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     monkeypatch.setattr(cpu, "SERIAL_BYTES", 0)  # attention items on every thread
     tokens = {}
@@ -160,10 +161,10 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
     for threads in (1, 2):
         model = load_model(model_dir, dtype=dtype)
         assert model.use_matvec() and model.use_fused_decode()
-        monkeypatch.setattr(cpu_dense, "sync_threads", lambda n=threads: n)
-        monkeypatch.setattr(cpu_dense, "_team", cpu_dense.TeamBackoff())
+        monkeypatch.setattr(decode, "sync_threads", lambda n=threads: n)
+        monkeypatch.setattr(decode, "_team", decode.TeamBackoff())
         batch = PagedBatch(model, seed=3)
-        prompts = {0: _prompt(13, seed=5), 1: _prompt(21, seed=6)}
+        prompts = {0: prompt(13, seed=5), 1: prompt(21, seed=6)}
         logits = []
         for _ in range(6):  # a prefill, then five decode steps of two rows
             logits.append(batch.step(model, prompts))
@@ -177,7 +178,7 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
 
 
 def test_after_a_step_finished_alone_the_next_ones_run_on_one_thread_for_longer_each_time():
-    team = cpu_dense.TeamBackoff()
+    team = decode.TeamBackoff()
     assert team.threads(2) == 2
     team.record(2, went_alone=True)
     assert [team.threads(2) for _ in range(5)] == [1, 1, 1, 1, 2]

@@ -1,7 +1,7 @@
 """A decode step's dense work on the CPU for a few rows: a layer's product
 (`linear_rows`, `matvec.py`) and the whole decoder stack in one compiled call and one
-parallel region (`decode_layers`, `layers.py`), both bound by reading the weights once.
-The models' side of the CPU backend (`pagedkv.ops.cpu`), whose plans it reads."""
+parallel region (`decode_layers`, `stack.py`), both bound by reading the weights once.
+The models' side of the CPU attention backend (`pagedkv.ops.cpu`), whose plans it reads."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedkv import kernel_cache
-from pagedkv.ops import checks
+from pagedkv.ops import AttentionMetadata, checks, cpu
 from pagedkv.ops.cpu import CpuPlan, is_decode_only
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
-from pagedkv.threads import workers_spin
-
-_matvec = kernel_cache.load_kernels("matvec")
-_layers = kernel_cache.load_kernels("layers")
+from pagedkv.runtime import kernel_cache, matvec, stack
+from pagedkv.runtime.threads import workers_spin
 
 PARALLEL_WORK = 2_000_000
 """Multiply-adds (rows x weight elements) from which a product is split over every thread
@@ -57,11 +54,11 @@ def linear_rows(
             raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
         if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
-            _matvec.matvec_parallel(
+            matvec.matvec_parallel(
                 as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts
             )
         else:
-            _matvec.matvec(as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out))
+            matvec.matvec(as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out))
         return out
 
     return product
@@ -103,7 +100,7 @@ class DecoderWeights:
         for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
                      "gate_up", "down"):  # fmt: skip
             views = [as_numpy(_plain(layer[name], name, dtype)) for layer in layers]
-            fields[name] = _layers.typed_list(tuple(views))
+            fields[name] = stack.typed_list(tuple(views))
         return cls(
             **fields,
             final_norm=as_numpy(_plain(final_norm, "final_norm", dtype)),
@@ -134,7 +131,7 @@ def decode_layers(
     with_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's rows through every layer, the final norm and the LM head
-    (`layers.py`); `hidden` is the residual stream, updated in place.
+    (`stack.py`); `hidden` is the residual stream, updated in place.
 
     Args:
         hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
@@ -166,7 +163,7 @@ def decode_layers(
     final = torch.empty_like(hidden)
     head = weights.head if with_head else weights.head[:0]  # no rows: an empty phase
     logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
-    went_alone = _layers.decode_layers(
+    went_alone = stack.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
         weights.qkv_bias, weights.q_norm, weights.k_norm, weights.o_proj, weights.post_norm,
@@ -180,7 +177,7 @@ def decode_layers(
 
 
 class TeamBackoff:
-    """How many threads share the next decode step (`layers.py`).
+    """How many threads share the next decode step (`stack.py`).
 
     Where a thread had to finish a step alone, another process holds a core: the next
     steps run on one thread, for twice as many steps each time it happens again (up to
@@ -211,3 +208,24 @@ class TeamBackoff:
 
 _team = TeamBackoff()
 """One per process: whether cores are free is the machine's state, not a model's."""
+
+
+def warmup(dtype: torch.dtype) -> None:
+    """Load or compile the variants of `dtype` (float32 or bfloat16) of both matrix-vector
+    kernels and the decoder stack; say so on stderr when they compile."""
+    name = str(dtype).removeprefix("torch.")
+    kernel_cache.announce(f"runtime-{name}")
+    for parallel in (False, True):
+        linear_rows(torch.zeros(1, 2, dtype=dtype), None, parallel)(torch.zeros(1, 2, dtype=dtype))
+    sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
+             "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
+    weights = DecoderWeights.create(
+        [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}],
+        torch.zeros(8, dtype=dtype), torch.zeros(5, 8, dtype=dtype), 1e-6,
+    )  # fmt: skip
+    cache = torch.zeros(1, 1, 1, 1, 8, dtype=dtype)
+    plan = cpu.plan(AttentionMetadata.build([[0]], [1], [1], [0]), cache[0], 1, None)
+    row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
+    slots = torch.zeros(1, dtype=torch.int64)
+    decode_layers(row, half, half, slots, weights, cache, cache.clone(), plan, 1.0)
+    kernel_cache.mark_compiled(f"runtime-{name}")

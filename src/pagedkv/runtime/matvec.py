@@ -1,5 +1,5 @@
 """Matrix-vector products for a few rows: a decode step's matmuls, bound by reading weights.
-NumPy and Numba only, loaded through `pagedkv.kernel_cache` like `kernels.py`.
+NumPy and Numba only; compiled code cached as `pagedkv.runtime.kernel_cache` says.
 
 torch's CPU matmul splits each product over its thread team, and on a small machine waking
 that team costs about as much as a decode step's product (a virtual CPU idle between two
@@ -32,6 +32,9 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from pagedkv.ops.cpu.bf16 import HAS_DOT, as_float32, dot32, prefetch_once, round_to_bf16
+from pagedkv.runtime import kernel_cache
+
+kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
 PREFETCH_BYTES = 2048
 """How far ahead of the row being multiplied its weight lines are asked for: lines asked for
@@ -46,8 +49,8 @@ def matvec(x, weight, bias, out):  # pragma: no cover
     x: [rows, in]; weight: [out, in]; bias: [out] or empty; out: [rows, out], overwritten;
     all of one dtype, float32 or bfloat16 bits (uint16), C-contiguous.
     """
-    # An int64 start, as `layers.py` passes: a literal 0 would compile `_products` once more.
-    _products(x, weight, bias, out, np.int64(0), weight.shape[0])
+    # An int64 start, as `stack.py` passes: a literal 0 would compile `products` once more.
+    products(x, weight, bias, out, np.int64(0), weight.shape[0])
 
 
 @njit(cache=True, fastmath=True, parallel=True)
@@ -56,15 +59,15 @@ def matvec_parallel(x, weight, bias, out, parts):  # pragma: no cover
     num_out = weight.shape[0]
     share = -(-num_out // parts)
     for p in prange(parts):
-        _products(x, weight, bias, out, p * share, min(num_out, (p + 1) * share))
+        products(x, weight, bias, out, p * share, min(num_out, (p + 1) * share))
 
 
-def _products(x, weight, bias, out, first, end):  # pragma: no cover
+def products(x, weight, bias, out, first, end):  # pragma: no cover
     """out[:, n] for weight rows first <= n < end (x in the weight's dtype)."""
     raise NotImplementedError("compiled only")
 
 
-@overload(_products)
+@overload(products)
 def _products_impl(x, weight, bias, out, first, end):  # pragma: no cover
     if weight.dtype == types.uint16 and HAS_DOT:
         return lambda x, weight, bias, out, first, end: _products_dot(
@@ -75,7 +78,7 @@ def _products_impl(x, weight, bias, out, first, end):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _products_widened(x, weight, bias, out, first, end):  # pragma: no cover
-    """`_products` widening each element by itself (float32: as it is), input rows four at a
+    """`products` widening each element by itself (float32: as it is), input rows four at a
     time: each element of the weight row is loaded and widened once for several sums, not
     once per row, which at a few rows is what bounds the loop."""
     rows, size = x.shape
@@ -110,7 +113,7 @@ def _products_widened(x, weight, bias, out, first, end):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _products_dot(x, weight, bias, out, first, end):  # pragma: no cover
-    """`_products` for bfloat16 by `dot32`, one input row at a time (after the first, the
+    """`products` for bfloat16 by `dot32`, one input row at a time (after the first, the
     weight row is read from the L1 cache), the last `size % 32` elements one by one."""
     rows, size = x.shape
     groups = size // 32

@@ -1,4 +1,4 @@
-"""The atomic counters the CPU decode stack's threads share (`ops/cpu_dense/atomics.py`)."""
+"""The atomic counters the CPU decode stack's threads share (`runtime/atomics.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from pagedkv.ops.cpu.arrays import sync_threads
-from pagedkv.ops.cpu_dense import atomics
+from pagedkv.runtime import atomics
 
 
 @njit(parallel=True)

@@ -1,21 +1,26 @@
-"""`pagedkv.ops.warmup` readies the backend's kernels without touching the cache."""
+"""`pagedkv.ops.warmup` readies the backend's kernels without touching the cache, and
+`pagedkv.runtime.decode.warmup` the runtime's; both compile once per machine."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from pagedkv import kernel_cache
 from pagedkv.ops import warmup
+from pagedkv.runtime import kernel_cache
 
 _PROBE = """
 import sys
 import torch
-from pagedkv.ops import cpu, cpu_dense, warmup
+from pagedkv.ops import warmup
+from pagedkv.ops.cpu import kernels as k
+from pagedkv.runtime import decode, matvec as m
 
 for name in sys.argv[1:]:
     dtype = getattr(torch, name)
@@ -24,8 +29,8 @@ for name in sys.argv[1:]:
     before = key_cache.clone(), value_cache.clone()
     warmup(key_cache, value_cache, 4)
     assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
-k = cpu._kernels
-m = cpu_dense._matvec
+    if dtype in (torch.float32, torch.bfloat16):
+        decode.warmup(dtype)
 # per compiled variant its second argument's type: the key cache's, or the weight's
 for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, m.matvec, m.matvec_parallel):
     print(kernel.__name__, "|".join(str(sig[1]) for sig in kernel.signatures))
@@ -33,8 +38,10 @@ for kernel in (k.plan_items, k.decode_serial, k.decode_parallel, m.matvec, m.mat
 _ARRAYS = {"float32": "array(float32, {}d, C)", "bfloat16": "array(uint16, {}d, C)"}
 
 
-def _probe(cache_dir: str, *dtypes: str) -> tuple[dict[str, str], str]:
+def _probe(cache_dir: str, *dtypes: str, src: str | None = None) -> tuple[dict[str, str], str]:
     env = os.environ | {"PAGEDKV_CACHE_DIR": cache_dir}
+    if src is not None:  # another checkout of the same sources
+        env["PYTHONPATH"] = src
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, *dtypes],
         capture_output=True,
@@ -72,6 +79,17 @@ def test_warmup_compiles_a_dtypes_kernels_once_per_machine(tmp_path) -> None:
     both, stderr = _probe(str(tmp_path), "float32", "bfloat16", "float16")
     assert "compiling" not in stderr, stderr
     assert _compiled_for(both, "float32") and _compiled_for(both, "bfloat16")
+    # Another checkout (a copy of the package elsewhere) loads the same compiled code: the
+    # shared directory gains no file and the copy's own tree gets no Numba cache.
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(kernel_cache.__file__).parents[2], checkout,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    before = sorted(tmp_path.glob("cpu-kernels/*/*"))
+    again, stderr = _probe(str(tmp_path), "float32", "bfloat16", src=str(checkout))
+    assert "compiling" not in stderr, stderr
+    assert _compiled_for(again, "float32") and _compiled_for(again, "bfloat16")
+    assert sorted(tmp_path.glob("cpu-kernels/*/*")) == before
+    assert not list(checkout.rglob("*.nbi"))
 
 
 def test_kernel_cache_is_keyed_by_source_not_path(tmp_path, monkeypatch) -> None:
@@ -79,8 +97,8 @@ def test_kernel_cache_is_keyed_by_source_not_path(tmp_path, monkeypatch) -> None
     here = kernel_cache.kernel_dir()
     copy = tmp_path / "elsewhere" / "kernels.py"
     copy.parent.mkdir()
-    copy.write_bytes(kernel_cache._SOURCES[0].read_bytes())
-    monkeypatch.setattr(kernel_cache, "_SOURCES", (copy, *kernel_cache._SOURCES[1:]))
+    copy.write_bytes(kernel_cache.KERNEL_FILES[0].read_bytes())
+    monkeypatch.setattr(kernel_cache, "KERNEL_FILES", (copy, *kernel_cache.KERNEL_FILES[1:]))
     assert kernel_cache.kernel_dir() == here
     copy.write_text(copy.read_text() + "\n# changed\n")
     assert kernel_cache.kernel_dir() != here

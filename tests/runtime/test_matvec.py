@@ -18,8 +18,9 @@ from numba.core import codegen
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.layers import MATVEC_ROWS, can_pack_linear, linear, use_matvec_
-from pagedkv.ops import cpu, cpu_dense
-from pagedkv.ops.cpu_dense import linear_rows
+from pagedkv.ops import cpu
+from pagedkv.runtime import decode
+from pagedkv.runtime.decode import linear_rows
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
 
@@ -66,7 +67,9 @@ def test_linear_rows_bfloat16_without_a_dot_product_instruction():
     this CPU with the feature off (a process of its own: Numba reads the setting at start)."""
     features = codegen.get_host_cpu_features().replace("+avx512bf16", "-avx512bf16")
     here = Path(__file__).parent
-    path = os.pathsep.join(str(p) for p in (here, here.parent))  # this module, `helpers`
+    # this module, `helpers`, and the package where it is taken from a path
+    paths = (here, here.parent, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    path = os.pathsep.join(str(p) for p in paths)
     env = {**os.environ, "NUMBA_CPU_FEATURES": features, "PYTHONPATH": path}
     code = (
         "from pagedkv.ops.cpu import bf16; assert not bf16.HAS_DOT\n"
@@ -92,8 +95,8 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
 
 def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_dense, "sync_threads", lambda: 2)
-    monkeypatch.setattr(cpu_dense, "_matvec", SimpleNamespace(
+    monkeypatch.setattr(decode, "sync_threads", lambda: 2)
+    monkeypatch.setattr(decode, "matvec", SimpleNamespace(
         matvec=lambda *args: calls.append("serial"),
         matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
     ))  # fmt: skip
@@ -103,11 +106,11 @@ def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(
         linear_rows(weight, None)(x)
     # Sleeping workers: split from PARALLEL_WORK multiply-adds (rows x weight elements) on.
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(cpu_dense, "PARALLEL_WORK", 2 * weight.numel())
+    monkeypatch.setattr(decode, "PARALLEL_WORK", 2 * weight.numel())
     product = linear_rows(weight, None)
     product(x)
     product(torch.zeros(2, 8))
-    monkeypatch.setattr(cpu_dense, "sync_threads", lambda: 1)
+    monkeypatch.setattr(decode, "sync_threads", lambda: 1)
     linear_rows(weight, None)(x)  # one thread: nothing to split
     assert calls == ["serial", "parallel 2", "serial", "parallel 2", "serial"]
 
@@ -156,7 +159,7 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
-    for module in (cpu, cpu_dense):  # a share per thread even on one
+    for module in (cpu, decode):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     tokens = {}
     # torch's matmuls; the kernel on one thread; on every thread (the workers' policy is read

@@ -26,8 +26,8 @@ waits of a millisecond in one step another process holds a core: the waiting thr
 the step alone and the caller runs the next steps on one thread (`TeamBackoff`): on a shared
 core every hand-off would cost a scheduler slice.
 
-NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits), loaded
-through `pagedkv.kernel_cache` with the two kernel files it calls.
+NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits); compiled
+code cached as `pagedkv.runtime.kernel_cache` says.
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from pagedkv import kernel_cache
 from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
-from pagedkv.ops.cpu_dense import atomics
+from pagedkv.ops.cpu.kernels import attend_item, exp_parts, merge_row
+from pagedkv.runtime import atomics, kernel_cache
+from pagedkv.runtime.matvec import narrow, products
 
-_kernels = kernel_cache.load_kernels()
-_matvec = kernel_cache.load_kernels("matvec")
-_narrow = _matvec.narrow
-_products = _matvec._products
+kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
 QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
 """The kinds of phases: a layer's five, then the LM head's after the last layer."""
@@ -221,29 +219,29 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     while c < n:
         first = c * step
         if kind == QKV:
-            _products(normed, weight, bias, fused, first, first + step)
+            products(normed, weight, bias, fused, first, first + step)
             _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
                         query, keys, values)  # fmt: skip
         elif kind == ATTEND:
-            _kernels._item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
+            attend_item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
                            row_max[c], row_sum[c])  # fmt: skip
         elif kind == HEAD:
             if c == 0:
                 final[:] = normed
             end = min(head.shape[0], first + step)
-            _products(normed, weight, bias, head_out, first, end)
+            products(normed, weight, bias, head_out, first, end)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
         elif kind == GATE_UP:
-            _products(normed, weight, bias, mlp_in, first, min(weight.shape[0], first + step))
+            products(normed, weight, bias, mlp_in, first, min(weight.shape[0], first + step))
         else:  # o_proj or down, each with its residual add
             inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
-            _products(inputs, weight, bias, update, first, end)
+            products(inputs, weight, bias, update, first, end)
             for r in range(x.shape[0]):
                 for i in range(first, end):
-                    x[r, i] = _narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
+                    x[r, i] = narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
         done += 1
         c = _claim(counters, phase, n, me, threads)
     # Counted once, after their writes: the count's line is the one that waiting threads
@@ -341,20 +339,20 @@ def _silu_rows(mlp_in, mid, x, scratch):  # pragma: no cover
 
     silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
     below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
-    (`kernels._exp_parts`; libm's expf is a scalar call per element). Three loops, each of
+    (`kernels.exp_parts`; libm's expf is a scalar call per element). Three loops, each of
     which LLVM vectorizes, and NumPy's error model: Python's checks every division for zero,
     a branch that kept the loop scalar."""
     size = mid.shape[1]
     for r in range(mid.shape[0]):
         for j in range(size):
-            fraction, bits = _kernels._exp_parts(-abs(as_float32(mlp_in[r, j])))
+            fraction, bits = exp_parts(-abs(as_float32(mlp_in[r, j])))
             scratch[j] = fraction * bits_as_float32(np.uint32(bits))
         for j in range(size):
             gate, e = as_float32(mlp_in[r, j]), scratch[j]
             act = (gate if gate >= 0 else gate * e) / (np.float32(1) + e)
-            scratch[j] = as_float32(_narrow(act, x))
+            scratch[j] = as_float32(narrow(act, x))
         for j in range(size):
-            mid[r, j] = _narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x)
+            mid[r, j] = narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x)
 
 
 @njit(cache=True, fastmath=True)
@@ -362,10 +360,10 @@ def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):
     """heads = each real row's attention items merged (into `attended`), rounded to x's
     dtype, [rows, H * D] as o_proj reads them (pad rows left as they are)."""
     for r in range(num_real):
-        _kernels._merge(r, row_items, acc, row_max, row_sum, attended)
+        merge_row(r, row_items, acc, row_max, row_sum, attended)
         flat = attended[r].reshape(heads.shape[1])
         for i in range(flat.shape[0]):
-            heads[r, i] = _narrow(flat[i], x)
+            heads[r, i] = narrow(flat[i], x)
 
 
 @njit(cache=True, fastmath=True)
@@ -377,8 +375,8 @@ def _rms_norm(x, weight, eps, out):  # pragma: no cover
         total += as_float32(x[i]) * as_float32(x[i])
     inv = np.float32(1.0) / np.sqrt(total / np.float32(x.shape[0]) + np.float32(eps))
     for i in range(x.shape[0]):
-        normed = as_float32(_narrow(as_float32(x[i]) * inv, x))
-        out[i] = _narrow(as_float32(weight[i]) * normed, x)
+        normed = as_float32(narrow(as_float32(x[i]) * inv, x))
+        out[i] = narrow(as_float32(weight[i]) * normed, x)
 
 
 @njit(cache=True, fastmath=True)
@@ -388,5 +386,5 @@ def _rotate(head, cos, sin):  # pragma: no cover
     for i in range(half):
         a, b = as_float32(head[i]), as_float32(head[half + i])
         c, s = as_float32(cos[i]), as_float32(sin[i])
-        head[i] = _narrow(as_float32(_narrow(a * c, head)) - b * s, head)
-        head[half + i] = _narrow(as_float32(_narrow(b * c, head)) + a * s, head)
+        head[i] = narrow(as_float32(narrow(a * c, head)) - b * s, head)
+        head[half + i] = narrow(as_float32(narrow(b * c, head)) + a * s, head)
