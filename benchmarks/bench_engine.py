@@ -57,7 +57,7 @@ from _common import print_table, write_results  # noqa: E402 (benchmarks/ is on 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import ModelConfig  # noqa: E402
 from pagedkv.models import save_random_checkpoint  # noqa: E402
-from pagedkv.models.layers import onednn_linear  # noqa: E402
+from pagedkv.runtime.linear import onednn_linear  # noqa: E402
 
 FULL_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -241,8 +241,10 @@ def run_pagedkv(
     logit_rows: list[int] = []
     forward, compute_logits = model.forward, model.compute_logits
 
-    def recording_forward(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+    def recording_forward(input_ids: torch.Tensor, *args: Any) -> Any:
         step_tokens.append(input_ids.shape[0])
+        if len(args) > 3 and args[3] is not None:  # the sampled rows' logits come with it
+            logit_rows.append(len(args[3]))
         return forward(input_ids, *args)
 
     def recording_logits(hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

@@ -2,15 +2,15 @@
 parts, for `bench_latency.py --breakdown`.
 
 Per-step parts come from a real decode run, each entry point wrapped with a timer:
-`schedule`, `update` (which includes `detokenize`, also shown alone), the attention
-metadata and plan, the forward, the LM head, the sampler; "engine, other" is the rest of
-`LLMEngine.step` (outputs, metrics). Per-layer parts are timed alone on the model's own
-weights and the step's own metadata, all layers in a row as the forward runs them: the
-four matmuls (packed or plain, as the model holds them), the two norms, the rotary
-embedding, `write_kv`, attention, the SiLU gate and residual adds; "Python and dispatch"
-is the forward less their sum. Where the model runs its decoder stack in one compiled call
-(`use_fused_decode`), the parts are the matmuls (the same kernels, timed alone), the stack,
-and the forward outside it.
+`schedule`, `update` (which includes `detokenize`, also shown alone), the attention metadata
+and plan, the forward (with the sampled rows' LM head), the prompt rows' LM head, the
+sampler; "engine, other" is the rest of `LLMEngine.step` (outputs, metrics). Per-layer parts
+are timed alone on the model's own weights and the step's own metadata, all layers in a row
+as the forward runs them: the four matmuls (packed or plain, as the model holds them), the
+two norms, the rotary embedding, `write_kv`, attention, the SiLU gate and residual adds;
+"Python and dispatch" is the forward less their sum. Where the model runs its decoder stack
+in one compiled call (`FusedDecodeExecutor`), the parts are the matmuls (the same kernels,
+timed alone), the stack, and the forward outside it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import pagedkv.engine.runner as runner_module
 from pagedkv import LLM, SamplingParams
-from pagedkv.models.layers import apply_rotary_, linear
+from pagedkv.models.fused_executor import FusedDecodeExecutor
+from pagedkv.models.layers import apply_rotary_
 from pagedkv.ops import paged_attention_from_metadata, write_kv
 
 
@@ -124,6 +125,7 @@ def step_parts(llm: LLM, prompt: list[int], steps: int) -> tuple[dict[str, float
         runner_module.AttentionMetadata = metadata_cls  # type: ignore[misc]
         del model.forward  # the instance attribute; the class's forward shows again
     ms = {key: 1e3 * value / count for key, value in timers.seconds.items()}
+    ms.setdefault("LM head", 0.0)  # the sampled rows' logits come with the forward
     inside = ms["forward"] + ms["LM head"] + ms["sampler"] + ms["metadata"]
     parts = {
         "step": 1e3 * total / count,
@@ -148,7 +150,7 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
 
     Rewrites the captured step's KV slots (the request is finished).
     """
-    input_ids, positions, kv_cache, metadata = forward_args
+    input_ids, positions, kv_cache, metadata = forward_args[:4]
     config, dtype = model.config, model.dtype
     layers = list(model.model.layers)
     num_tokens, hidden_size = input_ids.shape[0], config.hidden_size
@@ -165,10 +167,10 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
     def matmuls() -> None:
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            linear(x, a.qkv_proj)
-            linear(attn_out, a.o_proj)
-            linear(x, m.gate_up_proj)
-            linear(inter, m.down_proj)
+            a.qkv_proj.forward(x)
+            a.o_proj.forward(attn_out)
+            m.gate_up_proj.forward(x)
+            m.down_proj.forward(inter)
 
     def norms() -> None:
         for layer in layers:
@@ -208,11 +210,12 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
             h += x
 
     forward = 1e3 * timed(lambda: model.forward(*forward_args))
-    if model.decoder_weights is not None:  # the compiled stack (`use_fused_decode`)
+    if isinstance(model.executor, FusedDecodeExecutor):  # the compiled stack
         cos, sin = model.rotary_emb(positions, dtype)
+        rows = list(range(num_tokens))
 
         def stack() -> None:
-            assert model._decode_fused(x.clone(), cos, sin, kv_cache, metadata), "not fused"
+            model.executor.run(x.clone(), cos, sin, kv_cache, metadata, rows)
 
         ms = {"matmuls": 1e3 * timed(matmuls), "decoder stack": 1e3 * timed(stack)}
         ms["stack less matmuls"] = ms["decoder stack"] - ms["matmuls"]

@@ -52,7 +52,7 @@ class PagedBatch:
             query_lens.append(len(tokens))
         metadata = AttentionMetadata.build(tables, seq_lens, query_lens, slots, device=self.device)
         ids_t, positions_t = (torch.tensor(x, device=self.device) for x in (ids, positions))
-        logits = model.compute_logits(model(ids_t, positions_t, self.cache, metadata)).cpu()
+        logits = model(ids_t, positions_t, self.cache, metadata).logits.cpu()
         return list(logits.split(query_lens))
 
 

@@ -1,5 +1,6 @@
-"""A decode step through the whole decoder stack in one compiled call: the layer-by-layer
-path's logits and K/V, the same tokens through the engine, and where it does not apply."""
+"""A decode step through the whole decoder stack in one compiled call (`FusedDecodeExecutor`):
+the layer executor's hidden states, logits and K/V, the same tokens through the engine, and
+where it does not apply."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from helpers import make_hf_model
 from helpers.paged_batch import BLOCK_SIZE, VARIANTS, PagedBatch, prompt
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.models import load_model
-from pagedkv.models.layers import FUSED_DECODE_ROWS
+from pagedkv.models import fused_executor, load_model
+from pagedkv.models.executor import LayerExecutor
+from pagedkv.models.fused_executor import FusedDecodeExecutor
 from pagedkv.ops import AttentionMetadata, cpu
-from pagedkv.runtime import decode
+from pagedkv.runtime import decode, products
+from pagedkv.runtime.tuning import CpuTuning
 
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
 # by rounding, and bfloat16 (rounded where torch rounds) may now and then move by one step.
@@ -22,21 +25,25 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-
 @pytest.fixture
 def count_fused(monkeypatch):
     calls = []
-    run = decode.decode_layers
+    run = fused_executor.decode_layers
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "decode_layers", counted)
+    monkeypatch.setattr(fused_executor, "decode_layers", counted)
     return calls
 
 
 def _pair(model_dir, dtype):
+    """The same model with the layer executor and with the fused one where it applies (both
+    with the matrix-vector kernel); whether it applies."""
     plain, fused = (load_model(model_dir, dtype=dtype) for _ in range(2))
-    for model in (plain, fused):
-        assert model.use_matvec()
-    return plain, fused
+    assert not plain.use_cpu_runtime(fused_decode=False, onednn=False)
+    applies = fused.use_cpu_runtime(fused_decode=True, onednn=False)
+    assert isinstance(plain.executor, LayerExecutor)
+    assert isinstance(fused.executor, FusedDecodeExecutor if applies else LayerExecutor)
+    return plain, fused, applies
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,9 +51,8 @@ def _pair(model_dir, dtype):
 @torch.inference_mode()
 def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused):
     arch, overrides = VARIANTS[variant]
-    plain, fused = _pair(make_hf_model(tmp_path, arch, **overrides), dtype)
+    plain, fused, applies = _pair(make_hf_model(tmp_path, arch, **overrides), dtype)
     # Two windows over the layers (qwen2-window): one plan cannot serve them, so it refuses.
-    applies = fused.use_fused_decode()
     assert applies == (variant != "qwen2-window")
     batches = [PagedBatch(model, seed=3) for model in (plain, fused)]
     prompts = {0: prompt(13, seed=5), 1: prompt(21, seed=6)}
@@ -69,14 +75,15 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
 @torch.inference_mode()
 @pytest.mark.parametrize(
     ("dtype", "num_seqs"),
-    # 3 float32 rows: the head runs in the stack; 6 bfloat16 rows (past MATVEC_ROWS): after it
+    # 3 float32 rows: the head runs in the stack; 6 bfloat16 rows (past the matrix-vector
+    # kernel's rows): after it
     [(torch.float32, 3), (torch.bfloat16, 6)],
 )
-def test_the_logits_of_the_rows_asked_for_come_from_the_stack(
+def test_both_executors_return_the_hidden_states_and_the_logits_of_the_rows_asked_for(
     tmp_path, count_fused, dtype, num_seqs
 ):
-    plain, fused = _pair(make_hf_model(tmp_path, "qwen2"), dtype)
-    assert fused.use_fused_decode()
+    plain, fused, applies = _pair(make_hf_model(tmp_path, "qwen2"), dtype)
+    assert applies
     outputs = []
     for model in (plain, fused):
         batch = PagedBatch(model, seed=3)
@@ -91,22 +98,27 @@ def test_the_logits_of_the_rows_asked_for_come_from_the_stack(
             lens.append(token_count + 1)
         metadata = AttentionMetadata.build(tables, lens, [1] * num_seqs, slots)
         positions = torch.tensor([n - 1 for n in lens])
-        hidden = model(torch.tensor(range(7, 7 + num_seqs)), positions, batch.cache, metadata)
-        outputs.append([model.compute_logits(hidden, rows) for rows in ([2, 0], [0, 1], None)])
-    assert count_fused == [num_seqs]
+        ids = torch.tensor(range(7, 7 + num_seqs))
+        # The same step three times (it writes the same K/V), asking for other rows each time.
+        outputs.append([
+            model(ids, positions, batch.cache, metadata, rows) for rows in ([2, 0], [0, 1], None)
+        ])  # fmt: skip
+    assert count_fused == [num_seqs] * 3
     for a, b in zip(*outputs, strict=True):
-        torch.testing.assert_close(b, a, **TOL[dtype])
-    assert outputs[1][0].shape == (2, plain.config.vocab_size)
-    # A tensor that is not the last forward's output gets its own products.
-    torch.testing.assert_close(fused.compute_logits(hidden.clone()), outputs[1][2])
+        torch.testing.assert_close(b.hidden, a.hidden, **TOL[dtype])
+        torch.testing.assert_close(b.logits, a.logits, **TOL[dtype])
+    assert outputs[1][0].logits.shape == (2, plain.config.vocab_size)
+    assert outputs[1][2].logits.shape == (num_seqs, plain.config.vocab_size)
+    # The logits are those of the hidden states it returned.
+    last = outputs[1][2]
+    torch.testing.assert_close(fused.compute_logits(last.hidden), last.logits, **TOL[dtype])
 
 
 @torch.inference_mode()
 def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fused):
-    _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.bfloat16)
-    assert fused.use_fused_decode()
+    _, fused, _ = _pair(make_hf_model(tmp_path, "llama"), torch.bfloat16)
     batch = PagedBatch(fused)
-    limit = FUSED_DECODE_ROWS
+    limit = CpuTuning().fused_decode_rows
     batch.step(fused, {seq: prompt(4, seed=seq) for seq in range(limit + 1)})
     batch.step(fused, {seq: [7] for seq in range(limit + 1)})  # one row too many
     batch.step(fused, {seq: [7] for seq in range(limit)})
@@ -115,8 +127,7 @@ def test_more_rows_than_the_products_take_run_layer_by_layer(tmp_path, count_fus
 
 @torch.inference_mode()
 def test_a_slot_past_the_pool_is_refused_before_any_write(tmp_path):
-    _, fused = _pair(make_hf_model(tmp_path, "llama"), torch.float32)
-    assert fused.use_fused_decode()
+    _, fused, _ = _pair(make_hf_model(tmp_path, "llama"), torch.float32)
     batch = PagedBatch(fused)
     batch.step(fused, {0: prompt(6, seed=1)})
     before = batch.cache.key_pool.clone()
@@ -133,7 +144,7 @@ def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch,
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": prompt(n, seed=n)} for n in (3, 9, 17, 30)]
-    for module in (cpu, decode):  # a share per thread even on one
+    for module in (cpu, decode, products):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     monkeypatch.setattr(cpu, "SERIAL_BYTES", 0)  # attention items on every thread
     tokens = {}
@@ -160,7 +171,7 @@ def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
     results = []
     for threads in (1, 2):
         model = load_model(model_dir, dtype=dtype)
-        assert model.use_matvec() and model.use_fused_decode()
+        assert model.use_cpu_runtime(onednn=False)
         monkeypatch.setattr(decode, "sync_threads", lambda n=threads: n)
         monkeypatch.setattr(decode, "_team", decode.TeamBackoff())
         batch = PagedBatch(model, seed=3)

@@ -17,10 +17,11 @@ from numba.core import codegen
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
-from pagedkv.models.layers import MATVEC_ROWS, can_pack_linear, linear, use_matvec_
 from pagedkv.ops import cpu
-from pagedkv.runtime import decode
-from pagedkv.runtime.decode import linear_rows
+from pagedkv.runtime import products
+from pagedkv.runtime.linear import Linear, can_pack
+from pagedkv.runtime.products import linear_rows
+from pagedkv.runtime.tuning import CpuTuning
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
 
@@ -95,8 +96,8 @@ def test_linear_rows_on_every_thread_gives_the_same_bits(dtype, out_features):
 
 def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(monkeypatch):
     calls = []
-    monkeypatch.setattr(decode, "sync_threads", lambda: 2)
-    monkeypatch.setattr(decode, "matvec", SimpleNamespace(
+    monkeypatch.setattr(products, "sync_threads", lambda: 2)
+    monkeypatch.setattr(products, "matvec", SimpleNamespace(
         matvec=lambda *args: calls.append("serial"),
         matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
     ))  # fmt: skip
@@ -106,17 +107,17 @@ def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(
         linear_rows(weight, None)(x)
     # Sleeping workers: split from PARALLEL_WORK multiply-adds (rows x weight elements) on.
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(decode, "PARALLEL_WORK", 2 * weight.numel())
+    monkeypatch.setattr(products, "PARALLEL_WORK", 2 * weight.numel())
     product = linear_rows(weight, None)
     product(x)
     product(torch.zeros(2, 8))
-    monkeypatch.setattr(decode, "sync_threads", lambda: 1)
+    monkeypatch.setattr(products, "sync_threads", lambda: 1)
     linear_rows(weight, None)(x)  # one thread: nothing to split
     assert calls == ["serial", "parallel 2", "serial", "parallel 2", "serial"]
 
 
-def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
-    layer = torch.nn.Linear(24, 10)
+def test_a_layer_uses_the_kernel_up_to_its_rows_only(monkeypatch):
+    layer = Linear(24, 10)
     calls = []
 
     def kernel(weight, bias):
@@ -126,32 +127,31 @@ def test_a_layer_uses_the_kernel_up_to_matvec_rows_only():
 
         return product
 
-    use_matvec_(layer, kernel)
-    limit = MATVEC_ROWS[torch.float32]
+    monkeypatch.setattr(products, "linear_rows", kernel)
+    limit = CpuTuning().matvec_rows("float32")
+    layer.use_products(limit, onednn=False, keep_plain=False)
     for rows in (1, limit, limit + 1):
-        linear(torch.randn(rows, 24), layer)
+        layer.forward(torch.randn(rows, 24))
     assert calls == [1, limit]
 
 
-@pytest.mark.skipif(
-    not can_pack_linear(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16"
-)
-def test_packed_weights_keep_a_plain_copy_for_the_kernel(tmp_path):
+@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16")
+def test_the_kernel_and_onednn_read_one_plain_copy(tmp_path):
     model_dir = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
     plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
     both = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    assert both.use_matvec() and both.pack_weights()
+    both.use_cpu_runtime(matvec=True, fused_decode=False, onednn=True)
     layer, reference = both.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
-    assert layer.weight.is_mkldnn
-    limit = MATVEC_ROWS[torch.bfloat16]
+    assert layer.onednn and not layer.weight.is_mkldnn
+    limit = CpuTuning().matvec_rows("bfloat16")
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, plain.config.hidden_size).to(torch.bfloat16)
         expected = (
             linear_rows(reference.weight, None)(x)
             if rows <= limit
-            else F.linear(x, reference.weight)  # the packed product gives the same bits
+            else F.linear(x, reference.weight)  # oneDNN's product gives the same bits
         )
-        assert torch.equal(linear(x, layer), expected)
+        assert torch.equal(layer.forward(x), expected)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
@@ -159,7 +159,7 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
     model_dir = make_hf_model(tmp_path, arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [*p, i]} for p in PROMPTS for i in range(3)]
-    for module in (cpu, decode):  # a share per thread even on one
+    for module in (cpu, products):  # a share per thread even on one
         monkeypatch.setattr(module, "sync_threads", lambda: 2)
     tokens = {}
     # torch's matmuls; the kernel on one thread; on every thread (the workers' policy is read
@@ -168,8 +168,8 @@ def test_engine_tokens_match_torch_matmuls_float32(tmp_path, arch, monkeypatch):
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         llm = LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=64, block_size=8,
                   cpu_matvec=matvec)  # fmt: skip
-        assert (llm.engine.runner.model.model.layers[0].mlp.down_proj.__dict__.get("matvec")
-                is not None) == matvec  # fmt: skip
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert (layer.matvec is not None) == matvec
         # One at a time (the kernel's rows) and all nine together (torch's: past the limit).
         single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         together = llm.generate(prompts, params, use_tqdm=False)
@@ -183,7 +183,7 @@ def test_engine_logits_match_torch_matmuls_bfloat16(tmp_path):
     model_dir = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
     plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
     fast = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    assert fast.use_matvec()
+    fast.use_cpu_runtime(matvec=True, fused_decode=False, onednn=False)
     hidden = torch.randn(2, plain.config.hidden_size).to(torch.bfloat16)
     torch.testing.assert_close(fast.compute_logits(hidden), plain.compute_logits(hidden),
                                rtol=2e-2, atol=2e-2)  # fmt: skip

@@ -1,5 +1,6 @@
-"""Matmuls through oneDNN: packed (blocked) bfloat16 weights give the same logits bit for
-bit; plain float32 ones the same logits up to rounding; both the same tokens."""
+"""Products through oneDNN (`runtime.linear.Linear`): packed (blocked) bfloat16 weights give
+the same logits bit for bit, plain float32 ones the same logits up to rounding, both the same
+tokens; every weight is held once, and no module gains an attribute."""
 
 from __future__ import annotations
 
@@ -9,36 +10,70 @@ from helpers import make_hf_model
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
-from pagedkv.models.layers import can_pack_linear, linear, pack_linear_
+from pagedkv.runtime.linear import Linear, can_pack
 
 needs_bf16 = pytest.mark.skipif(
-    not can_pack_linear(torch.bfloat16, torch.device("cpu")),
-    reason="no oneDNN bfloat16 on this CPU",
+    not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 on this CPU"
 )
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12], [8, 9], list(range(20, 60))]
 
 
+def _layer(bias: bool, seed: int = 0) -> Linear:
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(96, 80, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=generator))
+        if bias:
+            layer.bias.copy_(torch.randn(80, generator=generator))
+    return layer
+
+
 @needs_bf16
-def test_a_biased_linear_stays_plain():
-    layer = torch.nn.Linear(96, 80, bias=True, dtype=torch.bfloat16)
-    pack_linear_(layer)
-    assert not layer.weight.is_mkldnn
+def test_a_biased_bfloat16_linear_stays_with_torch():
+    layer = _layer(bias=True)
+    layer.use_products(0, onednn=True, keep_plain=False)
+    assert not layer.weight.is_mkldnn and not layer.onednn
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 64, 512])
-def test_packed_linear_gives_the_same_bits(rows):
-    generator = torch.Generator().manual_seed(rows)
-    layer = torch.nn.Linear(96, 80, bias=False, dtype=torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(80, 96, generator=generator))
-    x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+@pytest.mark.parametrize("keep_plain", [False, True])
+def test_onednn_linear_gives_the_same_bits_packed_or_plain(rows, keep_plain):
+    layer = _layer(bias=False, seed=rows)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
     expected = torch.nn.functional.linear(x, layer.weight)
-    pack_linear_(layer)
-    assert layer.weight.is_mkldnn
-    assert "weight" not in dict(layer.named_parameters())
-    assert torch.equal(linear(x, layer), expected)
+    layer.use_products(0, onednn=True, keep_plain=keep_plain)
+    assert layer.onednn and layer.weight.is_mkldnn != keep_plain
+    assert ("weight" in dict(layer.named_parameters())) == keep_plain  # packed: released
+    assert torch.equal(layer.forward(x), expected)
+
+
+def _attribute_names(module: torch.nn.Module) -> set[str]:
+    return {*vars(module), *module._parameters, *module._buffers, *module._modules}
+
+
+def _storages(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {name: (0 if t.is_mkldnn else t.data_ptr(), t.is_mkldnn) for name, t in tensors.items()}
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
+def test_the_runtime_holds_each_weight_once_and_tags_no_module(tmp_path, arch, dtype):
+    """With every CPU product on, the kernels read the loaded tensors in place (none is
+    copied or packed); every module keeps the attributes it was built with."""
+    model = load_model(make_hf_model(tmp_path, arch), dtype=dtype, device="cpu")
+    names = {name: _attribute_names(m) for name, m in model.named_modules()}
+    weights = _storages(model)
+    assert model.use_cpu_runtime(matvec=True, fused_decode=True, onednn=True)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    after = {name: _attribute_names(m) for name, m in model.named_modules()}
+    assert after == {**names, **({"tied_head": after["tied_head"]} if arch == "qwen2" else {})}
+    assert _storages(model) == weights
+    if arch == "qwen2":  # the tied head is the embedding table itself
+        assert model.tied_head.weight is model.model.embed_tokens.weight
 
 
 @needs_onednn
@@ -47,29 +82,30 @@ def test_float32_weights_stay_in_place_and_the_logits_move_only_by_rounding(tmp_
     model_dir = make_hf_model(tmp_path, arch)
     plain = load_model(model_dir, dtype=torch.float32, device="cpu")
     marked = load_model(model_dir, dtype=torch.float32, device="cpu")
-    weights = {name: t.data_ptr() for name, t in marked.named_parameters()}
-    assert marked.pack_weights()
-    # No copy: every weight is the tensor it was, plain.
-    assert {name: t.data_ptr() for name, t in marked.named_parameters()} == weights
-    assert not any(t.is_mkldnn for t in [*marked.parameters(), *marked.buffers()])
+    weights = _storages(marked)
+    marked.use_cpu_runtime(matvec=False, fused_decode=False, onednn=True)
+    assert _storages(marked) == weights  # no copy: every weight is the tensor it was, plain
     layer = marked.model.layers[0].mlp.down_proj
-    assert layer.__dict__.get("onednn")
+    assert layer.onednn
     x = torch.randn(7, layer.in_features)
-    torch.testing.assert_close(linear(x, layer), torch.nn.functional.linear(x, layer.weight))
+    torch.testing.assert_close(layer.forward(x), torch.nn.functional.linear(x, layer.weight))
     hidden = torch.randn(5, plain.config.hidden_size)
     torch.testing.assert_close(marked.compute_logits(hidden), plain.compute_logits(hidden))
 
 
 @needs_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
-def test_pack_weights_keeps_the_logits(tmp_path, arch):
+def test_packed_weights_keep_the_logits(tmp_path, arch):
+    """Where no few-row kernel reads them, bfloat16 weights are packed and the plain copies
+    released."""
     model_dir = make_hf_model(tmp_path, arch, dtype=torch.bfloat16)
     plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
     packed = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    assert packed.pack_weights()
+    packed.use_cpu_runtime(matvec=False, fused_decode=False, onednn=True)
+    assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
     hidden = torch.randn(5, plain.config.hidden_size).to(torch.bfloat16)
     assert torch.equal(packed.compute_logits(hidden), plain.compute_logits(hidden))
-    # The tied embedding stays a plain table for lookups.
+    # The tied embedding stays a plain table for lookups (and the tied head reads it).
     assert not packed.model.embed_tokens.weight.is_mkldnn
 
 
@@ -84,8 +120,8 @@ def test_engine_tokens_match_the_plain_path(tmp_path, arch, dtype):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     tokens = {}
     for pack in (False, True):
-        llm = LLM(str(model_dir), dtype=dtype, device="cpu", num_blocks=64,
-                  block_size=8, pack_weights=pack)  # fmt: skip
+        llm = LLM(str(model_dir), dtype=dtype, device="cpu", num_blocks=64, block_size=8,
+                  pack_weights=pack, cpu_matvec=False, cpu_fused_decode=False)  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[pack] = [o.outputs[0].token_ids for o in outputs]
     assert tokens[True] == tokens[False]

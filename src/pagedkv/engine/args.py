@@ -91,22 +91,18 @@ class EngineArgs:
     )
     pack_weights: bool = _option(
         True,
-        "multiply with oneDNN on the CPU: bfloat16 weights held in its blocked layout (same "
-        "logits, faster small batches; a tied LM head is held twice), float32 ones as they "
-        "are (faster than torch's MKL matmul on AMD CPUs; logits move by rounding)",
+        "multiply with oneDNN on the CPU: float32 weights as they are, bfloat16 ones packed in "
+        "its blocked layout where no few-row kernel reads them (each weight held once)",
     )
     cpu_matvec: bool = _option(
         True,
-        "multiply a decode step of 1-8 sequences (float32; 1-4 in bfloat16) in pagedkv's "
-        "matrix-vector kernel, not torch's matmul: on one thread, or on all for large products "
-        "and with OMP_WAIT_POLICY=ACTIVE (on the CPU; with pack_weights the bfloat16 weights are "
-        "held twice)",
+        "multiply a decode step of a few sequences in pagedkv's matrix-vector kernel, not "
+        "torch's matmul (on the CPU; how many rows: the tuning file, see `pagedkv tune`)",
     )
     cpu_fused_decode: bool = _option(
         True,
-        "send a decode step of 1-16 sequences through every layer in one compiled call, with no "
-        "Python between the operations, on every thread for one wake per step (on the CPU; "
-        "the same operations and roundings as the layer-by-layer path)",
+        "send a decode step of a few sequences through every layer in one compiled call "
+        "(on the CPU; the same operations and roundings as the layer-by-layer path)",
     )
     token_buckets: bool = _option(
         True,

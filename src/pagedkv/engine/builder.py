@@ -123,15 +123,9 @@ def build_rank_runner(
         num_host_blocks=num_host_blocks,
     )
     _log_allocation(network, kv_cache)
-    # Before packing the weights: both read them plain.
-    if (args.cpu_matvec and network.use_matvec()) | (
-        args.cpu_fused_decode and network.use_fused_decode()
-    ):
-        from pagedkv.runtime import decode
-
-        decode.warmup(torch_dtype)  # the runtime's kernels, before the first request
-    if args.pack_weights:
-        network.pack_weights()
+    network.use_cpu_runtime(
+        matvec=args.cpu_matvec, fused_decode=args.cpu_fused_decode, onednn=args.pack_weights
+    )
     options: dict[str, Any] = {
         "attention_backend": args.attention_backend,
         "token_buckets": args.token_buckets,

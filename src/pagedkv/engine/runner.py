@@ -8,6 +8,7 @@ import torch
 from pagedkv.cache import PagedKVCache
 from pagedkv.engine.request import SeqId
 from pagedkv.engine.sampler import Sampler, SampleResult, create_generator, top_logprobs
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
@@ -47,7 +48,8 @@ class ModelRunner:
         """Wrap a loaded model and its KV pools.
 
         Args:
-            model: forward(input_ids, positions, kv_cache, attn_metadata) + compute_logits.
+            model: forward(input_ids, positions, kv_cache, attn_metadata, logit_rows) ->
+                `ModelOutput`, and compute_logits for prompt rows.
             kv_cache: the K/V pools the scheduler's block ids index.
             attention_backend: passed to `AttentionMetadata` ("auto", "cpu", "triton", ...).
             token_buckets: run every matmul at `bucket_num_tokens` rows: the step's padding
@@ -118,18 +120,21 @@ class ModelRunner:
                 self.num_heads,
                 window,
             )
-        hidden = self.model(
+        samples = step.sample_rows()  # (row, seq_id, params, seed) per sample
+        rows = [sample[0] for sample in samples]
+        output = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache,
             metadata,
+            self._padded_rows(rows),
         )
         self._prompt_logprobs = {
-            seq.seq_id: (seq.start_pos, self._prompt_rows(seq, hidden, first_row))
+            seq.seq_id: (seq.start_pos, self._prompt_rows(seq, output.hidden, first_row))
             for first_row, seq in step.first_rows()  # decode rows take no prompt logprobs
             if seq.prompt_logprob_token_ids
         }
-        return self._sample(step, hidden)
+        return self._sample(samples, output.logits[: len(rows)])
 
     def pop_prompt_logprobs(self) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
         """The prompt logprobs of the last `execute`, then forgotten.
@@ -161,15 +166,13 @@ class ModelRunner:
             rows += top_logprobs(torch.log_softmax(logits, dim=-1), index, [k] * len(ids))
         return rows
 
-    def _sample(self, step: SchedulerOutput, hidden: torch.Tensor) -> dict[SeqId, SampleResult]:
-        """hidden: [num_tokens, hidden_size]; logits only for the rows that sample."""
-        samples = step.sample_rows()  # (row, seq_id, params, seed) per sample
-        if not samples:
+    def _sample(
+        self, samples: list[tuple[int, SeqId, SamplingParams, int]], logits: torch.Tensor
+    ) -> dict[SeqId, SampleResult]:
+        """samples: (row, seq_id, params, seed) each; logits: float32 [len(samples), vocab]."""
+        if not samples or not self.is_driver:
             return {}
-        rows, seq_ids, params, seeds = map(list, zip(*samples, strict=True))
-        logits = self._compute_logits(hidden, rows)
-        if not self.is_driver:
-            return {}
+        _, seq_ids, params, seeds = map(list, zip(*samples, strict=True))
         generators = [
             None if p.is_greedy else self._generator(seq_id, seed, logits.device)
             for seq_id, p, seed in zip(seq_ids, params, seeds, strict=True)
@@ -179,13 +182,14 @@ class ModelRunner:
     def _num_rows(self, num_tokens: int) -> int:
         return bucket_num_tokens(num_tokens) if self.token_buckets else num_tokens
 
+    def _padded_rows(self, rows: list[int]) -> list[int]:
+        """`rows` and, as padding, row 0 again up to the bucketed row count, at which the LM
+        head's matmul runs (the padding's logits are dropped)."""
+        return rows + [0] * (self._num_rows(len(rows)) - len(rows))
+
     def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Float32 logits [n, vocab_size] of the forward's output `rows`; the LM head's
-        matmul runs at the bucketed row count (row 0 again as padding, its logits
-        dropped)."""
-        num_rows = len(rows)
-        padding = self._num_rows(num_rows) - num_rows
-        return self.model.compute_logits(hidden, rows + [0] * padding)[:num_rows]
+        """Float32 logits [n, vocab_size] of the forward's output `rows`."""
+        return self.model.compute_logits(hidden, self._padded_rows(rows))[: len(rows)]
 
     def _generator(self, seq_id: SeqId, seed: int, device: torch.device) -> torch.Generator:
         request_id, index = seq_id

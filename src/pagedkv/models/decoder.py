@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.config import ModelConfig
-from pagedkv.models.layers import RMSNorm, apply_rotary_, linear
+from pagedkv.models.layers import RMSNorm, apply_rotary_
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel
 from pagedkv.ops import paged_attention_from_metadata, write_kv
+from pagedkv.runtime.linear import Linear
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -49,14 +50,14 @@ class Attention(nn.Module):
         windows = config.sliding_windows
         self.sliding_window = windows[layer_idx] if windows else None
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias,
             **factory,
         )
         # Row-parallel: each rank's product is a partial sum over its heads.
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, **factory)
         self.q_norm = (
             RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
         )
@@ -74,7 +75,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]; writes the T tokens' K/V."""
         num_tokens, heads = hidden.shape[0], self.num_heads + self.num_kv_heads
-        qkv = linear(hidden, self.qkv_proj)
+        qkv = self.qkv_proj.forward(hidden)
         # qkv: (T, (H + 2 KV) * D), a fresh buffer we may rotate in; q, k, v are views of it
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         out = out.reshape(num_real, self.q_size)
         if num_real < num_tokens:
             out = F.pad(out, (0, 0, 0, num_tokens - num_real))
-        return self.tp.all_reduce(linear(out, self.o_proj))
+        return self.tp.all_reduce(self.o_proj.forward(out))
 
 
 class MLP(nn.Module):
@@ -123,13 +124,13 @@ class MLP(nn.Module):
         self.tp = tp
         size = len(tp.rows(config.intermediate_size))
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False, **factory)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, **factory)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=False, **factory)
+        self.down_proj = Linear(size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return self.tp.all_reduce(linear(F.silu(gate).mul_(up), self.down_proj))
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.tp.all_reduce(self.down_proj.forward(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):

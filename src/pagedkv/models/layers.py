@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary position embeddings, linear layers.
+"""Building blocks of the Llama family: RMSNorm and rotary position embeddings (the linear
+layer is `pagedkv.runtime.linear.Linear`, whose product is chosen for the machine).
 
 Both follow Hugging Face transformers' numerics exactly (float32 statistics, `rotate_half`
 layout), so a float32 model here reproduces HF logits to rounding error.
@@ -7,7 +8,6 @@ layout), so a float32 model here reproduces HF logits to rounding error.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -142,89 +142,3 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     x2.mul_(cos).addcmul_(x1_orig, sin)  # x2 cos + x1 sin
     return x
-
-
-def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `pack_linear_` applies: float32 weights, or bfloat16 ones where oneDNN runs
-    bfloat16, on a CPU with oneDNN."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_linear_(linear: nn.Linear) -> None:
-    """Send `linear`'s products through oneDNN (see `linear`), in place.
-
-    The same kernels Inductor calls for a frozen CPU model. In bfloat16, for a batch of a
-    few rows, torch's plain matmul streams the weight at about half the speed, while the
-    packed one gives the same bits: the bias-free weight becomes a buffer in oneDNN's
-    blocked layout (`torch._mkldnn`), which only `linear` (and oneDNN) reads, and the plain
-    copy is released. In float32, torch's matmul is MKL's, which runs a generic code path
-    on non-Intel CPUs; oneDNN multiplies a plain float32 weight as fast as a blocked one,
-    so the weight stays as it is (no copy) and is only marked. Its sums run in another
-    order than MKL's: logits move by float32 rounding.
-    """
-    weight = linear.weight
-    if weight.dtype == torch.float32:
-        linear.__dict__["onednn"] = True  # a plain attribute, read by `linear()`
-        return
-    # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not: the
-    # bits could differ, so biased layers (Qwen2's QKV) stay plain.
-    if weight.is_mkldnn or linear.bias is not None:
-        return
-    # The batch-size hint picks the blocking; decode-sized batches are the ones that are
-    # bound by reading the weight, and every other size gives the same bits.
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-    del linear.weight
-    linear.register_buffer("weight", packed)
-
-
-MATVEC_ROWS = {torch.float32: 8, torch.bfloat16: 4}
-"""Products of at most this many rows go to a layer's matrix-vector kernel (`use_matvec_`):
-past it the kernel is bound by arithmetic (bfloat16 widens each weight element once per
-four rows), not by reading the weight, and oneDNN's matmul is as fast (an LM head of 8-16
-rows) or faster."""
-FUSED_DECODE_ROWS = 16
-"""Decode steps of at most this many rows go through the compiled decoder stack
-(`use_fused_decode`), in either dtype: there every product of the step shares one parallel
-region, which up to about 16 rows outruns oneDNN's matmuls plus a wake per product
-(benchmarks.md)."""
-
-
-def use_matvec_(
-    linear: nn.Linear, kernel: Callable[[Tensor, Tensor | None], Callable[[Tensor], Tensor]]
-) -> None:
-    """Give `linear` a product for a few rows, `kernel(weight, bias)` on its weight as it
-    is now (plain, float32 or bfloat16), which `linear()` calls for at most
-    `MATVEC_ROWS[dtype]` rows.
-
-    The product keeps that weight: a later `pack_linear_` then holds the layer twice.
-    """
-    weight = linear.weight.detach()
-    # A plain attribute (not a submodule, buffer or parameter): `linear()` reads it directly.
-    linear.__dict__["matvec"] = (MATVEC_ROWS[weight.dtype], kernel(weight, linear.bias))
-
-
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    """`x @ layer.weight.T (+ bias)`: the layer's matrix-vector kernel for a few rows
-    (`use_matvec_`), else oneDNN (`pack_linear_`) or torch's matmul.
-
-    x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features].
-
-    `F.linear` on the weights directly: `nn.Module.__call__`'s hook dispatch is paid on each
-    of a step's ~100 linear calls, and a decode step's small matmuls do not hide it.
-    """
-    matvec = layer.__dict__.get("matvec")
-    if matvec is not None and x.shape[0] <= matvec[0]:
-        return matvec[1](x)
-    weight = layer.weight
-    if weight.is_mkldnn or "onednn" in layer.__dict__:
-        return onednn_linear(x, weight, layer.bias)
-    return F.linear(x, weight, layer.bias)
-
-
-def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T (+ bias)` through oneDNN; `weight` plain float32 or packed bfloat16."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

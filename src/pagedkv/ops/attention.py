@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.ops import checks
 from pagedkv.ops.backend import get_backend
-from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.metadata import AttentionMetadata, AttentionPlan
 
 
 def warmup(
@@ -72,12 +72,12 @@ def plan(
     value_cache: torch.Tensor,
     num_heads: int,
     sliding_window: int | None = None,
-) -> None:
+) -> AttentionPlan:
     """Check the step's batch once and let its backend split the work, for every layer.
 
-    The plan is kept in ``metadata.plans[sliding_window]``; call once per distinct window
-    of the model's layers (most models have one). Layers whose caches differ in shape or
-    dtype from `key_cache` are refused at run time.
+    The plan is kept in ``metadata.plans[sliding_window]`` and returned; call once per
+    distinct window of the model's layers (most models have one). Layers whose caches
+    differ in shape or dtype from `key_cache` are refused at run time.
 
     Args:
         metadata: the step's batch; its `backend` picks the backend.
@@ -97,13 +97,32 @@ def plan(
     num_seqs = metadata.seq_lens.shape[0]
     checks.check_index("block_tables", metadata.block_tables, (num_seqs, None), device)
     checks.check_index("query_start_loc", metadata.query_start_loc, (num_seqs + 1,), device)
-    metadata.plans[sliding_window] = (
-        key_cache.shape,
-        key_cache.dtype,
-        num_heads,
-        backend,
-        backend.plan(metadata, key_cache, num_heads, sliding_window),
+    made = AttentionPlan(
+        cache_shape=key_cache.shape,
+        dtype=key_cache.dtype,
+        num_heads=num_heads,
+        sliding_window=sliding_window,
+        run=backend.run,
+        state=backend.plan(metadata, key_cache, num_heads, sliding_window),
     )
+    metadata.plans[sliding_window] = made
+    return made
+
+
+def step_plan(
+    metadata: AttentionMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+    sliding_window: int | None = None,
+) -> AttentionPlan:
+    """The step's plan for `sliding_window`: the one `plan` made, else made now (a bad
+    cache pair is named before the batch is read)."""
+    made = metadata.plans.get(sliding_window)
+    if made is None:
+        checks.check_kv_pair(key_cache, value_cache)
+        made = plan(metadata, key_cache, value_cache, num_heads, sliding_window)
+    return made
 
 
 def paged_attention_from_metadata(
@@ -136,8 +155,8 @@ def paged_attention_from_metadata(
     if sliding_window not in attn_metadata.plans:
         checks.check_kv_pair(key_cache, value_cache)
         checks.check_query(query, key_cache)  # a bad query is named before plan() reads it
-        plan(attn_metadata, key_cache, value_cache, query.shape[1], sliding_window)
-    cache_shape, dtype, num_heads, backend, backend_plan = attn_metadata.plans[sliding_window]
+    made = step_plan(attn_metadata, key_cache, value_cache, query.shape[1], sliding_window)
+    cache_shape, dtype, num_heads = made.cache_shape, made.dtype, made.num_heads
     if key_cache.shape != cache_shape or value_cache.shape != cache_shape:
         checks.check_kv_pair(key_cache, value_cache)
         raise checks.fail("key_cache", f"shape {tuple(cache_shape)} (as planned)", key_cache.shape)
@@ -151,7 +170,7 @@ def paged_attention_from_metadata(
             tuple(query.shape),
         )
     scale = checks.resolve_scale(scale, cache_shape[3])
-    return backend.run(query, key_cache, value_cache, backend_plan, scale)
+    return made.run(query, key_cache, value_cache, made.state, scale)
 
 
 def paged_attention(

@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's batch checked and split for the layers of one sliding window; made by
+    `pagedkv.ops.plan` and used by every layer of the step.
+
+    Attributes:
+        cache_shape, dtype: the pools it serves ([num_blocks, block_size, num_kv_heads,
+            head_dim]); a layer whose pools differ is refused.
+        num_heads: query heads.
+        sliding_window: the window, or None.
+        run: the backend's `run(query, key_cache, value_cache, state, scale)`.
+        state: the backend's own plan (`pagedkv.ops.cpu.CpuPlan` for the CPU backend).
+    """
+
+    cache_shape: torch.Size
+    dtype: torch.dtype
+    num_heads: int
+    sliding_window: int | None
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float], torch.Tensor]
+    state: Any
 
 
 @dataclass
@@ -28,8 +51,8 @@ class AttentionMetadata:
             `paged_attention` call, where a GPU backend bounds it without a device sync).
         max_seq_len: largest total length in the batch (None: unknown).
         backend: backend name for `paged_attention` ("auto", "cpu", "reference", "triton").
-        plans: per sliding window (None included), the plan `pagedkv.ops.plan` made for this
-            step, reused by every layer.
+        plans: per sliding window (None included), the `AttentionPlan` that
+            `pagedkv.ops.plan` made for this step, reused by every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -39,7 +62,7 @@ class AttentionMetadata:
     max_query_len: int | None = None
     max_seq_len: int | None = None
     backend: str = "auto"
-    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

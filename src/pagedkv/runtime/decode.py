@@ -1,67 +1,20 @@
-"""A decode step's dense work on the CPU for a few rows: a layer's product
-(`linear_rows`, `matvec.py`) and the whole decoder stack in one compiled call and one
-parallel region (`decode_layers`, `stack.py`), both bound by reading the weights once.
-The models' side of the CPU attention backend (`pagedkv.ops.cpu`), whose plans it reads."""
+"""A decode step of a few rows through the whole decoder stack in one compiled call and one
+parallel region (`decode_layers`, `stack.py`), bound by reading the weights once; it reads
+the plans of the CPU attention backend (`pagedkv.ops.cpu`)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedkv.ops import AttentionMetadata, checks, cpu
-from pagedkv.ops.cpu import CpuPlan, is_decode_only
+from pagedkv.ops.cpu import CpuPlan
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
-from pagedkv.runtime import kernel_cache, matvec, stack
-from pagedkv.runtime.threads import workers_spin
-
-PARALLEL_WORK = 2_000_000
-"""Multiply-adds (rows x weight elements) from which a product is split over every thread
-where the OpenMP workers sleep between parallel calls. Waking one costs tens of
-microseconds (on a virtual machine an idle CPU must be rescheduled): a one-row product of a
-small model's layer does not repay it, an LM head or a few rows' MLP does (benchmarks.md).
-Where the workers spin (`workers_spin`) every product is split."""
-
-
-def linear_rows(
-    weight: torch.Tensor, bias: torch.Tensor | None, parallel: bool | None = None
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`x -> F.linear(x, weight, bias)` for a few rows of x (`matvec.py`): each weight row
-    is read once, sums in float32, the result rounded once to the weight's dtype; the same
-    bits on one thread or on all. The weight is read in place (an in-place update shows).
-
-    Args:
-        weight: [out_features, in_features], C-contiguous, float32 or bfloat16, on the CPU.
-        bias: [out_features] of the same dtype, or None.
-        parallel: split the rows over torch's threads; default: where there is more than
-            one thread and the product is at least `PARALLEL_WORK` (0 where the workers
-            spin: the policy as it is now, the OpenMP runtime keeps the one it started with).
-    """
-    flat_weight = as_numpy(weight)
-    flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
-    out_features = weight.shape[0]
-    parts = sync_threads()
-    if parallel is None:
-        min_work: float = 0 if workers_spin() else PARALLEL_WORK
-    else:
-        min_work = 0 if parallel else math.inf
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != weight.dtype:
-            raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
-        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
-            matvec.matvec_parallel(
-                as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts
-            )
-        else:
-            matvec.matvec(as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out))
-        return out
-
-    return product
+from pagedkv.runtime import kernel_cache, stack
+from pagedkv.runtime.products import linear_rows
 
 
 @dataclass
@@ -139,7 +92,7 @@ def decode_layers(
         slot_mapping: [num_real] int64 (the plan's rows; -1 skips a row's write).
         key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
         plan: the step's plan over these pools, with every real row a kernel row
-            (`is_decode_only`).
+            (`CpuPlan.is_decode_only`).
         scale: softmax scale.
         with_head: run the LM head too (else its logits are None, for the caller's matmul).
 
@@ -147,7 +100,7 @@ def decode_layers(
         (the final norm's output [T, hidden_size] in hidden's dtype, float32 logits [T,
         vocab]; a bfloat16 model's are rounded to bfloat16 first, as its matmul gives them).
     """
-    if not is_decode_only(plan, slot_mapping.shape[0]):
+    if not plan.is_decode_only(slot_mapping.shape[0]):
         raise checks.fail("plan", "kernel rows only (a decode step)", "prefill sequences")
     if key_pool.shape[1:] != plan.cache_shape or key_pool.dtype != plan.dtype:
         raise checks.fail("key_pool", f"layers of {tuple(plan.cache_shape)} (as planned)",

@@ -91,8 +91,7 @@ def use_shared_cache() -> None:
                 return None
             return super().from_function(py_func, py_file)  # None where not writable
 
-    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
-    impl._locator_classes.insert(0, SharedLocator)
+    caching.CacheImpl._locator_classes.insert(0, SharedLocator)
     _registered = True
 
 

@@ -35,7 +35,7 @@ from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.threads import workers_spin
 
 __all__ = [
-    "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "is_decode_only", "plan", "run",
+    "KERNEL_DTYPES", "MAX_DECODE_QUERY", "CpuPlan", "plan", "run",
     "uses_kernel", "warmup", "write_kv",
 ]  # fmt: skip
 
@@ -70,6 +70,10 @@ class CpuPlan:
     query_start_loc: np.ndarray  # int32 [num_seqs + 1]
     parallel: bool
     rows_index: torch.Tensor | None  # the rows as a tensor, unless they are all the rows
+
+    def is_decode_only(self, num_real: int) -> bool:
+        """Whether every one of the step's `num_real` rows is a kernel row."""
+        return not self.prefill_seqs and self.rows_index is None and self.rows.shape[0] == num_real
 
 
 def uses_kernel(cache: torch.Tensor) -> bool:
@@ -237,11 +241,6 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
     kernel_cache.announce(f"attention-{name}" if dtype in KERNEL_DTYPES else None)
     _compile(dtype)
     kernel_cache.mark_compiled(f"attention-{name}")
-
-
-def is_decode_only(plan: CpuPlan, num_real: int) -> bool:
-    """Whether every one of the step's `num_real` rows is a kernel row of `plan`."""
-    return not plan.prefill_seqs and plan.rows_index is None and plan.rows.shape[0] == num_real
 
 
 def _compile(dtype: torch.dtype) -> None:

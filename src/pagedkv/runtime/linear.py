@@ -1,0 +1,100 @@
+"""pagedkv's linear layer: one product chosen per layer when the model is set up for the
+machine (`Linear.use_products`), one call per product on the step path.
+
+    rows <= few_rows   the matrix-vector kernel (`products.linear_rows`): each weight
+                       row read once, on the calling thread or on every one
+    otherwise          oneDNN (`onednn=True`): a plain float32 or bfloat16 weight, or a
+                       bfloat16 one packed in oneDNN's blocked layout where nothing else
+                       reads the plain one; else torch's `F.linear`
+
+Every weight is held once: the matrix-vector kernel and the compiled decoder stack read the
+plain weight in place, so a weight is packed only where neither runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN multiplies weights of `dtype` here: float32, or bfloat16 where oneDNN
+    runs bfloat16, on a CPU with oneDNN."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T (+ bias)` through oneDNN; `weight` plain (float32 or bfloat16) or
+    packed bfloat16 (the same bits)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class Linear(nn.Module):
+    """`x @ weight.T (+ bias)` with HF's parameter names; call `forward` directly (no
+    `nn.Module.__call__` hooks: a step makes ~100 of these calls)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        weight: Tensor | None = None,
+    ) -> None:
+        """A layer of uninitialized parameters, or one sharing `weight` (a tied LM head)."""
+        super().__init__()
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = weight if weight is not None else nn.Parameter(
+            torch.empty(out_features, in_features, **factory)
+        )  # fmt: skip
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.few_rows = 0  # products of at most this many rows go to `matvec`
+        self.matvec: Callable[[Tensor], Tensor] | None = None
+        self.onednn = False
+
+    def use_products(self, few_rows: int, onednn: bool, keep_plain: bool) -> None:
+        """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
+        never), oneDNN past them (else torch). `keep_plain`: another reader (the compiled
+        decoder stack) needs the plain weight, so a bfloat16 one is not packed."""
+        weight = self.weight.detach()
+        if few_rows:
+            from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
+
+            self.few_rows, self.matvec = few_rows, linear_rows(weight, self.bias)
+        is_bf16 = weight.dtype == torch.bfloat16
+        # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not:
+        # the bits could differ, so biased bfloat16 layers stay with torch.
+        self.onednn = onednn and can_pack(weight.dtype, weight.device)
+        self.onednn &= not (is_bf16 and self.bias is not None)
+        if self.onednn and is_bf16 and not (few_rows or keep_plain):
+            # Packed where nothing reads the plain copy, which is released. The batch-size
+            # hint picks the blocking; decode-sized batches are the ones bound by reading
+            # the weight, and every other size gives the same bits.
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            del self.weight
+            self.register_buffer("weight", packed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features]."""
+        if x.shape[0] <= self.few_rows:
+            return self.matvec(x)  # type: ignore[misc]
+        if self.onednn:
+            return onednn_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
