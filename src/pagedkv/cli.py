@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "pagedkv.chat",  # chat
     "pagedkv.convert",  # convert
     "pagedkv.sim.commands",  # plan, simulate
+    "pagedkv.tune",  # tune
 )
 
 

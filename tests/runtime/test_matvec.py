@@ -99,16 +99,15 @@ def test_linear_rows_is_parallel_where_the_workers_spin_or_the_product_is_large(
     monkeypatch.setattr(products, "sync_threads", lambda: 2)
     monkeypatch.setattr(products, "matvec", SimpleNamespace(
         matvec=lambda *args: calls.append("serial"),
-        matvec_parallel=lambda *args: calls.append(f"parallel {args[-1]}"),
+        matvec_parallel=lambda *args: calls.append(f"parallel {args[-2]}"),  # parts, prefetch
     ))  # fmt: skip
     weight, x = torch.zeros(4, 8), torch.zeros(1, 8)
     for policy in ("PASSIVE", "active"):
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
         linear_rows(weight, None)(x)
-    # Sleeping workers: split from PARALLEL_WORK multiply-adds (rows x weight elements) on.
+    # Sleeping workers: split from `parallel_work` multiply-adds (rows x weight elements) on.
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(products, "PARALLEL_WORK", 2 * weight.numel())
-    product = linear_rows(weight, None)
+    product = linear_rows(weight, None, CpuTuning(parallel_work=2 * weight.numel()))
     product(x)
     product(torch.zeros(2, 8))
     monkeypatch.setattr(products, "sync_threads", lambda: 1)
@@ -120,7 +119,7 @@ def test_a_layer_uses_the_kernel_up_to_its_rows_only(monkeypatch):
     layer = Linear(24, 10)
     calls = []
 
-    def kernel(weight, bias):
+    def kernel(weight, bias, tuning):
         def product(x):
             calls.append(x.shape[0])
             return F.linear(x, weight, bias)

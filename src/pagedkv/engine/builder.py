@@ -30,6 +30,7 @@ from pagedkv.engine.workers import (
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
+from pagedkv.runtime.tuning import CpuTuning
 
 # Without num_blocks or kv_cache_memory the pool takes this share of the memory that is
 # free after loading the weights (CPU: MemAvailable; CUDA: mem_get_info).
@@ -124,7 +125,10 @@ def build_rank_runner(
     )
     _log_allocation(network, kv_cache)
     network.use_cpu_runtime(
-        matvec=args.cpu_matvec, fused_decode=args.cpu_fused_decode, onednn=args.pack_weights
+        matvec=args.cpu_matvec,
+        fused_decode=args.cpu_fused_decode,
+        onednn=args.pack_weights,
+        tuning=CpuTuning.load() if network.device.type == "cpu" else None,
     )
     options: dict[str, Any] = {
         "attention_backend": args.attention_backend,

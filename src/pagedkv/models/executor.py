@@ -56,9 +56,7 @@ class LayerExecutor:
     """Every layer as torch modules, one after the other; then the final norm and the head."""
 
     def __init__(self, layers: Sequence[DecoderLayer], norm: RMSNorm, logits: LogitsFn) -> None:
-        self.layers = layers
-        self.norm = norm
-        self.logits = logits
+        self.layers, self.norm, self.logits = layers, norm, logits
 
     def run(
         self,

@@ -15,6 +15,7 @@ from pagedkv.models.executor import LayerExecutor, LogitsFn, ModelOutput, select
 from pagedkv.ops import step_plan
 from pagedkv.ops.cpu import CpuPlan
 from pagedkv.runtime.decode import DecoderWeights, decode_layers
+from pagedkv.runtime.tuning import CpuTuning
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -37,12 +38,10 @@ class FusedDecodeExecutor:
         *,
         max_rows: int,
         head_rows: int,
+        knobs: tuple[int, int, int],
     ) -> None:
-        self.layers = layers
-        self.weights = weights
-        self.logits = logits
-        self.max_rows = max_rows
-        self.head_rows = head_rows
+        self.layers, self.weights, self.logits = layers, weights, logits
+        self.max_rows, self.head_rows, self.knobs = max_rows, head_rows, knobs
         attention = layers.layers[0].self_attn
         self.num_heads, self.window, self.scale = (
             attention.num_heads, attention.sliding_window, attention.scale,
@@ -50,15 +49,19 @@ class FusedDecodeExecutor:
 
     @classmethod
     def create(
-        cls, layers: LayerExecutor, head: Tensor, logits: LogitsFn, *, max_rows: int, head_rows: int
+        cls, layers: LayerExecutor, head: Tensor, logits: LogitsFn, tuning: CpuTuning
     ) -> FusedDecodeExecutor:
         """The executor over `layers`' plain weights (read in place) and `head`, [vocab,
-        hidden]."""
+        hidden], with `tuning`'s rows and knobs."""
         weights = DecoderWeights.create(
             [_layer_weights(layer) for layer in layers.layers], layers.norm.weight, head,
             layers.norm.eps,
         )  # fmt: skip
-        return cls(layers, weights, logits, max_rows=max_rows, head_rows=head_rows)
+        return cls(
+            layers, weights, logits, max_rows=tuning.fused_decode_rows,
+            head_rows=tuning.matvec_rows(str(head.dtype).removeprefix("torch.")),
+            knobs=tuning.kernel_knobs(),
+        )  # fmt: skip
 
     def run(
         self,
@@ -81,6 +84,7 @@ class FusedDecodeExecutor:
                 final, logits = decode_layers(
                     hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.weights,
                     kv_cache.key_pool, kv_cache.value_pool, plan, self.scale, with_head,
+                    self.knobs,
                 )  # fmt: skip
                 if logits is None:
                     return ModelOutput(final, self.logits(final, logit_rows))

@@ -200,16 +200,15 @@ class CausalLM(nn.Module):
             self.tied_head = Linear(hidden, vocab, bias=False, weight=embedding)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_products(few_rows, onednn, keep_plain=fused)
+                module.use_products(few_rows, onednn, keep_plain=fused, tuning=tuning)
         if fused:
             from pagedkv.models.fused_executor import FusedDecodeExecutor  # Numba
 
             layers = LayerExecutor(self._layers(), self.model.norm, self.compute_logits)
             head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
             self.executor = FusedDecodeExecutor.create(
-                layers, head.weight, self.compute_logits,
-                max_rows=tuning.fused_decode_rows, head_rows=tuning.matvec_rows(dtype_name),
-            )  # fmt: skip
+                layers, head.weight, self.compute_logits, tuning
+            )
         if few_rows or fused:
             from pagedkv.runtime.decode import warmup  # Numba
 

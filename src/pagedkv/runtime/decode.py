@@ -15,6 +15,7 @@ from pagedkv.ops.cpu import CpuPlan
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.runtime import kernel_cache, stack
 from pagedkv.runtime.products import linear_rows
+from pagedkv.runtime.tuning import CpuTuning
 
 
 @dataclass
@@ -82,6 +83,7 @@ def decode_layers(
     plan: CpuPlan,
     scale: float,
     with_head: bool = True,
+    knobs: tuple[int, int, int] = CpuTuning().kernel_knobs(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's rows through every layer, the final norm and the LM head
     (`stack.py`); `hidden` is the residual stream, updated in place.
@@ -95,6 +97,7 @@ def decode_layers(
             (`CpuPlan.is_decode_only`).
         scale: softmax scale.
         with_head: run the LM head too (else its logits are None, for the caller's matmul).
+        knobs: `CpuTuning.kernel_knobs()`.
 
     Returns:
         (the final norm's output [T, hidden_size] in hidden's dtype, float32 logits [T,
@@ -123,7 +126,7 @@ def decode_layers(
         weights.gate_up, weights.down, weights.final_norm, head,
         as_numpy(key_pool.view(pool_rows)), as_numpy(value_pool.view(pool_rows)),
         plan.block_tables, plan.items, plan.row_items, key_pool.shape[2], weights.eps, scale,
-        threads, as_numpy(final), logits.numpy(),
+        threads, as_numpy(final), logits.numpy(), knobs,
     )  # fmt: skip
     _team.record(threads, went_alone)
     return final, (logits if with_head else None)
@@ -169,7 +172,8 @@ def warmup(dtype: torch.dtype) -> None:
     name = str(dtype).removeprefix("torch.")
     kernel_cache.announce(f"runtime-{name}")
     for parallel in (False, True):
-        linear_rows(torch.zeros(1, 2, dtype=dtype), None, parallel)(torch.zeros(1, 2, dtype=dtype))
+        weight = torch.zeros(1, 2, dtype=dtype)
+        linear_rows(weight, None, parallel=parallel)(torch.zeros(1, 2, dtype=dtype))
     sizes = {"in_norm": (8,), "qkv": (24, 8), "qkv_bias": (24,), "q_norm": (8,), "k_norm": (8,),
              "o_proj": (8, 8), "post_norm": (8,), "gate_up": (4, 8), "down": (8, 2)}  # fmt: skip
     weights = DecoderWeights.create(

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.runtime.tuning import CpuTuning
+
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN multiplies weights of `dtype` here: float32, or bfloat16 where oneDNN
@@ -69,15 +71,18 @@ class Linear(nn.Module):
         self.matvec: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
 
-    def use_products(self, few_rows: int, onednn: bool, keep_plain: bool) -> None:
+    def use_products(
+        self, few_rows: int, onednn: bool, keep_plain: bool, tuning: CpuTuning | None = None
+    ) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
-        never), oneDNN past them (else torch). `keep_plain`: another reader (the compiled
-        decoder stack) needs the plain weight, so a bfloat16 one is not packed."""
+        never; its knobs from `tuning`), oneDNN past them (else torch). `keep_plain`:
+        another reader (the compiled decoder stack) needs the plain weight, so a bfloat16
+        one is not packed."""
         weight = self.weight.detach()
         if few_rows:
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
 
-            self.few_rows, self.matvec = few_rows, linear_rows(weight, self.bias)
+            self.few_rows, self.matvec = few_rows, linear_rows(weight, self.bias, tuning)
         is_bf16 = weight.dtype == torch.bfloat16
         # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not:
         # the bits could differ, so biased bfloat16 layers stay with torch.

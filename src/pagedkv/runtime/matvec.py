@@ -17,8 +17,9 @@ same way, so they agree bit for bit. Where the CPU has a bfloat16 dot product in
 (`bf16.dot32`) a bfloat16 row takes one instruction per 32 elements; elsewhere each element
 is widened by itself.
 
-Each weight row's lines are asked for `PREFETCH_BYTES` ahead as data read once (`prefetch_once`,
-x86's `prefetchnta`). A decode step streams every weight, hundreds of MB, through the
+Each weight row's lines are asked for `prefetch` bytes ahead (`CpuTuning.prefetch_bytes`,
+an argument: a module constant would be frozen into the cached machine code) as data read
+once (`prefetch_once`, x86's `prefetchnta`). A decode step streams every weight through the
 caches; fetched the ordinary way they push out of L2 and L3 all that the step reads next:
 the KV cache, the step's buffers and, after the call, the interpreter's code and objects.
 Asked for this way they leave most of that in place. (Not for one float32 input row: see
@@ -36,48 +37,44 @@ from pagedkv.runtime import kernel_cache
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
-PREFETCH_BYTES = 2048
-"""How far ahead of the row being multiplied its weight lines are asked for: lines asked for
-farther ahead (4-8 KB) made the step slower, those asked for 0.5-2 KB ahead not
-(benchmarks.md, "Latency, one user")."""
-
 
 @njit(cache=True, fastmath=True)
-def matvec(x, weight, bias, out):  # pragma: no cover
+def matvec(x, weight, bias, out, prefetch):  # pragma: no cover
     """out[m, n] = x[m] . weight[n] + bias[n] for every input row m and weight row n.
 
     x: [rows, in]; weight: [out, in]; bias: [out] or empty; out: [rows, out], overwritten;
-    all of one dtype, float32 or bfloat16 bits (uint16), C-contiguous.
+    all of one dtype, float32 or bfloat16 bits (uint16), C-contiguous. prefetch: bytes ahead
+    of a weight row that its lines are asked for.
     """
     # An int64 start, as `stack.py` passes: a literal 0 would compile `products` once more.
-    products(x, weight, bias, out, np.int64(0), weight.shape[0])
+    products(x, weight, bias, out, np.int64(0), weight.shape[0], prefetch)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
-def matvec_parallel(x, weight, bias, out, parts):  # pragma: no cover
+def matvec_parallel(x, weight, bias, out, parts, prefetch):  # pragma: no cover
     """`matvec` with the weight's rows cut into `parts` contiguous shares, one per task."""
     num_out = weight.shape[0]
     share = -(-num_out // parts)
     for p in prange(parts):
-        products(x, weight, bias, out, p * share, min(num_out, (p + 1) * share))
+        products(x, weight, bias, out, p * share, min(num_out, (p + 1) * share), prefetch)
 
 
-def products(x, weight, bias, out, first, end):  # pragma: no cover
+def products(x, weight, bias, out, first, end, prefetch):  # pragma: no cover
     """out[:, n] for weight rows first <= n < end (x in the weight's dtype)."""
     raise NotImplementedError("compiled only")
 
 
 @overload(products)
-def _products_impl(x, weight, bias, out, first, end):  # pragma: no cover
+def _products_impl(x, weight, bias, out, first, end, prefetch):  # pragma: no cover
     if weight.dtype == types.uint16 and HAS_DOT:
-        return lambda x, weight, bias, out, first, end: _products_dot(
-            x, weight, bias, out, first, end)  # fmt: skip
-    return lambda x, weight, bias, out, first, end: _products_widened(
-        x, weight, bias, out, first, end)  # fmt: skip
+        return lambda x, weight, bias, out, first, end, prefetch: _products_dot(
+            x, weight, bias, out, first, end, prefetch)  # fmt: skip
+    return lambda x, weight, bias, out, first, end, prefetch: _products_widened(
+        x, weight, bias, out, first, end, prefetch)  # fmt: skip
 
 
 @njit(cache=True, fastmath=True)
-def _products_widened(x, weight, bias, out, first, end):  # pragma: no cover
+def _products_widened(x, weight, bias, out, first, end, prefetch):  # pragma: no cover
     """`products` widening each element by itself (float32: as it is), input rows four at a
     time: each element of the weight row is loaded and widened once for several sums, not
     once per row, which at a few rows is what bounds the loop."""
@@ -87,7 +84,7 @@ def _products_widened(x, weight, bias, out, first, end):  # pragma: no cover
     ahead = rows > 1
     for n in range(first, end):
         if ahead:
-            _prefetch_ahead(weight, n * size, size)
+            _prefetch_ahead(weight, n * size, size, prefetch)
         w = weight[n]
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         m = 0
@@ -112,14 +109,14 @@ def _products_widened(x, weight, bias, out, first, end):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _products_dot(x, weight, bias, out, first, end):  # pragma: no cover
+def _products_dot(x, weight, bias, out, first, end, prefetch):  # pragma: no cover
     """`products` for bfloat16 by `dot32`, one input row at a time (after the first, the
     weight row is read from the L1 cache), the last `size % 32` elements one by one."""
     rows, size = x.shape
     groups = size // 32
     for n in range(first, end):
         at = n * size  # weight row n's first element
-        _prefetch_ahead(weight, at, size)
+        _prefetch_ahead(weight, at, size, prefetch)
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         for m in range(rows):
             total = dot32(weight, at, x, m * size, groups)
@@ -129,11 +126,11 @@ def _products_dot(x, weight, bias, out, first, end):  # pragma: no cover
 
 
 @njit(inline="always")
-def _prefetch_ahead(weight, at, size):  # pragma: no cover
-    """Ask for the `size` elements `PREFETCH_BYTES` past flat offset `at` of `weight`, a line
+def _prefetch_ahead(weight, at, size, prefetch):  # pragma: no cover
+    """Ask for the `size` elements `prefetch` bytes past flat offset `at` of `weight`, a line
     at a time, to be read once."""
     last = weight.size - 1
-    ahead = at + PREFETCH_BYTES // weight.itemsize
+    ahead = at + prefetch // weight.itemsize
     for c in range(0, size, 64 // weight.itemsize):
         prefetch_once(weight, min(ahead + c, last))
 

@@ -22,12 +22,14 @@ attention items, the MLP's activation) every thread computes for itself, into it
 buffers, before its first chunk of the phase. A sleeping worker (``OMP_WAIT_POLICY=PASSIVE``)
 is thus woken once per step, not per product, and a late (or preempted) thread only leaves
 its chunks to the others. A waiting thread spins briefly, then yields its core. After a few
-waits of a millisecond in one step another process holds a core: the waiting thread finishes
+long waits in one step another process holds a core: the waiting thread finishes
 the step alone and the caller runs the next steps on one thread (`TeamBackoff`): on a shared
 core every hand-off would cost a scheduler slice.
 
-NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as uint16 bits); compiled
-code cached as `pagedkv.runtime.kernel_cache` says.
+How long "briefly" and "long" are, and how far ahead weights are prefetched, are
+`CpuTuning`'s knobs, passed in as `knobs` (a module constant would be frozen into the
+cached machine code). NumPy and Numba only (tensors arrive as NumPy views, bfloat16 as
+uint16 bits); compiled code cached as `pagedkv.runtime.kernel_cache` says.
 """
 
 from __future__ import annotations
@@ -53,10 +55,6 @@ share a small model's projection evenly, large enough that claims (atomic adds) 
 LINE = 8
 """int64 counters per cache line: each counter on its own line, so claiming one phase's
 chunks does not stall a thread polling another's."""
-SPIN_TICKS = 50_000
-"""Cycles a waiting thread spins before it yields its core."""
-LONG_TICKS = 3_000_000
-"""Cycles (about a millisecond) of waiting after which the other thread was off its core."""
 LONG_WAITS = 3
 """Long waits in one step after which a waiting thread finishes the step alone: one is
 a virtual CPU preempted once, several mean that another process holds a core."""
@@ -66,7 +64,7 @@ a virtual CPU preempted once, several mean that another process holds a core."""
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
     gate_up, down, final_norm, head, key_pool, value_pool, block_tables, items, row_items,
-    block_size, eps, scale, threads, final, logits,
+    block_size, eps, scale, threads, final, logits, knobs,
 ):  # fmt: skip  # pragma: no cover
     """Pass x through every layer, in place, writing each layer's K/V of the real rows; then
     its final norm into `final` and the LM head's logits into `logits`.
@@ -86,6 +84,7 @@ def decode_layers(
         threads: threads to share the step (1: the calling one alone, no parallel region).
         final: [T, hidden], x's dtype.  logits: float32 [T, vocab] (a bfloat16 model's
             rounded to bfloat16 first, as its matmul gives them).
+        knobs: (prefetch bytes, spin ticks, long-wait ticks), `CpuTuning.kernel_knobs()`.
 
     Returns:
         Whether a thread finished the step alone because another was off its core.
@@ -122,11 +121,11 @@ def decode_layers(
     # Numba compile `_take_part` once more for its type).
     if threads == 1:
         _take_part(threads - 1, threads, x, cos, sin, num_real, slots, weights, pools, buffers,
-                   eps, scale, counters)  # fmt: skip
+                   eps, scale, counters, knobs)  # fmt: skip
     else:
         for me in prange(threads):
             _take_part(np.int64(me), threads, x, cos, sin, num_real, slots, weights, pools,
-                       buffers, eps, scale, counters)  # fmt: skip
+                       buffers, eps, scale, counters, knobs)  # fmt: skip
     return counters[-LINE] != 0
 
 
@@ -142,7 +141,7 @@ def typed_list(arrays):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffers, eps, scale,
-               counters):  # fmt: skip  # pragma: no cover
+               counters, knobs):  # fmt: skip  # pragma: no cover
     """Thread `me`'s walk through every phase (the whole step where it is alone)."""
     num_layers = len(weights[1])
     for phase in range(num_layers * PHASES + 1):
@@ -150,8 +149,8 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
         kind = phase - layer * PHASES  # after the last layer's: HEAD
         n, step = _chunks(kind, x, weights, pools, buffers)
         _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
-                   slots, weights, pools, buffers, eps, scale)  # fmt: skip
-        if not _wait(counters, phase, n, me, threads):
+                   slots, weights, pools, buffers, eps, scale, knobs[0])  # fmt: skip
+        if not _wait(counters, phase, n, me, threads, knobs[1], knobs[2]):
             return
 
 
@@ -179,7 +178,8 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
 
 @njit(cache=True, fastmath=True)
 def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
-               slots, weights, pools, buffers, eps, scale):  # fmt: skip  # pragma: no cover
+               slots, weights, pools, buffers, eps, scale,
+               prefetch):  # fmt: skip  # pragma: no cover
     """Thread `me`'s chunks of layer `layer`'s phase of `kind` (`_chunks`), claimed one by
     one until none is left; before the first, the product's input in its own buffers.
 
@@ -219,7 +219,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     while c < n:
         first = c * step
         if kind == QKV:
-            products(normed, weight, bias, fused, first, first + step)
+            products(normed, weight, bias, fused, first, first + step, prefetch)
             _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
                         query, keys, values)  # fmt: skip
         elif kind == ATTEND:
@@ -229,16 +229,17 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
             if c == 0:
                 final[:] = normed
             end = min(head.shape[0], first + step)
-            products(normed, weight, bias, head_out, first, end)
+            products(normed, weight, bias, head_out, first, end, prefetch)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
         elif kind == GATE_UP:
-            products(normed, weight, bias, mlp_in, first, min(weight.shape[0], first + step))
+            end = min(weight.shape[0], first + step)
+            products(normed, weight, bias, mlp_in, first, end, prefetch)
         else:  # o_proj or down, each with its residual add
             inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
-            products(inputs, weight, bias, update, first, end)
+            products(inputs, weight, bias, update, first, end, prefetch)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     x[r, i] = narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
@@ -272,7 +273,7 @@ def _claim(counters, phase, n, me, threads):  # pragma: no cover
 
 
 @njit(cache=True)
-def _wait(counters, phase, n, me, threads):  # pragma: no cover
+def _wait(counters, phase, n, me, threads, spin_ticks, long_ticks):  # pragma: no cover
     """Wait until all n chunks of `phase` are done; False where thread `me` should leave
     the step to another that goes on alone."""
     done = (phase * (threads + 1) + threads) * LINE
@@ -287,10 +288,10 @@ def _wait(counters, phase, n, me, threads):  # pragma: no cover
             return False  # this thread's chunks are done; the one going on alone waits for the rest
         turns += 1
         waited = max(atomics.ticks() - start, turns * 64)  # no cycle counter: count turns
-        if waited < SPIN_TICKS:
+        if waited < spin_ticks:
             atomics.pause()
             continue
-        if waited > LONG_TICKS and not counted:
+        if waited > long_ticks and not counted:
             counted = True
             if (atomics.fetch_add(counters, long_waits, 1) + 1 >= LONG_WAITS and owner == 0
                     and atomics.fetch_add(counters, tries, 1) == 0):  # fmt: skip

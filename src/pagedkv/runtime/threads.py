@@ -3,7 +3,7 @@
 By default an OpenMP worker spins for a while after each parallel region, waiting for the
 next one. On a machine whose cores are shared (a laptop, a small VM, a server with other
 processes) the spinning workers take the cores that the one doing the work needs, and
-every step slows down several times over; an inference engine alternates short parallel
+every step slows down; an inference engine alternates short parallel
 regions with Python, which is the worst case. pagedkv therefore asks for
 ``OMP_WAIT_POLICY=PASSIVE`` (idle workers sleep) unless the user chose a policy.
 

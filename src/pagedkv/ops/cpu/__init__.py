@@ -44,7 +44,7 @@ MAX_DECODE_QUERY = 4
 SERIAL_BYTES = 4 << 20
 """Batches reading less KV run on one thread: waking the others, asleep since the last
 parallel call (on a virtual machine, rescheduling idle CPUs), costs more (benchmarks.md).
-Where the workers spin (`workers_spin`) a parallel call costs about a microsecond, and any
+Where the workers spin (`workers_spin`) a parallel call starts at once, and any
 batch of more than one item takes every thread."""
 MIN_CHUNK = {False: 256, True: 64}
 """Fewest key positions worth an item of their own in a parallel batch, with sleeping /
