@@ -37,6 +37,12 @@ SPAN = 64
 """Tokens scored between two online-softmax updates."""
 NEG_INIT = -1e30
 """Running max before any score (fastmath assumes no infinities)."""
+EXACT_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+"""fastmath without reassociation, for a compiled function that others call. Numba links a
+copy of it into each caller's code, optimized again there, and which copy runs depends on
+what the process compiled or loaded first: its own (compiled in this process) or a
+caller's (loaded from the cache). Reassociation lets each copy sum in its own order, and a
+process that compiled the kernels gave other bits than one that loaded them."""
 
 
 @njit(cache=True)
@@ -243,10 +249,11 @@ def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma
         scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * scale, c3 * scale
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=EXACT_ORDER)
 def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
     """Online softmax: raise each head's max over the span's n scores, rescale acc and
-    row_sum, and turn the scores into weights exp(score - max)."""
+    row_sum, and turn the scores into weights exp(score - max). The weights are summed in
+    four lanes added in a fixed order (`EXACT_ORDER`)."""
     two_to = pow2.view(np.float32)
     for h in range(scores.shape[0]):
         new_max = row_max[h]
@@ -254,10 +261,15 @@ def _softmax_span(scores, n, acc, row_max, row_sum, pow2):  # pragma: no cover
             new_max = max(new_max, scores[h, t])
         for t in range(n):
             scores[h, t], pow2[t] = exp_parts(scores[h, t] - new_max)
-        total = np.float32(0.0)
         for t in range(n):
             scores[h, t] *= two_to[t]
-            total += scores[h, t]
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for t in range(0, n - 3, 4):
+            s0, s1 = s0 + scores[h, t], s1 + scores[h, t + 1]
+            s2, s3 = s2 + scores[h, t + 2], s3 + scores[h, t + 3]
+        for t in range(n - n % 4, n):
+            s0 += scores[h, t]
+        total = (s0 + s1) + (s2 + s3)
         correction = np.exp(row_max[h] - new_max)
         row_sum[h] = row_sum[h] * correction + total
         row_max[h] = new_max
