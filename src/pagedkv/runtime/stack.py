@@ -367,14 +367,21 @@ def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):
             heads[r, i] = narrow(flat[i], x)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=_kernels.EXACT_ORDER)
 def _rms_norm(x, weight, eps, out):  # pragma: no cover
     """out = weight * (x / sqrt(mean(x^2) + eps)); out may be x. In bfloat16 the normalized
-    value is rounded before the weight multiplies it (`models.layers.RMSNorm`)."""
-    total = np.float32(0.0)
-    for i in range(x.shape[0]):
-        total += as_float32(x[i]) * as_float32(x[i])
-    inv = np.float32(1.0) / np.sqrt(total / np.float32(x.shape[0]) + np.float32(eps))
+    value is rounded before the weight multiplies it (`models.layers.RMSNorm`). The squares
+    are summed in four lanes added in a fixed order (`kernels.EXACT_ORDER`)."""
+    size = x.shape[0]
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for i in range(0, size - 3, 4):
+        a, b = as_float32(x[i]), as_float32(x[i + 1])
+        c, d = as_float32(x[i + 2]), as_float32(x[i + 3])
+        s0, s1, s2, s3 = s0 + a * a, s1 + b * b, s2 + c * c, s3 + d * d
+    for i in range(size - size % 4, size):
+        s0 += as_float32(x[i]) * as_float32(x[i])
+    total = (s0 + s1) + (s2 + s3)
+    inv = np.float32(1.0) / np.sqrt(total / np.float32(size) + np.float32(eps))
     for i in range(x.shape[0]):
         normed = as_float32(narrow(as_float32(x[i]) * inv, x))
         out[i] = narrow(as_float32(weight[i]) * normed, x)
