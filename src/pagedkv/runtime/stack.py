@@ -39,7 +39,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
-from pagedkv.ops.cpu.kernels import attend_item, exp_parts, merge_row
+from pagedkv.ops.cpu.kernels import EXACT_ORDER, attend_item, exp_parts, merge_row
 from pagedkv.runtime import atomics, kernel_cache
 from pagedkv.runtime.matvec import narrow, products
 
@@ -367,7 +367,7 @@ def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):
             heads[r, i] = narrow(flat[i], x)
 
 
-@njit(cache=True, fastmath=_kernels.EXACT_ORDER)
+@njit(cache=True, fastmath=EXACT_ORDER)
 def _rms_norm(x, weight, eps, out):  # pragma: no cover
     """out = weight * (x / sqrt(mean(x^2) + eps)); out may be x. In bfloat16 the normalized
     value is rounded before the weight multiplies it (`models.layers.RMSNorm`). The squares
