@@ -219,7 +219,7 @@ def test_preempted_samples_keep_their_grammar(qwen: LLM, qwen_dir: str, mode: st
 def test_a_compiling_grammar_does_not_hold_back_others(llama_dir: str) -> None:
     engine = LLMEngine.from_engine_args(llama_dir, device="cpu", dtype="float32", num_blocks=64)
     compiler = engine.structured_outputs.compiler
-    gate = compiler._pool.submit(lambda: None)  # noqa: F841  (warm the pool)
+    # Both compile threads busy: the schema below compiles only after `release`.
     blocked = compiler._pool.submit(_wait_for, release := [])
     blocked2 = compiler._pool.submit(_wait_for, release)
     engine.add_request("free", "hello", SamplingParams(temperature=0, max_tokens=4))
@@ -246,3 +246,15 @@ def _wait_for(release: list[bool]) -> None:
 
     while not release:
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama"])
+def test_chat_renders_tools_through_the_template(qwen: LLM, llama: LLM, style: str) -> None:
+    llm = qwen if style == "qwen" else llama
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SMALL_SCHEMA}}]
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=2)
+    (with_tools,) = llm.chat(messages, params, tools=tools, use_tqdm=False)
+    (without,) = llm.chat(messages, params, use_tqdm=False)
+    assert '"name": "get_weather"' in with_tools.prompt and "get_weather" not in without.prompt
+    assert with_tools.prompt.endswith(without.prompt.removeprefix("<|begin_of_text|>"))
