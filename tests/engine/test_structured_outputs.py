@@ -258,3 +258,19 @@ def test_chat_renders_tools_through_the_template(qwen: LLM, llama: LLM, style: s
     (without,) = llm.chat(messages, params, use_tqdm=False)
     assert '"name": "get_weather"' in with_tools.prompt and "get_weather" not in without.prompt
     assert with_tools.prompt.endswith(without.prompt.removeprefix("<|begin_of_text|>"))
+
+
+def test_the_engine_ends_a_request_whose_grammar_fails_or_is_aborted(llama_dir: str) -> None:
+    engine = LLMEngine.from_engine_args(llama_dir, device="cpu", dtype="float32", num_blocks=64)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    engine.add_request("bad", "hi", bad)
+    engine.add_request("gone", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(
+        regex="[0-9]{3}x")))  # fmt: skip
+    engine.abort_request("gone")  # while compiling or once scheduled: either way it ends
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outputs["bad"].outputs[0].finish_reason == "abort"
+    assert "gone" not in outputs or outputs["gone"].outputs[0].finish_reason == "abort"
+    assert engine.stats()["num_seqs"] == 0
+    engine.close()

@@ -61,15 +61,12 @@ class StructuredOutputManager:
 
     def add(self, request: Request) -> bool:
         """Start `request`'s compile; True when it must wait (held in `pending`), False
-        when its grammar is ready and the request can be scheduled now.
-
-        Raises:
-            ValueError: its constraint failed to compile earlier (cached failure).
-        """
+        when its grammar is ready and the request can be scheduled now. A failed compile
+        waits too: the next `pop_compiled` reports it."""
         params = request.params.structured_outputs
         assert params is not None, "only constrained requests come here"
         future = self.compiler.submit(params)
-        if not future.done():
+        if not future.done() or future.exception() is not None:
             self.pending[request.request_id] = (request, future)
             return True
         self._attach(request, future.result())
