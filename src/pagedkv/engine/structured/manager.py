@@ -126,6 +126,8 @@ class StructuredOutputManager:
             it refused a token): the engine finishes them.
         """
         done: list[Sequence] = []
+        if not self._live:
+            return done
         for request_id, index in sampled:
             request = requests[request_id]
             state = request.grammar
