@@ -136,6 +136,14 @@ def test_nested_schema_outputs_validate(llama: LLM) -> None:
     assert len({o.outputs[0].text for o in outputs}) > 12  # the seeds differ, not one answer
 
 
+def test_greedy_outputs_validate(qwen: LLM, llama: LLM) -> None:
+    # Bounded values only: greedy decoding on a random model repeats a digit forever.
+    so = StructuredOutputsParams(json=SMALL_SCHEMA)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=so)
+    for llm in (qwen, llama):
+        assert_valid(llm.generate(PROMPTS, greedy, use_tqdm=False), SMALL_SCHEMA)
+
+
 def test_regex_and_choice_outputs_match(qwen: LLM) -> None:
     regex = StructuredOutputsParams(regex=REGEX)
     choice = StructuredOutputsParams(choice=CHOICES)

@@ -236,7 +236,10 @@ class LLMEngine:
         step = self.scheduler.schedule()
         bitmask = None if self._structured is None else self._structured.prepare(step)
         try:
-            results = self.runner.execute(step, bitmask)
+            # Without constrained samples the runner is called as any runner can be.
+            results = (
+                self.runner.execute(step) if bitmask is None else self.runner.execute(step, bitmask)
+            )
         except Exception:
             self._drop_failed_step(step)
             raise
