@@ -186,3 +186,31 @@ def test_auto_without_a_call_is_plain_content(client) -> None:
     choice = result.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == "It is sunny."
     assert not choice.message.tool_calls
+
+
+@pytest.fixture(scope="module")
+def llama_client(tmp_path_factory):
+    model_dir = make_hf_model(tmp_path_factory.mktemp("llama-tools"), "llama", seed=3)
+    make_chat_tokenizer(model_dir, "llama3")
+    with start_server(model_dir, num_blocks=1024, tool_call_parser="llama3_json") as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_auto_reads_llama3_json_tool_calls(llama_client) -> None:
+    grammar = (
+        'root ::= "{\\"name\\": \\"get_time\\", \\"parameters\\": {\\"zone\\": \\"" '
+        '("UTC" | "CET") "\\"}}"'
+    )
+    forced = {"structured_outputs": {"grammar": grammar}}
+    # One small tool: the template spells tools out at length, in a 1024-token context.
+    result = chat(llama_client, tools=TOOLS[1:], tool_choice="auto", seed=2, extra_body=forced)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _validate_calls(choice.message.tool_calls, {"get_time"})
+    calls, finish = _streamed_calls(
+        chat(llama_client, tools=TOOLS[1:], seed=2, extra_body=forced, stream=True)
+    )
+    assert finish[-1] == "tool_calls" and calls[0]["name"] == "get_time"
+    plain = chat(llama_client, tools=TOOLS[1:], seed=2,
+                 extra_body={"structured_outputs": {"regex": "[a-z]{1,8}"}})  # fmt: skip
+    assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
