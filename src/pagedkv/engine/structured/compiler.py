@@ -8,6 +8,7 @@ every request that carries it shares the future.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Iterable
@@ -134,8 +135,10 @@ def json_schema_grammar(schema: str) -> str:
 
 
 def choice_grammar(choices_json: str) -> str:
-    """An EBNF grammar whose language is exactly the strings of a JSON list (`key` text);
-    JSON string escapes are EBNF string escapes."""
-    import json
+    """An EBNF grammar whose language is exactly the strings of a JSON list (`key` text).
 
-    return "root ::= " + " | ".join(json.dumps(c) for c in json.loads(choices_json))
+    JSON string escapes are EBNF string escapes; non-ASCII characters stay as they are (an
+    escaped character beyond U+FFFF would be two surrogates, which EBNF reads as two).
+    """
+    choices = json.loads(choices_json)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
