@@ -294,7 +294,8 @@ class LLMEngine:
         """Schedule the requests whose grammar compiled; end those whose compile failed
         (finish reason "abort") and return their outputs."""
         assert self._structured is not None, "called only with structured outputs"
-        ready, failed = self._structured.pop_compiled()
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = self._structured.pop_compiled(wait=idle)
         for request in ready:
             try:
                 self.scheduler.add_request(request)

@@ -6,6 +6,7 @@ Nothing here runs per step while no live request carries a constraint.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,8 @@ from pagedkv.engine.structured.state import GrammarState
 from pagedkv.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+# How long an idle engine waits for a compile before its step returns (and runs again).
+_IDLE_WAIT_S = 0.05
 
 
 class TokenBitmask:
@@ -72,8 +75,18 @@ class StructuredOutputManager:
         self._attach(request, future.result())
         return False
 
-    def pop_compiled(self) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
-        """The pending requests whose compile ended: (ready to schedule, failed with why)."""
+    def pop_compiled(
+        self, *, wait: bool = False
+    ) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
+        """The pending requests whose compile ended: (ready to schedule, failed with why).
+
+        Args:
+            wait: first wait a moment for a compile to end (the engine has nothing else to
+                run: without it, its loop would spin).
+        """
+        if wait and self.pending:
+            futures = [future for _, future in self.pending.values()]
+            concurrent.futures.wait(futures, _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         ready: list[Request] = []
         failed: list[tuple[Request, BaseException]] = []
         for request_id, (request, future) in list(self.pending.items()):
