@@ -43,11 +43,16 @@ HERMES_GRAMMAR = (
 )
 
 
-class Pet(BaseModel):
+class Toy(BaseModel):
+    kind: Literal["ball", "rope"]
+    squeaks: bool
+
+
+class Pet(BaseModel):  # nested models: the schema refers to $defs
     kind: Literal["cat", "dog", "fox"]
     age: int = Field(ge=0, le=30)
-    vaccinated: bool
-    toys: list[Literal["ball", "rope"]] = Field(max_length=2)
+    toys: list[Toy] = Field(max_length=2)
+    favourite: Toy | None
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def chat(client, **kwargs):
 def test_parse_returns_the_pydantic_object(client) -> None:
     for seed in range(3):
         completion = client.chat.completions.parse(
-            model=MODEL_NAME, messages=MESSAGES, response_format=Pet, seed=seed, max_tokens=120
+            model=MODEL_NAME, messages=MESSAGES, response_format=Pet, seed=seed, max_tokens=300
         )
         message = completion.choices[0].message
         assert isinstance(message.parsed, Pet), message.content
