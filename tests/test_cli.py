@@ -59,6 +59,7 @@ def test_serve_flags_named_after_llm_arguments(capsys):
         "--host",
         "--port",
         "--max-waiting-requests",
+        "--tool-call-parser",
     ):
         assert flag in out, flag
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "LLMEngine": "pagedkv.engine.engine",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "BeamSearchParams": "pagedkv.engine.sampling_params",
+    "StructuredOutputsParams": "pagedkv.engine.structured",
     "BeamSearchOutput": "pagedkv.engine.beam_search",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",

@@ -71,7 +71,11 @@ class LiveServer:
 
 
 def start_server(
-    model_dir: Path, *, max_waiting_requests: int | None = None, **engine_kwargs: Any
+    model_dir: Path,
+    *,
+    max_waiting_requests: int | None = None,
+    tool_call_parser: str | None = None,
+    **engine_kwargs: Any,
 ) -> LiveServer:
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
@@ -80,4 +84,9 @@ def start_server(
     kwargs = dict(dtype="float32", device="cpu", block_size=4, num_blocks=128, seed=0)
     kwargs.update(engine_kwargs)
     engine = LLMEngine.from_engine_args(str(model_dir), **kwargs)
-    return LiveServer(create_app(AsyncEngine(engine, max_waiting_requests), model_name=MODEL_NAME))
+    app = create_app(
+        AsyncEngine(engine, max_waiting_requests),
+        model_name=MODEL_NAME,
+        tool_call_parser=tool_call_parser,
+    )
+    return LiveServer(app)

@@ -34,8 +34,9 @@ REFUSED_COMPLETION = [
     ("frobnicate", {"extra_body": {"frobnicate": True}}),
 ]
 REFUSED_CHAT = [
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("response_format", {"response_format": {"type": "json_schema"}}),
+    # No --tool-call-parser and a chat template without a tool-call format.
+    ("tool-call-parser", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("tool_choice", {"tool_choice": "auto"}),
     ("top_logprobs", {"top_logprobs": 2}),
 ]

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.args import EngineArgs
@@ -24,6 +24,9 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.memory import KVCacheManager
 from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.manager import StructuredOutputManager
 
 PromptType = str | list[int] | dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -63,6 +66,9 @@ class LLMEngine:
             eos_token_ids=eos,
             detokenize=self._detokenize if tokenizer is not None else None,
         )
+        self.stop_token_ids = sorted(eos)
+        # Built on the first constrained request (it loads xgrammar and the vocabulary).
+        self._structured: StructuredOutputManager | None = None
         self._rng = random.Random(config.seed)
         self._arrivals = 0
         # PAGEDKV_DEBUG=1: check the KV manager's invariants after every step.
@@ -135,6 +141,9 @@ class LLMEngine:
             prompt=text,
             seed=seed,
         )
+        if params.structured_outputs is not None and self.structured_outputs.add(request):
+            self._arrivals += 1  # scheduled once its grammar compiled (`step`)
+            return
         self.scheduler.add_request(request)
         self._arrivals += 1
 
@@ -171,15 +180,38 @@ class LLMEngine:
                 raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {token!r}")
         return text, list(prompt)
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """Grammar compiles, per-step token masks and matchers of constrained requests.
+
+        Raises:
+            ValueError: the model has no tokenizer (a grammar is over its vocabulary).
+        """
+        if self._structured is None:
+            from pagedkv.engine.structured.manager import create_structured_output_manager
+
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: expected a model with a tokenizer, got none")
+            self._structured = create_structured_output_manager(
+                self.tokenizer, self.config.model.vocab_size, self.stop_token_ids
+            )
+        return self._structured
+
     def abort_request(self, request_id: str) -> None:
         """End a request now; its blocks go back to the pool. Unknown ids are ignored."""
+        if self._structured is not None and self._structured.abort(request_id) is not None:
+            return
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self.runner.release(request_id)
             request.metrics.finished_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._num_compiling > 0
+
+    @property
+    def _num_compiling(self) -> int:
+        return 0 if self._structured is None else len(self._structured.pending)
 
     @property
     def num_running(self) -> int:
@@ -187,7 +219,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Requests not running, those whose grammar compiles included."""
+        return self.scheduler.num_waiting + self._num_compiling
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -197,17 +230,22 @@ class LLMEngine:
         Returns:
             The cumulative output of every request that got tokens or finished this step.
         """
+        failed = self._admit_compiled() if self._structured is not None else []
         # Taken before schedule(): a request can end inside it (no room to grow).
         live = dict(self.scheduler.requests)
         step = self.scheduler.schedule()
+        bitmask = None if self._structured is None else self._structured.prepare(step)
         try:
-            results = self.runner.execute(step)
+            # Without constrained samples the runner is called as any runner can be.
+            results = (
+                self.runner.execute(step) if bitmask is None else self.runner.execute(step, bitmask)
+            )
         except Exception:
             self._drop_failed_step(step)
             raise
         for seq_id, (start, rows) in self.runner.pop_prompt_logprobs().items():
             _add_prompt_logprobs(live[seq_id[0]], start, rows)
-        outputs = self._postprocess(step, results, live)
+        outputs = failed + self._postprocess(step, results, live)
         if self.debug:
             self.kv_manager.check()
         self.num_steps += 1
@@ -233,6 +271,9 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         touched = self.scheduler.update(step, {k: r.token_id for k, r in results.items()})
+        if self._structured is not None:  # a sample whose grammar ended stops there
+            for seq in self._structured.advance(results, live):
+                self.scheduler.finish_sequence(seq, "stop")
         for (request_id, index), result in results.items():  # the new tokens' logprobs
             if result.logprob is not None and result.top_logprobs is not None:
                 seq = live[request_id].seq(index)
@@ -246,6 +287,25 @@ class LLMEngine:
             if request.is_finished:
                 request.metrics.finished_time = now
                 self.runner.release(request.request_id)
+            outputs.append(self.make_output(request))
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled; end those whose compile failed
+        (finish reason "abort") and return their outputs."""
+        assert self._structured is not None, "called only with structured outputs"
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = self._structured.pop_compiled(wait=idle)
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                failed.append((request, exc))
+        now, outputs = time.monotonic(), []
+        for request, error in failed:
+            logger.warning("request %s ended: %s", request.request_id, error)
+            request.seqs[0].finish_reason = "abort"
+            request.metrics.finished_time = now
             outputs.append(self.make_output(request))
         return outputs
 
@@ -300,6 +360,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what outlives garbage collection (tensor-parallel worker processes)."""
+        if self._structured is not None:
+            self._structured.close()
         self.runner.close()
 
     # ---- observability ------------------------------------------------------------------

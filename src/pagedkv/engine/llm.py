@@ -94,6 +94,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: expected one per prompt ({len(batch)}), got {len(params)}"
                 )
+        self._compile_grammars(params)
         request_ids = []
         try:
             for prompt, param in zip(batch, params, strict=True):
@@ -106,6 +107,13 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile each distinct constraint before any request is queued, so a bad one is
+        a ValueError here (each compiles once; the engine reuses the result)."""
+        for constraint in {p.structured_outputs.key: p.structured_outputs for p in params
+                           if p.structured_outputs is not None}.values():  # fmt: skip
+            self.engine.structured_outputs.compiler.compile(constraint)
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -113,6 +121,7 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Reply to one conversation or a batch of them, as vLLM's `LLM.chat`.
@@ -126,6 +135,8 @@ class LLM:
             sampling_params: one for all conversations, or one per conversation.
             chat_template: a jinja2 template to use instead of the tokenizer's.
             add_generation_prompt: end the rendering with the assistant's turn opening.
+            tools: OpenAI function tools ({"type": "function", "function": {...}}), passed
+                to the template as `tools`.
             use_tqdm: show a progress bar.
 
         Returns:
@@ -143,7 +154,9 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: expected a non-empty list, got {messages!r:.60}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [tokenizer.chat_prompt(list(c), add_generation_prompt) for c in conversations]
+        prompts = [
+            tokenizer.chat_prompt(list(c), add_generation_prompt, tools) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

@@ -82,7 +82,8 @@ class Request:
     """One prompt with its sampling parameters and its sequences."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "n", "arrival_index",
-                 "seed", "status", "metrics", "seqs", "stop_bounds", "prompt_logprobs")  # fmt: skip
+                 "seed", "status", "metrics", "seqs", "stop_bounds", "prompt_logprobs",
+                 "grammar")  # fmt: skip
 
     def __init__(
         self,
@@ -126,6 +127,10 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
+        # A constrained request's `GrammarState` (`pagedkv.engine.structured.state`), set
+        # by the engine once its grammar compiled: one matcher per sample, beside the
+        # sequences whose tokens it follows.
+        self.grammar: Any = None
 
     @property
     def is_forked(self) -> bool:

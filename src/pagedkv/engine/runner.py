@@ -3,6 +3,8 @@ prompt logprobs of the rows that ask for them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedkv.cache import PagedKVCache
@@ -13,6 +15,9 @@ from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.models import CausalLM
 from pagedkv.ops import AttentionMetadata, warmup
 from pagedkv.ops import plan as plan_attention
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.manager import TokenBitmask
 
 # Prompt rows whose logits are computed at once (bounds [rows, vocab] float32 memory).
 _LOGIT_ROWS = 256
@@ -82,7 +87,9 @@ class ModelRunner:
         self.is_driver = model.tp.rank == 0
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[SeqId, SampleResult]:
+    def execute(
+        self, step: SchedulerOutput, token_bitmask: TokenBitmask | None = None
+    ) -> dict[SeqId, SampleResult]:
         """Apply the step's block moves, run its tokens, and sample where asked.
 
         Order matters: swap-outs read blocks the step may hand to others, swap-ins fill
@@ -91,6 +98,7 @@ class ModelRunner:
         Args:
             step: the scheduler's decision; it carries everything the step needs (tokens,
                 positions, slots, block tables, sampling parameters and seeds).
+            token_bitmask: the allowed tokens of the step's constrained samples.
 
         Returns:
             For each id in any `sample_seq_ids`, its sampled token and logprobs.
@@ -134,7 +142,7 @@ class ModelRunner:
             for first_row, seq in step.first_rows()  # decode rows take no prompt logprobs
             if seq.prompt_logprob_token_ids
         }
-        return self._sample(samples, output.logits[: len(rows)])
+        return self._sample(samples, output.logits[: len(rows)], token_bitmask)
 
     def pop_prompt_logprobs(self) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
         """The prompt logprobs of the last `execute`, then forgotten.
@@ -167,7 +175,10 @@ class ModelRunner:
         return rows
 
     def _sample(
-        self, samples: list[tuple[int, SeqId, SamplingParams, int]], logits: torch.Tensor
+        self,
+        samples: list[tuple[int, SeqId, SamplingParams, int]],
+        logits: torch.Tensor,
+        token_bitmask: TokenBitmask | None,
     ) -> dict[SeqId, SampleResult]:
         """samples: (row, seq_id, params, seed) each; logits: float32 [len(samples), vocab]."""
         if not samples or not self.is_driver:
@@ -177,7 +188,8 @@ class ModelRunner:
             None if p.is_greedy else self._generator(seq_id, seed, logits.device)
             for seq_id, p, seed in zip(seq_ids, params, seeds, strict=True)
         ]
-        return dict(zip(seq_ids, self.sampler(logits, params, generators), strict=True))
+        sampled = self.sampler(logits, params, generators, token_bitmask)
+        return dict(zip(seq_ids, sampled, strict=True))
 
     def _num_rows(self, num_tokens: int) -> int:
         return bucket_num_tokens(num_tokens) if self.token_buckets else num_tokens

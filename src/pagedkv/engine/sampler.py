@@ -9,10 +9,14 @@ the filtering stay vectorized over the batch; only the noise is drawn per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.manager import TokenBitmask
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        token_bitmask: TokenBitmask | None = None,
     ) -> list[SampleResult]:
         """Sample every row.
 
@@ -54,6 +59,8 @@ class Sampler:
             logits: [num_rows, vocab], float32 (raw: before temperature).
             params: per row its sampling parameters.
             generators: per row its generator (None only for greedy rows).
+            token_bitmask: the tokens each constrained row may take; logprobs stay those
+                of the raw logits.
 
         Raises:
             ValueError: the lists do not have one entry per row.
@@ -72,6 +79,8 @@ class Sampler:
         asked = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if asked else None
         logits = _apply_logit_bias(logits, params)
+        if token_bitmask is not None:  # in place: the logprobs above were taken already
+            token_bitmask.apply(logits)
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:

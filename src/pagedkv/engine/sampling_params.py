@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedkv.engine.structured.params import StructuredOutputsParams
+
 # Below this a temperature is treated as greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
 # Seeds are 64-bit integers, signed or not (torch.Generator.manual_seed's range).
@@ -36,6 +38,8 @@ class SamplingParams:
             prefix-cache hits: a cached block has no logits, so its prompt is computed in full.
         logit_bias: token id -> value in [-100, 100] added to that token's logit before
             sampling (greedy included); logprobs stay those of the raw logits.
+        structured_outputs: a constraint (JSON schema, regex, choice, grammar) the
+            completions follow; None leaves them free.
     """
 
     n: int = 1
@@ -51,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +90,13 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                f"structured_outputs: expected StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         if self.stop_token_ids is not None:
             for token in self.stop_token_ids:
                 _check_int("stop_token_ids", token, minimum=0)

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.errors import WorkerFailed
 from pagedkv.models import CausalLM, resolve_device
 from pagedkv.models.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.manager import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +191,9 @@ class TensorParallelRunner(ModelRunner):
             self, _shut_down, self.tp, workers, num_threads, self._state
         )
 
-    def execute(self, step: SchedulerOutput) -> dict[Any, SampleResult]:
+    def execute(
+        self, step: SchedulerOutput, token_bitmask: TokenBitmask | None = None
+    ) -> dict[Any, SampleResult]:
         """Run `step` on every rank; rank 0 samples.
 
         Raises:
@@ -198,7 +203,7 @@ class TensorParallelRunner(ModelRunner):
         self.check_health()
         try:
             self.tp.broadcast_object(step)
-            return super().execute(step)
+            return super().execute(step, token_bitmask)
         except Exception as exc:
             error = self._state["error"] = self._failure_after(exc)
             raise error from exc

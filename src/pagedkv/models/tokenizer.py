@@ -87,6 +87,11 @@ class Tokenizer:
             chat_template=_read_chat_template(model_dir, config),
         )
 
+    @property
+    def backend(self) -> Any:
+        """The wrapped `tokenizers.Tokenizer` (its vocabulary, for grammar compilers)."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -96,9 +101,13 @@ class Tokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template;
+        `tools` (OpenAI function tools) are passed to it as `tools`, as transformers does.
 
         Same jinja2 environment as transformers (trim_blocks, lstrip_blocks, `tojson`,
         `raise_exception`, `strftime_now`), sandboxed.
@@ -134,12 +143,16 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                tools=tools,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from None
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """`messages` as an engine prompt: {"prompt": `apply_chat_template`'s text,
         "prompt_token_ids": its ids}, encoded without special tokens (the template spells
@@ -148,7 +161,7 @@ class Tokenizer:
         Raises:
             ValueError: as `apply_chat_template`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
 

@@ -53,6 +53,7 @@ from pagedkv.server.serving import (
     run_to_end,
     track,
 )
+from pagedkv.server.structured import constrain, request_constraint, tool_constraint
 from pagedkv.server.tokenization import add_tokenize_routes
 
 logger = logging.getLogger("pagedkv.server")
@@ -82,12 +83,15 @@ _GENERATE_RESPONSES = {
 } | _ERRORS
 
 
-def create_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, *, model_name: str, tool_call_parser: str | None = None
+) -> FastAPI:
     """Build the server app around a (not necessarily started) `AsyncEngine`.
 
     The engine starts and stops with the app; `model_name` is the name `/v1/models` lists
-    and requests must use (or omit). Serve the app with uvicorn, or `launch.serve` for a
-    bounded shutdown.
+    and requests must use (or omit); `tool_call_parser` reads tool calls for
+    `tool_choice: "auto"` (`tool_parsers.TOOL_CALL_PARSERS`). Serve the app with uvicorn,
+    or `launch.serve` for a bounded shutdown.
     """
 
     @asynccontextmanager
@@ -98,7 +102,9 @@ def create_app(engine: AsyncEngine, *, model_name: str) -> FastAPI:
 
     app = FastAPI(title="pagedkv", version="0.1.0", lifespan=lifespan)
     max_model_len = engine.engine.max_model_len
-    app.state.server = ServerState(engine, ServerMetrics(engine.stats), model_name, max_model_len)
+    app.state.server = ServerState(
+        engine, ServerMetrics(engine.stats), model_name, max_model_len, tool_call_parser
+    )
     _add_error_handlers(app)
     _add_routes(app)
     add_tokenize_routes(app, _ERRORS)
@@ -221,7 +227,8 @@ def _add_routes(app: FastAPI) -> None:
         for prompt in prompts:
             check_context(state.max_model_len, len(prompt["prompt_token_ids"]), max_tokens)
         prompt_logprobs = body.logprobs if body.echo else None
-        params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+        constraint = await constrain(state, request_constraint(body))
+        params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, constraint)
         builder = CompletionBuilder(
             random_id("cmpl"), state.model_name, body, state.engine.tokenizer
         )
@@ -233,14 +240,19 @@ def _add_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
-        prompt = render_chat(state, body.messages, add_generation_prompt=True)
+        tokenizer = require_tokenizer(state, "messages")
+        tool_choice, tools = tool_constraint(body, state.tool_call_parser, tokenizer.chat_template)
+        prompt = render_chat(state, body.messages, True, body.tools)
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         room = max(1, state.max_model_len - num_prompt_tokens)
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         check_context(state.max_model_len, num_prompt_tokens, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = make_sampling_params(body, max_tokens, logprobs)
-        builder = ChatBuilder(random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer)
+        constraint = await constrain(state, tool_choice + request_constraint(body))
+        params = make_sampling_params(body, max_tokens, logprobs, None, constraint)
+        builder = ChatBuilder(
+            random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer, tools
+        )
         return await _serve(request, builder, [prompt], params)
 
 

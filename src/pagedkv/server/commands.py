@@ -17,6 +17,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.runtime import kernel_cache
 from pagedkv.server.streaming import DeltaTracker
+from pagedkv.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -48,6 +49,13 @@ def register(subparsers: Any) -> None:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM, let running requests finish for this long, then abort the rest",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help='the model\'s tool-call format, for tool_choice "auto" (default: hermes when '
+        "the chat template spells out <tool_call>, else none)",
     )
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
@@ -115,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.engine.stats()["num_blocks"],
         args.block_size,
     )
-    app = create_app(engine, model_name=name)
+    app = create_app(engine, model_name=name, tool_call_parser=args.tool_call_parser)
     logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0

@@ -3,9 +3,9 @@
 Requests validate their own types and ranges, so a bad field becomes a 400 naming it before
 the engine sees anything. Every field is either honoured or refused: an unknown field is a
 400 (`extra="forbid"`), and a known field the server cannot honour (`suffix`, `best_of`
-other than 1 or n, `response_format` other than text, `tools`, `tool_choice`) is a 400 that
-names it. Only `user`, `metadata`, `store`, `service_tier` and a message's `name` are accepted
-and ignored: they ask nothing of generation (bookkeeping on OpenAI's side).
+other than 1 or n) is a 400 that names it. Only `user`, `metadata`, `store`,
+`service_tier`, a message's `name` and the `strict` flags (schemas are always enforced) are
+accepted and ignored: they ask nothing more of generation.
 """
 
 from __future__ import annotations
@@ -65,6 +65,29 @@ def _finite(**kwargs: Any) -> Any:
     return Field(allow_inf_nan=False, **kwargs)
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field({}, alias="schema")
+    strict: bool | None = Field(None, description="Ignored: the schema is always enforced.")
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                f'response_format: expected json_schema exactly with type "json_schema", '
+                f"got type {self.type!r} and json_schema {'set' if self.json_schema else 'unset'}"
+            )
+        return self
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
@@ -91,6 +114,14 @@ class SamplingRequest(RequestModel):
     metadata: dict[str, Any] | None = Field(None, description="Ignored.")
     store: bool | None = Field(None, description="Ignored.")
     service_tier: str | None = Field(None, description="Ignored.")
+    response_format: ResponseFormat | None = Field(
+        None, description="Constrains the output: JSON object, or JSON under a schema."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's constraint: exactly one of json (a schema), regex, choice (a list "
+        "of strings), grammar (EBNF).",
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -154,10 +185,23 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = Field(None, description="Ignored.")
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
 
     def text(self) -> str:
         """The content as plain text (OpenAI's list-of-parts form joined)."""
@@ -171,8 +215,25 @@ class ChatMessage(RequestModel):
         return "".join(part["text"] for part in self.content)
 
 
-class TextFormat(RequestModel):
-    type: Literal["text"]
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema.")
+    strict: bool | None = Field(None, description="Ignored: constrained calls always follow it.")
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -190,14 +251,16 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true."
     )
-    response_format: TextFormat | None = Field(
-        None, description='Only {"type": "text"} is supported; JSON modes are refused (400).'
+    tools: list[ChatTool] | None = Field(
+        None, description="Functions the model may call; rendered through the chat template."
     )
-    tools: list[dict[str, Any]] | None = Field(
-        None, max_length=0, description="Not supported: a non-empty list is refused (400)."
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='Default "auto" with tools. A named function or "required" constrain the '
+        "output to the functions' schemas; \"auto\" parses the model's own tool-call format.",
     )
-    tool_choice: Literal["none"] | None = Field(
-        None, description='Only "none" is supported (400 otherwise).'
+    parallel_tool_calls: bool | None = Field(
+        None, description='false: "required" makes exactly one call.'
     )
 
     @model_validator(mode="after")
@@ -258,6 +321,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -276,9 +340,24 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: its first has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -8,7 +8,7 @@ n samples each. Logprobs come from the engine's token id -> logprob dicts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedkv.server.protocol import (
@@ -24,12 +24,17 @@ from pagedkv.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     SamplingRequest,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
 from pagedkv.server.streaming import RequestDelta, SampleDelta
+from pagedkv.server.tool_parsers import ToolCallDelta, ToolCallExtractor
 
 
 class _Builder:
@@ -196,6 +201,19 @@ class ChatBuilder(_Builder):
     chunk_type = ChatCompletionChunk
     response_type = ChatCompletionResponse
 
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        body: ChatCompletionRequest,
+        tokenizer: Any,
+        tools: Callable[[], ToolCallExtractor] | None = None,
+    ) -> None:
+        """`tools`: makes each choice's tool-call extractor (None: all text is content)."""
+        super().__init__(request_id, model, body, tokenizer)
+        self._new_extractor = tools
+        self._extractors: dict[int, ToolCallExtractor] = {}
+
     def first_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice's stream with the role, then sends content deltas.
         return [
@@ -211,17 +229,41 @@ class ChatBuilder(_Builder):
         logprobs = None
         if self.body.logprobs:
             logprobs = ChatLogprobs(content=self._logprobs(sample, self.body.top_logprobs or 0))
+        index = self._index(prompt_index, sample)
+        message, finish_reason = DeltaMessage(content=sample.text), sample.finish_reason
+        if self._new_extractor is not None:
+            message, finish_reason = self._tool_delta(index, sample)
         return ChatChunkChoice(
-            index=self._index(prompt_index, sample),
-            delta=DeltaMessage(content=sample.text),
-            logprobs=logprobs,
-            finish_reason=sample.finish_reason,
+            index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason
         )
 
+    def _tool_delta(self, index: int, sample: SampleDelta) -> tuple[DeltaMessage, str | None]:
+        """A sample's text split into content and tool-call pieces; a choice that called a
+        tool and stopped finishes with "tool_calls"."""
+        assert self._new_extractor is not None, "only with tools"
+        extractor = self._extractors.setdefault(index, self._new_extractor())
+        content, calls = extractor.feed(sample.text)
+        finish_reason = sample.finish_reason
+        if finish_reason is not None:
+            rest, more = extractor.finish()
+            content, calls = content + rest, calls + more
+            if extractor.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        delta = DeltaMessage(
+            content=content if content or not calls else None,
+            tool_calls=[_delta_tool_call(c) for c in calls] or None,
+        )
+        return delta, finish_reason
+
     def _merged(self, parts: list[Any]) -> ChatChoice:
+        content = "".join(p.delta.content or "" for p in parts)
+        tool_calls = _merged_tool_calls([c for p in parts for c in p.delta.tool_calls or []])
         return ChatChoice(
             index=parts[0].index,
-            message=ChatResponseMessage(content="".join(p.delta.content for p in parts)),
+            message=ChatResponseMessage(
+                content=None if tool_calls and not content.strip() else content,
+                tool_calls=tool_calls or None,
+            ),
             finish_reason=parts[-1].finish_reason,
             logprobs=ChatLogprobs(content=[t for p in parts for t in p.logprobs.content])
             if self.body.logprobs
@@ -244,6 +286,30 @@ class ChatBuilder(_Builder):
             )
             for token_id, top in zip(sample.token_ids, sample.logprobs or [], strict=False)
         ]
+
+
+def _delta_tool_call(call: ToolCallDelta) -> DeltaToolCall:
+    """OpenAI's shape: the first piece of a call has its id, type and name."""
+    return DeltaToolCall(
+        index=call.index,
+        id=call.id,
+        type="function" if call.id is not None else None,
+        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+    )
+
+
+def _merged_tool_calls(pieces: list[DeltaToolCall]) -> list[ToolCall]:
+    """Streamed tool-call pieces joined per call index (arguments concatenated)."""
+    calls: dict[int, ToolCall] = {}
+    for piece in pieces:
+        call = calls.get(piece.index)
+        if call is None:
+            name = piece.function.name or ""
+            call = calls[piece.index] = ToolCall(
+                id=piece.id or "", function=FunctionCall(name=name, arguments="")
+            )
+        call.function.arguments += piece.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -12,6 +12,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.structured import StructuredOutputsParams
 from pagedkv.server.async_engine import AsyncEngine, RequestStream
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import SamplingRequest, short
@@ -48,6 +49,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     max_model_len: int
+    tool_call_parser: str | None = None  # `tool_parsers.TOOL_CALL_PARSERS`, for "auto"
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -74,15 +76,30 @@ def require_tokenizer(state: ServerState, param: str) -> Any:
 
 
 def render_chat(
-    state: ServerState, messages: list[Any], add_generation_prompt: bool
+    state: ServerState,
+    messages: list[Any],
+    add_generation_prompt: bool,
+    tools: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """Pydantic `ChatMessage`s as an engine prompt, `Tokenizer.chat_prompt` (or a 400)."""
+    """Pydantic `ChatMessage`s (and `ChatTool`s, passed to the template as `tools`) as an
+    engine prompt, `Tokenizer.chat_prompt` (or a 400)."""
     tokenizer = require_tokenizer(state, "messages")
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        return tokenizer.chat_prompt(plain, add_generation_prompt)
+        plain = [_plain_message(m) for m in messages]
+        return tokenizer.chat_prompt(plain, add_generation_prompt, tool_dicts)
     except ValueError as exc:
         raise APIError(f"messages: {exc}", param="messages") from None
+
+
+def _plain_message(message: Any) -> dict[str, Any]:
+    """A `ChatMessage` as the template sees it: text content, and the tool fields set."""
+    plain: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        plain["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        plain["tool_call_id"] = message.tool_call_id
+    return plain
 
 
 def param_of(message: str, default: str | None = None) -> str | None:
@@ -107,7 +124,11 @@ def check_context(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
 
 
 def make_sampling_params(
-    body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    body: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """`SamplingParams` from a request body (ValueError from its validation becomes a 400)."""
     try:
@@ -125,6 +146,7 @@ def make_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): v for t, v in body.logit_bias.items()} if body.logit_bias else None,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise APIError(str(exc), param=param_of(str(exc)), reason="schema") from None
