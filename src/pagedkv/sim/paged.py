@@ -34,6 +34,7 @@ from pagedkv.engine.request import Request as EngineRequest
 from pagedkv.engine.request import SeqId, Sequence
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.scheduler_output import sample_ids
 from pagedkv.sim.policies import PagedPolicy, StepCost
 from pagedkv.sim.results import PolicyResult, Regions, Replay
 from pagedkv.sim.workload import Request
@@ -69,11 +70,14 @@ class StandInRunner:
         def own_token(seq_id: SeqId, position: int) -> int:  # as `token_ids` numbers them
             return ((2 * int(seq_id[0]) + 1) << shift) + position
 
-        # A decode row's new token is at its position + 1 (see `DecodeRow`).
-        sampled = {seq_id: own_token(seq_id, pos + 1) for seq_id, _, pos, *_ in step.decode_rows}
-        for seq in step.scheduled:
-            for seq_id in seq.sample_seq_ids:
-                sampled[seq_id] = own_token(seq_id, seq.seq_len)
+        sampled: dict[SeqId, int] = {}
+        rows = zip(step.seq_ids, step.start_pos, step.query_lens, step.num_samples, strict=True)
+        for seq_id, start, num, num_samples in rows:
+            if num_samples == 1:
+                sampled[seq_id] = own_token(seq_id, start + num)
+            elif num_samples:
+                for sample_id in sample_ids(seq_id, num_samples):
+                    sampled[sample_id] = own_token(sample_id, start + num)
         return sampled
 
 
@@ -117,7 +121,7 @@ class _Replay(Replay):
         step = self.scheduler.schedule()
         if step.is_empty and not step.finished_request_ids:
             raise AssertionError(f"{self.policy.name}: the scheduler made no progress")
-        for seq_id in step.seq_ids():
+        for seq_id in step.seq_ids:
             self.first_run.setdefault(seq_id[0], (self.num_steps, self.clock))
         sampled = self.runner.execute(step)
         if on_step is not None:
