@@ -157,17 +157,24 @@ class KVCacheManager:
         Raises:
             KeyError: unknown `seq_id`.  ValueError: swapped out, or `num_tokens` < 0.
         """
-        seq = self._seqs.resident(seq_id, "num_blocks_to_append")
-        positive_int("num_tokens", num_tokens, minimum=0)
-        return self._append_cost(seq, num_tokens)[0]
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.host_block_ids is not None:
+            seq = self._seqs.resident(seq_id, "num_blocks_to_append")  # raises
+        if type(num_tokens) is not int or num_tokens < 0:
+            positive_int("num_tokens", num_tokens, minimum=0)  # raises
+        return self._append_cost(seq, num_tokens) + self._is_cow(seq, num_tokens)
 
-    def _append_cost(self, seq: SeqState, num_tokens: int) -> tuple[int, bool]:
-        block_size, num_cur = self.block_size, len(seq.token_ids)
-        num_new = -(-(num_cur + num_tokens) // block_size) - len(seq.block_ids)
-        is_cow = (
-            num_tokens > 0 and num_cur % block_size != 0 and self._pool.is_shared(seq.block_ids[-1])
+    def _append_cost(self, seq: SeqState, num_tokens: int) -> int:
+        """New blocks (copy-on-write aside) `num_tokens` more tokens take."""
+        return -(-(len(seq.token_ids) + num_tokens) // self.block_size) - len(seq.block_ids)
+
+    def _is_cow(self, seq: SeqState, num_tokens: int) -> bool:
+        """Whether appending `num_tokens` copies a shared, partially filled last block."""
+        return bool(
+            num_tokens
+            and len(seq.token_ids) % self.block_size
+            and self._pool.is_shared(seq.block_ids[-1])
         )
-        return num_new + is_cow, is_cow
 
     # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
@@ -239,30 +246,31 @@ class KVCacheManager:
             KeyError: unknown `seq_id`.  ValueError: swapped out.
             OutOfBlocks: not enough free blocks; nothing changed.
         """
-        seq = self._seqs.resident(seq_id, "append")
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.host_block_ids is not None:
+            seq = self._seqs.resident(seq_id, "append")  # raises
         tokens = seq.token_ids
         if type(tokens) is not list:  # the prompt, kept as `allocate` got it
             tokens = seq.token_ids = list(tokens)
         if type(token_ids) is not list:
             token_ids = list(token_tuple(token_ids))
-        num_cur, num_new = len(tokens), len(token_ids)
-        # One token into an unshared partial block (a decode step's common case) takes no
-        # block; anything else asks `_grow`.
-        if not num_cur % self.block_size or self._pool.is_shared(seq.block_ids[-1]):
-            self._grow(seq_id, seq, num_new)
-        elif -(-(num_cur + num_new) // self.block_size) > len(seq.block_ids):
+        # Tokens that fit an unshared partial last block (a decode step's common case) take
+        # no block; anything else asks `_grow`.
+        block_size, num_cur, num_new = self.block_size, len(tokens), len(token_ids)
+        if -(-(num_cur + num_new) // block_size) > len(seq.block_ids) or (
+            num_cur % block_size and num_new and self._pool.is_shared(seq.block_ids[-1])
+        ):
             self._grow(seq_id, seq, num_new)
         tokens += token_ids
         if len(tokens) // self.block_size > seq.num_keyed:
             seq.key_full_blocks(self._index, self.block_size)
-        return table_of(seq)
+        return seq.table or table_of(seq)
 
     def _grow(self, seq_id: Hashable, seq: SeqState, num_tokens: int) -> None:
         """Take the blocks `num_tokens` more tokens need (copy-on-write of a shared partial
         last block included), or raise OutOfBlocks with nothing changed."""
-        num_blocks, is_cow = self._append_cost(seq, num_tokens)
-        if not num_blocks:
-            return
+        is_cow = self._is_cow(seq, num_tokens)
+        num_blocks = self._append_cost(seq, num_tokens) + is_cow
         pool = self._pool
         if num_blocks > pool.num_free_blocks:
             raise OutOfBlocks(
