@@ -125,7 +125,9 @@ class StepBuilder:
                 need += self.kv.num_blocks_to_append(seq.seq_id, num)
             else:
                 need += self.kv.num_blocks_to_allocate(
-                    seq.token_ids[: start + num], use_prefix_cache=_uses_prefix_cache(request)
+                    seq.token_ids,
+                    use_prefix_cache=_uses_prefix_cache(request),
+                    num_tokens=start + num,
                 )
         return need
 

@@ -19,6 +19,7 @@ from typing import Any
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.lookups import PrefixLookups
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
 from pagedkv.memory.sequence import (
     SeqState,
@@ -39,10 +40,7 @@ class KVCacheManager:
             prompt reuses them; freed ones stay cached until the space is needed.
         num_host_blocks: blocks of the host pool for `swap_out` (>= 0).
 
-    Raises:
-        ValueError: a non-positive size (or a negative `num_host_blocks`).
-
-    Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
+    Raises ValueError for a non-positive size (or a negative `num_host_blocks`). Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
     blocks raises `OutOfBlocks` and leaves every piece of state unchanged.
 
     The caller's duties: execute copies (`pop_copies`) and swap pairs in the order the calls
@@ -69,6 +67,7 @@ class KVCacheManager:
         self._seqs = SequenceTable()
         self._copies: list[tuple[int, int]] = []
         self._counts = EventCounts()
+        self._lookups = PrefixLookups(self._index, self._pool, block_size)
 
     # ----- sizes and membership -------------------------------------------------------------
     @property
@@ -117,37 +116,35 @@ class KVCacheManager:
         return self._seqs.slot_mapping(seq_id, start, end, self.block_size)
 
     # ----- prefix lookups -------------------------------------------------------------------
-    def _lookup(
-        self, token_ids: Sequence[Any], with_rest: bool = False, use_prefix_cache: bool = True
-    ) -> tuple[list[int], int, Sequence[Any]]:
-        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index, no hit
-        without `use_prefix_cache`."""
-        if self._index is None:
-            return [], ROOT_UID, ()
-        # The last token is always computed (its logits are needed): at most n - 1 cached.
-        max_blocks = (len(token_ids) - 1) // self.block_size if use_prefix_cache else 0
-        return self._index.lookup(token_ids, self.block_size, max_blocks, with_rest)
-
     def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
         """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
 
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._lookup(token_ids)[0]) * self.block_size
+        return len(self._lookups.hits(token_ids)) * self.block_size
 
     def num_blocks_to_allocate(
-        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self,
+        token_ids: Sequence[Any],
+        *,
+        use_prefix_cache: bool = True,
+        num_tokens: int | None = None,
     ) -> int:
-        """Free blocks `allocate(_, token_ids, use_prefix_cache=...)` would take now (after
-        prefix hits).
+        """Free blocks `allocate(_, token_ids[:num_tokens], use_prefix_cache=...)` would take
+        now (after prefix hits); `num_tokens` None: all of them.
 
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
         """
-        hits = self._lookup(token_ids, use_prefix_cache=use_prefix_cache)[0]
-        num_needed = -(-len(token_ids) // self.block_size)
-        return num_needed - len(hits) + self._pool.num_evictable(hits)
+        end = len(token_ids) if num_tokens is None else num_tokens
+        # Hits are matched block by block from the start: those of a prefix are a prefix.
+        hits = (
+            self._lookups.hits(token_ids)[: (end - 1) // self.block_size]
+            if use_prefix_cache
+            else []
+        )
+        return -(-end // self.block_size) - len(hits) + self._pool.num_evictable(hits)
 
     def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
         """Free blocks `append(seq_id, <num_tokens tokens>)` would take now.
@@ -202,9 +199,7 @@ class KVCacheManager:
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
-        hits, chain_uid, keys = self._lookup(
-            tokens, with_rest=True, use_prefix_cache=use_prefix_cache
-        )
+        hits, chain_uid, keys = self._lookups.lookup(tokens, use_prefix_cache=use_prefix_cache)
         index, block_size, pool = self._index, self.block_size, self._pool
         num_hits = len(hits)
         num_fresh = -(-len(tokens) // block_size) - num_hits
@@ -277,14 +272,17 @@ class KVCacheManager:
                 f"append {seq_id!r}: need {num_blocks} blocks, {pool.num_free_blocks} free"
             )
         new_block_ids = pool.allocate(num_blocks)
+        table = seq.table
         if is_cow:
             src, dst = seq.block_ids[-1], new_block_ids.pop(0)
             pool.free([src])  # shared, so it stays held by the others
             seq.block_ids[-1] = dst
             self._copies.append((src, dst))
             self._counts.num_cow_copies += 1
+            table = None
         seq.block_ids += new_block_ids
-        seq.table = None
+        # A new list (a step may still read the old one), extended rather than rebuilt.
+        seq.table = None if table is None else table + new_block_ids.tolist()
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.
@@ -308,18 +306,15 @@ class KVCacheManager:
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence's references (its host blocks if swapped out). Its indexed full
         blocks stay cached, its last blocks evicted before its first. KeyError if unknown."""
-        seq = self._seqs.state(seq_id)
-        del self._seqs[seq_id]
+        seq = self._seqs.pop(seq_id, None) or self._seqs.state(seq_id)  # KeyError if unknown
         if seq.host_block_ids is not None:
             self._host.free(seq.host_block_ids)
         else:
             self._pool.free(seq.block_ids)
 
     def pop_copies(self) -> list[tuple[int, int]]:
-        """The copy-on-write copies ``(src, dst)`` queued since the last call, in order.
-
-        The engine copies each src block's KV into dst (in this order) before writing new KV.
-        """
+        """The copy-on-write copies ``(src, dst)`` queued since the last call, in order: the
+        engine copies each src block's KV into dst (in this order) before writing new KV."""
         copies, self._copies = self._copies, []
         return copies
 
@@ -349,8 +344,7 @@ class KVCacheManager:
         offered to the prefix index again.
 
         Returns:
-            ``(host_block, device_block)`` pairs in table order, to copy before the sequence's
-            next step.
+            ``(host_block, device_block)`` pairs in table order, to copy before its next step.
 
         Raises:
             KeyError: unknown `seq_id`.  ValueError: not swapped out.
@@ -383,6 +377,7 @@ class KVCacheManager:
         if pool.num_free_blocks != pool.num_blocks:
             return False
         pool.reset_cache()
+        self._lookups.forget()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
             seq.num_keyed, seq.chain_uid = 0, ROOT_UID
         return True
