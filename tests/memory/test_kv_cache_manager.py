@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -295,3 +296,29 @@ def test_memory_layer_imports_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_remembered_prefix_queries_match_fresh_lookups() -> None:
+    """A prompt asked about again (the same list) gets what a fresh lookup of a copy gets,
+    across insertions, evictions, frees and a reset."""
+    rng = random.Random(11)
+    m = KVCacheManager(24, 2)
+    prompts = [[rng.randrange(3) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    live: list[int] = []
+    for step in range(800):
+        prompt = rng.choice(prompts)
+        if live and (rng.random() < 0.4 or m.num_free_blocks < 8):
+            m.free(live.pop(rng.randrange(len(live))))
+        elif m.num_blocks_to_allocate(prompt) <= m.num_free_blocks:
+            m.allocate(step, prompt)
+            live.append(step)
+        if step % 97 == 96 and not live:
+            assert m.reset_prefix_cache()
+        # Only `asked` goes through the manager's queries (so its answer is remembered);
+        # the expected values walk the index directly.
+        asked = prompts[0]
+        hits = m._index.match(asked, 2, (len(asked) - 1) // 2)[0]
+        assert m.num_cached_tokens(asked) == 2 * len(hits)
+        end = rng.randint(1, len(asked))
+        hits = hits[: (end - 1) // 2]
+        expected = -(-end // 2) - len(hits) + m._pool.num_evictable(hits)
+        assert m.num_blocks_to_allocate(asked, num_tokens=end) == expected
+    m.check()

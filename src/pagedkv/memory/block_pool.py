@@ -244,8 +244,8 @@ class BlockPool:
 
     def num_evictable(self, block_ids: Iterable[int]) -> int:
         """How many of `block_ids` are cached-but-free (a hit on one takes a free block)."""
-        extra = self._extra
-        return sum(extra[b] < 0 for b in block_ids)
+        # -1 >= count, i.e. count < 0, over the blocks' counts, in C.
+        return sum(map((-1).__ge__, map(self._extra.__getitem__, block_ids)))
 
     def is_shared(self, block_id: int) -> bool:
         """Whether a held block has more than one holder."""

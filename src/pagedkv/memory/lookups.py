@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from pagedkv.memory.block_pool import BlockPool
@@ -24,8 +25,9 @@ class PrefixLookups:
         self.pool = pool
         self.block_size = block_size
         self._num_resets = 0
-        # (token list, its length and the index's state, hits): see `hits`.
-        self._memo: tuple[Sequence[Any], tuple[int, int, int, int], list[int]] | None = None
+        # (token list, (its length, resets, evictions), hits, uid of the last hit, a getter
+        # of their entries and the entries then).
+        self._memo: tuple[Any, ...] | None = None
 
     def lookup(
         self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
@@ -41,21 +43,40 @@ class PrefixLookups:
     def hits(self, token_ids: Sequence[Any]) -> list[int]:
         """The cached blocks `allocate(_, token_ids)` would reuse now.
 
-        The last answer is remembered for the same token list (same object and length)
-        while the index is unchanged (no entry added or evicted, no reset): a waiting prompt
-        is asked about every step. Only these queries use it; `allocate` looks up afresh.
+        The last answer is remembered for the same token list (same object and length) and
+        checked instead of walked again (a waiting prompt is asked about every step): its
+        blocks must still hold the entries found, and the block after them must still miss.
+        Only these queries use it; `allocate` looks up afresh.
         """
         index = self.index
         if index is None:
             return []
-        state = (len(token_ids), len(index), self.pool.num_evictions, self._num_resets)
         memo = self._memo
-        if memo is not None and memo[0] is token_ids and memo[1] == state:
-            return memo[2]
+        state = (len(token_ids), self._num_resets, self.pool.num_evictions)
+        if memo is not None and memo[0] is token_ids and memo[1][:2] == state[:2]:
+            if self._still_holds(token_ids, memo, memo[1][2] != state[2]):
+                self._memo = (token_ids, state, *memo[2:])
+                return memo[2]
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits = index.match(token_ids, self.block_size, max_blocks)[0]
-        self._memo = (token_ids, state, hits)
+        hits, uid = index.match(token_ids, self.block_size, max_blocks)
+        getter = itemgetter(*hits) if hits else None
+        entries = getter(index.block_entries) if getter is not None else None
+        self._memo = (token_ids, state, hits, uid, getter, entries)
         return hits
+
+    def _still_holds(self, token_ids: Sequence[Any], memo: tuple[Any, ...], evicted: bool) -> bool:
+        """Whether the remembered hits are still what a walk of `token_ids` finds: after an
+        eviction each must still hold the entry found, and the block after them must miss."""
+        index, block_size = self.index, self.block_size
+        assert index is not None, "only asked with an index"
+        _, _, hits, uid, getter, entries = memo
+        if evicted and getter is not None and getter(index.block_entries) != entries:
+            return False
+        num = len(hits)
+        if num >= (len(token_ids) - 1) // block_size:
+            return True
+        tokens = index.block_tokens(token_ids[num * block_size : (num + 1) * block_size])
+        return not index.match_keys([tokens], 1, uid)[0]
 
     def forget(self) -> None:
         """The index was cleared: no remembered answer holds."""

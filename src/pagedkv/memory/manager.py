@@ -40,8 +40,9 @@ class KVCacheManager:
             prompt reuses them; freed ones stay cached until the space is needed.
         num_host_blocks: blocks of the host pool for `swap_out` (>= 0).
 
-    Raises ValueError for a non-positive size (or a negative `num_host_blocks`). Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
-    blocks raises `OutOfBlocks` and leaves every piece of state unchanged.
+    Raises ValueError for a non-positive size (or a negative `num_host_blocks`). Sequence
+    ids are any hashable. Token ids are compared, never interpreted. Running out of blocks
+    raises `OutOfBlocks` and leaves every piece of state unchanged.
 
     The caller's duties: execute copies (`pop_copies`) and swap pairs in the order the calls
     were made, before the forward pass; and compute every token handed to `allocate` /
