@@ -28,6 +28,7 @@ class PrefixLookups:
         # (token list, (its length, resets, evictions), hits, uid of the last hit, a getter
         # of their entries and the entries then).
         self._memo: tuple[Any, ...] | None = None
+        self._evictable: tuple[list[int], tuple[int, int], int] | None = None
 
     def lookup(
         self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
@@ -78,7 +79,18 @@ class PrefixLookups:
         tokens = index.block_tokens(token_ids[num * block_size : (num + 1) * block_size])
         return not index.match_keys([tokens], 1, uid)[0]
 
+    def num_evictable(self, hits: list[int], num: int) -> int:
+        """`BlockPool.num_evictable(hits[:num])`, remembered for the same `hits` list while no
+        block was freed or touched (a hit block evicted means new hits, a new list)."""
+        state = (num, self.pool.num_moves)
+        memo = self._evictable
+        if memo is not None and memo[0] is hits and memo[1] == state:
+            return memo[2]
+        count = self.pool.num_evictable(hits[:num])
+        self._evictable = (hits, state, count)
+        return count
+
     def forget(self) -> None:
         """The index was cleared: no remembered answer holds."""
         self._num_resets += 1
-        self._memo = None
+        self._memo = self._evictable = None

@@ -139,13 +139,12 @@ class KVCacheManager:
         when the result is <= `num_free_blocks`.
         """
         end = len(token_ids) if num_tokens is None else num_tokens
+        if not use_prefix_cache:
+            return -(-end // self.block_size)
         # Hits are matched block by block from the start: those of a prefix are a prefix.
-        hits = (
-            self._lookups.hits(token_ids)[: (end - 1) // self.block_size]
-            if use_prefix_cache
-            else []
-        )
-        return -(-end // self.block_size) - len(hits) + self._pool.num_evictable(hits)
+        hits = self._lookups.hits(token_ids)
+        num = min(len(hits), (end - 1) // self.block_size)
+        return -(-end // self.block_size) - num + self._lookups.num_evictable(hits, num)
 
     def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
         """Free blocks `append(seq_id, <num_tokens tokens>)` would take now.
