@@ -1,16 +1,11 @@
 """A `KVCacheManager`'s whole state: its consistency check and its counts (standard library
-only).
-
-`check_state` rebuilds the counts from the sequences' block tables, never reading them from
-the pool, so a forgotten decrement (a block whose count exceeds its holders) or a leak (a
-block neither free nor held) cannot hide. O(num_blocks + tokens held): for tests and debug
-runs.
-"""
+only). `check_state` rebuilds the counts from the block tables, never from the pool, so a
+forgotten decrement or a leak cannot hide; O(num_blocks + tokens held)."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
@@ -144,12 +139,7 @@ class EventCounts:
             "num_free_host_blocks": host.num_free_blocks,
             "num_seqs": len(seqs),
             "num_swapped_seqs": sum(s.host_block_ids is not None for s in seqs.values()),
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "num_forked_blocks": self.num_forked_blocks,
-            "num_cow_copies": self.num_cow_copies,
+            **asdict(self),
             "num_evictions": pool.num_evictions,
-            "num_swapped_out_blocks": self.num_swapped_out_blocks,
-            "num_swapped_in_blocks": self.num_swapped_in_blocks,
             "num_pending_copies": len(copies),
         }

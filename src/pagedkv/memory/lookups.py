@@ -12,13 +12,8 @@ from pagedkv.memory.prefix import ROOT_UID, BlockTokens, PrefixIndex
 
 
 class PrefixLookups:
-    """Prompt lookups in `index` (None: no prefix caching, so never a hit).
-
-    Args:
-        index: the prefix index, or None.
-        pool: the device pool whose evictions change what the index holds.
-        block_size: tokens per block.
-    """
+    """Prompt lookups in `index` (None: no prefix caching, never a hit) over `pool`, the
+    device pool whose evictions change what the index holds."""
 
     def __init__(self, index: PrefixIndex | None, pool: BlockPool, block_size: int) -> None:
         self.index = index
@@ -26,7 +21,7 @@ class PrefixLookups:
         self.block_size = block_size
         self._num_resets = 0
         # (token list, (its length, resets, evictions), hits, uid of the last hit, a getter
-        # of their entries and the entries then).
+        # of their entries, the entries then, the list packed).
         self._memo: tuple[Any, ...] | None = None
         self._evictable: tuple[list[int], tuple[int, int], int] | None = None
 
@@ -59,10 +54,13 @@ class PrefixLookups:
                 self._memo = (token_ids, state, *memo[2:])
                 return memo[2]
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits, uid = index.match(token_ids, self.block_size, max_blocks)
+        # The same list asked again after its blocks changed: walk again, not pack again.
+        same = memo is not None and memo[0] is token_ids and memo[1][0] == state[0]
+        packed = memo[6] if same else index.pack(token_ids)  # type: ignore[index]
+        hits, uid = index.match(token_ids, self.block_size, max_blocks, packed)
         getter = itemgetter(*hits) if hits else None
         entries = getter(index.block_entries) if getter is not None else None
-        self._memo = (token_ids, state, hits, uid, getter, entries)
+        self._memo = (token_ids, state, hits, uid, getter, entries, packed)
         return hits
 
     def _still_holds(self, token_ids: Sequence[Any], memo: tuple[Any, ...], evicted: bool) -> bool:
@@ -70,7 +68,7 @@ class PrefixLookups:
         eviction each must still hold the entry found, and the block after them must miss."""
         index, block_size = self.index, self.block_size
         assert index is not None, "only asked with an index"
-        _, _, hits, uid, getter, entries = memo
+        _, _, hits, uid, getter, entries, _ = memo
         if evicted and getter is not None and getter(index.block_entries) != entries:
             return False
         num = len(hits)

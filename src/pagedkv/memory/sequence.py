@@ -41,8 +41,7 @@ class SeqState:
 
 
 class SequenceTable(dict[Hashable, SeqState]):
-    """The manager's sequences by id, oldest first, with the lookups that name the caller's
-    mistake."""
+    """The manager's sequences by id, oldest first, with lookups that name a mistake."""
 
     def state(self, seq_id: Hashable) -> SeqState:
         """The sequence's state. Raises KeyError if unknown."""
