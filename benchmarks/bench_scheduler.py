@@ -41,7 +41,7 @@ from pagedkv.engine.request import Request as EngineRequest
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
-from pagedkv.sim.paged import StandInRunner, token_ids
+from pagedkv.sim.paged import StandInRunner, int32_id_shift, token_ids
 from pagedkv.sim.policies import StepCost
 from pagedkv.sim.workload import Request
 
@@ -64,15 +64,6 @@ def make_requests(num: int, seed: int, *, group_size: int = 32) -> list[Request]
     ]
 
 
-def int32_id_shift(num_requests: int, max_len: int) -> int:
-    """The position bits of the stand-in's token ids (`pagedkv.sim.paged.token_ids`): as
-    few as hold every position below `max_len`, so ids fit in int32; 32 (the simulator's)
-    when even those do not fit."""
-    shift = max_len.bit_length()
-    largest = ((2 * num_requests - 1) << shift) + max_len  # request n - 1's own ids
-    return shift if largest < 2**31 else 32
-
-
 class Pool:
     """One pool's scheduler with every request admitted, timed a few steps at a time."""
 
@@ -81,7 +72,7 @@ class Pool:
         self.num_blocks, self.num_seqs = num_blocks, num_seqs
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
         requests = make_requests(num_seqs, seed)
-        self.id_shift = int32_id_shift(num_seqs, max(r.total_len for r in requests))
+        self.id_shift = int32_id_shift(requests)
         config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=32768)
         self.scheduler = scheduler = Scheduler(
             config, self.manager, max_model_len=max(r.total_len for r in requests)

@@ -125,9 +125,9 @@ def test_admission_takes_only_the_first_chunk() -> None:
     )
     scheduler.add_request(request)
     step = scheduler.schedule()
-    assert [len(s.token_ids) for s in step.seqs] == [16]
+    assert [len(s.token_ids) for s in step.rows()] == [16]
     assert len(scheduler.kv.block_table(("a", 0))) == 4  # not 40 + 500 tokens' worth
-    assert step.seqs[0].sample_seq_ids == []
+    assert step.rows()[0].sample_seq_ids == []
 
 
 def test_decodes_go_before_prefill_chunks() -> None:
@@ -147,11 +147,11 @@ def test_decodes_go_before_prefill_chunks() -> None:
         Request("b", list(range(30)), SamplingParams(), arrival_time=0, arrival_index=1)
     )
     step = scheduler.schedule()
-    assert [(s.seq_id, len(s.token_ids)) for s in step.seqs] == [(("a", 0), 1), (("b", 0), 7)]
+    assert [(s.seq_id, len(s.token_ids)) for s in step.rows()] == [(("a", 0), 1), (("b", 0), 7)]
     # A prefill chunk already running yields to newer decodes too: the budget reserves them.
     scheduler.update(step, runner.execute(step))
     step = scheduler.schedule()
-    assert [(s.seq_id, len(s.token_ids)) for s in step.seqs] == [(("a", 0), 1), (("b", 0), 7)]
+    assert [(s.seq_id, len(s.token_ids)) for s in step.rows()] == [(("a", 0), 1), (("b", 0), 7)]
 
 
 def test_prefix_cache_skips_cached_blocks() -> None:
@@ -167,7 +167,7 @@ def test_prefix_cache_skips_cached_blocks() -> None:
     )
     scheduler.add_request(second)
     step = scheduler.schedule()
-    assert step.seqs[0].start_pos == 12 and step.seqs[0].token_ids == [21, 22]
+    assert step.rows()[0].start_pos == 12 and step.rows()[0].token_ids == [21, 22]
     assert second.metrics.num_cached_tokens == 12
 
 
@@ -240,7 +240,7 @@ def test_n_samples_share_prompt_blocks() -> None:
     )
     scheduler.add_request(request)
     step = scheduler.schedule()
-    assert step.seqs[0].sample_seq_ids == [("a", i) for i in range(4)]
+    assert step.rows()[0].sample_seq_ids == [("a", i) for i in range(4)]
     scheduler.update(step, runner.execute(step))
     # After the fork: 3 prompt blocks held by all four samples, nothing copied yet.
     assert scheduler.kv.stats()["num_used_blocks"] == 3
@@ -289,7 +289,7 @@ def test_swapped_request_resumes_before_newer_admissions() -> None:
         step = scheduler.schedule()
         if step.swap_in and swapped_in_at is None:
             swapped_in_at = t
-        for seq in step.seqs:
+        for seq in step.rows():
             first_step.setdefault(seq.seq_id[0], t)
         scheduler.update(step, runner.execute(step))
         scheduler.kv.check()

@@ -40,7 +40,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[Any, list[int]] = {}  # the engine's own record of each sequence
         self.host_tables: dict[Any, list[int]] = {}  # swapped-out sequences' host blocks
         self.next_id = 0
-        # Block tables `append_token` handed out, with their contents then: never mutated.
+        # Block tables `append` handed out, with their contents then: never mutated.
         self.handed: list[tuple[list[int], list[int]]] = []
 
     # ----- engine-side helpers --------------------------------------------------------------
@@ -104,13 +104,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._resident())
     @rule(data=st.data(), token=st.integers(0, 2))
-    def append_token(self, data: st.DataObject, token: int) -> None:
+    def append_one(self, data: st.DataObject, token: int) -> None:
         seq_id = data.draw(st.sampled_from(self._resident()))
         m, start = self.m, len(self.tokens[seq_id])
         need, free, before = m.num_blocks_to_append(seq_id, 1), m.num_free_blocks, snapshot(m)
-        table = m.append_token(seq_id, token)
-        if table is None:
-            assert need > free and snapshot(m) == before, "a refused append_token changed state"
+        try:
+            table = m.append(seq_id, [token])
+        except OutOfBlocks:
+            assert need > free and snapshot(m) == before, "a refused append changed state"
             return
         assert need <= free and m.num_free_blocks == free - need
         assert table == m.block_table(seq_id)

@@ -19,13 +19,8 @@ from pagedkv.sim.workload import Request
 def test_runner_samples_the_workload_token(id_shift: int) -> None:
     request = Request(arrival=0.0, prompt_len=6, output_len=4, prefix_group=1, prefix_len=4)
     prompt = token_ids(3, request, 0, 6, id_shift=id_shift)
-    step = SchedulerOutput(
-        seqs=[
-            ScheduledSequence(
-                ("3", 0), prompt, 0, [0], list(range(6)), [("3", 0)], SamplingParams(), 0, []
-            )
-        ]
-    )
+    row = ScheduledSequence(("3", 0), prompt, 0, [0], 8, [("3", 0)], SamplingParams(), 0, [])
+    step = SchedulerOutput(8, [row])
     sampled = StandInRunner(StepCost(), id_shift=id_shift).execute(step)
     assert sampled == {("3", 0): token_ids(3, request, 6, 7, id_shift=id_shift)[0]}
     # Shared prefix ids, then the request's own: all distinct from another request's.
@@ -51,7 +46,7 @@ def _trace(id_shift: int) -> list[tuple]:
     trace = []
     while scheduler.has_unfinished_requests():
         step = scheduler.schedule()
-        rows = [(s.seq_id, s.start_pos, s.block_table, s.slot_mapping) for s in step.seqs]
+        rows = [(s.seq_id, s.start_pos, s.block_table, s.slot_mapping) for s in step.rows()]
         trace.append((rows, step.preempted_request_ids, step.copies))
         scheduler.update(step, runner.execute(step))
     assert manager.stats()["prefix_cache_hits"] > 0  # the load does share prefixes

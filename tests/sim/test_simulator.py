@@ -118,7 +118,7 @@ def test_paged_preempts_youngest_and_recomputes():
     result = paged.replay(requests, policy, on_step=steps.append)
     assert result.preemptions == 1 and result.steps == 6
     assert [s.preempted_request_ids for s in steps] == [[], [], [], [], ["1"], []]
-    assert [len(s.seqs[0].token_ids) for s in steps[4:]] == [1, 5]
+    assert [s.query_lens[0] for s in steps[4:]] == [1, 5]
     assert (result.admitted, result.queued, result.rejected) == (2, 0, 0)
 
 
@@ -146,9 +146,9 @@ def test_scheduler_limits_apply_to_paged_policies():
         "paged", capacity_tokens=64, num_blocks=16, block_size=4, max_len=12, scheduler=config
     )
     paged.replay(requests, policy, on_step=steps.append)
-    ids = [[s.seq_id[0] for s in step.seqs] for step in steps]
+    ids = [[s.seq_id[0] for s in step.rows()] for step in steps]
     assert ids == [["0"], ["0"], ["0", "1"], ["0", "1"], ["2"], ["2"]]
-    assert [len(s.token_ids) for s in steps[2].seqs] == [2, 2]
+    assert [len(s.token_ids) for s in steps[2].rows()] == [2, 2]
 
 
 def test_prefix_sharing_shares_prompt_blocks():
@@ -274,7 +274,7 @@ def test_paged_replay_schedules_as_a_real_engine_run(tmp_path):
     def trace(steps):
         return [
             (
-                [(s.seq_id[0], s.start_pos, len(s.token_ids)) for s in step.seqs],
+                [(s.seq_id[0], s.start_pos, len(s.token_ids)) for s in step.rows()],
                 step.preempted_request_ids,
             )
             for step in steps

@@ -1,10 +1,12 @@
 """Beam search on the paged KV cache: beams share blocks through `fork`, dropped beams are freed.
 
-`BeamSelector` picks the beams as transformers does. Memory: each surviving candidate forks
-its parent's blocks to a new sequence, then every old beam is freed, then each new beam
-appends its token. A parent with one survivor thus hands over its blocks without a copy;
-siblings share all blocks up to where they diverge and the shared partial last block is
-copied on write (`KVCacheManager.pop_copies`).
+`BeamSelector` picks the beams as transformers does. Each prompt is a `Request` whose
+sequences are its live beams; every step is built by the scheduler's `StepBuilder` (prompt
+chunks and one decode token per beam, the blocks they take). Memory: each surviving
+candidate forks its parent's blocks to a new sequence, then every old beam is freed, and
+the next step appends each new beam's token. A parent with one survivor thus hands over its
+blocks without a copy; siblings share all blocks up to where they diverge and the shared
+partial last block is copied on write (`KVCacheManager.pop_copies`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pagedkv.engine.beam_selector import Beam, BeamSelector, EarlyStopping
-from pagedkv.engine.request import SeqId
+from pagedkv.engine.planning import StepBudget, StepBuilder
+from pagedkv.engine.request import Request, SeqId
+from pagedkv.engine.request import Sequence as BeamSequence
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedkv.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedkv.engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine, PromptType
@@ -59,27 +63,37 @@ class BeamSearchOutput:
 
 @dataclass
 class _PromptSearch:
-    """One prompt's search; `params` are what the runner samples its beams' rows with."""
+    """One prompt's search: `request.seqs` are the live beams' sequences (`beams` in the
+    same order), its params what the runner samples their rows with."""
 
     prompt: str | None
-    prompt_token_ids: list[int]
-    request_id: str
-    params: SamplingParams
+    request: Request
     selector: BeamSelector
     num_reserved_blocks: int
     beams: list[Beam] = field(default_factory=list)
-    num_prefilled: int = 0  # prompt tokens whose KV is in the cache (or computed this step)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.request.seqs[0].num_computed < len(self.prompt_token_ids)
 
 
 class BeamSearchRun:
     """Runs beam search for a batch of prompts on an idle engine, step by step.
 
     Every step schedules one decode token per live beam (all prompts together) and prompt
-    chunks of newly admitted prompts under the token budget, runs them through the engine's
-    `ModelRunner` in one forward pass (applying copy-on-write copies first), and advances
-    each prompt's `BeamSelector`. A prompt is admitted only when the blocks it could need in
-    the worst case (no sharing after the prompt) fit beside those of the admitted ones, so
-    `append` never runs out of blocks.
+    chunks of newly admitted prompts under the token budget (the scheduler's `StepBuilder`),
+    runs them through the engine's `ModelRunner` in one forward pass (applying copy-on-write
+    copies first), and advances each prompt's `BeamSelector`. A prompt is admitted only
+    when the blocks it could need in the worst case (no sharing after the prompt) fit beside
+    those of the admitted ones, so `append` never runs out of blocks.
 
     Args and Raises: as `beam_search`.
 
@@ -103,6 +117,7 @@ class BeamSearchRun:
         self.params = params
         self.early_stopping = early_stopping
         self.manager = engine.kv_manager
+        self.builder = StepBuilder(self.manager)
         self.block_size = self.manager.block_size
         self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
         # One row per live beam, each a sequence of the step.
@@ -140,7 +155,8 @@ class BeamSearchRun:
             temperature=0.0, max_tokens=num_new, logprobs=num_logprobs, ignore_eos=True
         )
         request_id = f"beam-search-{id(self)}-{index}"
-        return _PromptSearch(text, token_ids, request_id, params, selector, reserved)
+        request = Request(request_id, token_ids, params, arrival_time=0.0, arrival_index=index)
+        return _PromptSearch(text, request, selector, reserved)
 
     def run(self) -> list[BeamSearchOutput]:
         """Search every prompt to the end; every block is free again afterwards.
@@ -194,53 +210,18 @@ class BeamSearchRun:
             active.append(search)
             reserved += search.num_reserved_blocks
             search.beams = [Beam((search.request_id, next(self._serial)))]
+            prompt = search.prompt_token_ids
+            search.request.seqs = [BeamSequence(search.beams[0].seq_id, list(prompt), len(prompt))]
 
     def _schedule(self, active: list[_PromptSearch]) -> SchedulerOutput:
         """Decode tokens of every live beam first, then prompt chunks under the budget."""
-        seqs = [
-            self._row(search, b.seq_id, b.token_ids[-1:], sample=True)
-            for search in active
-            if search.num_prefilled == len(search.prompt_token_ids)
-            for b in search.beams
-        ]
-        budget = self.max_num_batched_tokens - len(seqs)
-        for search in active:
-            if budget > 0 and search.num_prefilled < len(search.prompt_token_ids):
-                budget -= self._schedule_chunk(search, budget, seqs)
-        return SchedulerOutput(seqs=seqs, copies=self.manager.pop_copies())
-
-    def _schedule_chunk(
-        self, search: _PromptSearch, budget: int, seqs: list[ScheduledSequence]
-    ) -> int:
-        """Allocate (first chunk) or append the next prompt chunk; returns its length."""
-        prompt, root = search.prompt_token_ids, search.beams[0].seq_id
-        if root not in self.manager:
-            end = min(len(prompt), self.manager.num_cached_tokens(prompt) + budget)
-            start = self.manager.allocate(root, prompt[:end])
-        else:
-            start = search.num_prefilled
-            end = min(len(prompt), start + budget)
-            self.manager.append(root, prompt[start:end])
-        search.num_prefilled = end
-        seqs.append(self._row(search, root, prompt[start:end], sample=end == len(prompt)))
-        return end - start
-
-    def _row(
-        self, search: _PromptSearch, seq_id: SeqId, token_ids: list[int], *, sample: bool
-    ) -> ScheduledSequence:
-        """`token_ids`, the newest tokens of `seq_id` in the manager, their last row sampled
-        if `sample`."""
-        end = self.manager.num_tokens(seq_id)
-        start = end - len(token_ids)
-        return ScheduledSequence(
-            seq_id,
-            token_ids,
-            start,
-            self.manager.block_table(seq_id),
-            self.manager.slot_mapping(seq_id, start, end),
-            [seq_id] if sample else [],
-            search.params,
-        )
+        out = SchedulerOutput(self.block_size)
+        budget = StepBudget(self.max_num_batched_tokens, reserved_decodes=0)
+        for search in sorted(active, key=lambda s: s.is_prefilling):  # stable: decodes first
+            request = search.request
+            self.builder.run(request, self.builder.plan(request, budget), out, budget)
+        out.copies = self.manager.pop_copies()
+        return out
 
     def _advance(self, search: _PromptSearch, results: Mapping[SeqId, SampleResult]) -> None:
         """Select the next beams; fork survivors, free the old beams, append the new tokens."""
@@ -251,7 +232,7 @@ class BeamSearchRun:
         running = search.selector.step(search.beams, tops)
         if search.selector.is_done:
             return
-        new_beams = []
+        new_beams, prompt = [], search.prompt_token_ids
         for candidate in running:
             parent = search.beams[candidate.parent]
             child = Beam(
@@ -262,13 +243,21 @@ class BeamSearchRun:
             )
             self.manager.fork(parent.seq_id, child.seq_id)
             new_beams.append(child)
-        # Free before appending: a block only the child still holds is then written in
-        # place, and only blocks shared by surviving siblings are copied.
+        # Free before the next step appends: a block only the child still holds is then
+        # written in place, and only blocks shared by surviving siblings are copied.
         for beam in search.beams:
             self.manager.free(beam.seq_id)
-        for beam in new_beams:
-            self.manager.append(beam.seq_id, beam.token_ids[-1:])
         search.beams = new_beams
+        search.request.seqs = [
+            BeamSequence(
+                b.seq_id,
+                [*prompt, *b.token_ids],
+                len(prompt),
+                len(prompt) + len(b.token_ids) - 1,
+                is_allocated=True,
+            )
+            for b in new_beams
+        ]
 
     def _release(self, search: _PromptSearch) -> None:
         for beam in search.beams:

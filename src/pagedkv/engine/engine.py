@@ -254,7 +254,7 @@ class LLMEngine:
     def _drop_failed_step(self, step: SchedulerOutput) -> None:
         """After the runner failed: abort the step's requests (their blocks go back) and
         forget the prefix cache, whose newest blocks were indexed but never written."""
-        for request_id in dict.fromkeys(seq_id[0] for seq_id in step.seq_ids()):
+        for request_id in dict.fromkeys(seq_id[0] for seq_id in step.seq_ids):
             self.abort_request(request_id)
         if not self.kv_manager.reset_prefix_cache():
             logger.warning(
@@ -266,7 +266,7 @@ class LLMEngine:
         self, step: SchedulerOutput, results: dict[Any, SampleResult], live: dict[str, Request]
     ) -> list[RequestOutput]:
         now = time.monotonic()
-        for seq_id in step.seq_ids():
+        for seq_id in step.seq_ids:
             metrics = live[seq_id[0]].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now

@@ -1,25 +1,23 @@
-"""Planning and running one request's work in a step: the half of `Scheduler` that turns
-a running (or newly admitted) request into scheduled chunks.
+"""Turning one request's work in a step into block-manager calls and rows of the step.
 
-`_schedule_decodes` takes the step's common case with a handful of operations per
-sequence: a request with one sequence whose decode token fits without a
-preemption (`KVCacheManager.append_token`: no new block but every `block_size` tokens,
-and the block table handed out as the same list until it changes). It makes exactly the
-decisions and the rows of the general path (`_plan`, `_blocks_needed`, `_run_plan`), each
-as a compact `DecodeRow` tuple instead of a `ScheduledSequence`; the general path handles
-everything else: prefill chunks, n > 1 samples, a block that is not free.
+`StepBuilder` plans each unfinished sequence's chunk (a decode token or the next prompt
+chunk) under the step's `StepBudget`, counts the blocks the plan needs, and runs it:
+`KVCacheManager.allocate` or `append`, then one row per chunk in the `SchedulerOutput`.
+`Scheduler` decides which requests run and preempts; beam search builds its steps with the
+same builder. The common case, a request with one sequence decoding one token, takes the
+same calls as every other: each is cheap when nothing but a token changes.
 
-Standard library only (no torch), like the scheduler it is part of.
+Standard library only (no torch), like the scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
-from pagedkv.engine.request import Request, SeqId, Sequence
-from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedkv.engine.request import Request, Sequence
+from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
@@ -27,14 +25,14 @@ from pagedkv.memory import KVCacheManager
 Plan = list[tuple[Sequence, int, int]]
 
 
-@dataclass
+@dataclass(slots=True)
 class StepBudget:
     """Tokens left in one step. Decode tokens of running requests not yet visited are
     reserved, so prefill chunks only take what the decodes leave."""
 
     tokens: int
-    # Decode tokens of running requests not yet visited; None until first needed (a step
-    # of decodes alone never counts them: see `PlanningMixin._schedule_running_requests`).
+    # Decode tokens of running requests not yet visited; None until a prefill chunk first
+    # needs them (a step of decodes alone never counts them).
     reserved_decodes: int | None = None
 
     @property
@@ -48,155 +46,78 @@ class StepBudget:
         self.tokens += sum(num for _, _, num in plan)
 
 
-class PlanningMixin:
-    """Per-request planning for `Scheduler`, which owns the queues and preempts."""
+def num_decodes(requests: Iterable[Request]) -> int:
+    """Unfinished sequences of `requests` whose next step is a decode."""
+    return sum(1 for r in requests for s in r.seqs if s.is_decode and s.finish_reason is None)
 
-    kv: KVCacheManager
-    running: list[Request]
-    requests: dict[str, Request]
 
-    # Preemption and finishing live in Scheduler; declared for type checking only.
-    _preempt: Callable[..., None]
-    finish_sequence: Callable[..., None]
+class StepBuilder:
+    """Plans and runs one request's chunks of a step on `kv`.
 
-    # Tests turn the decode fast path off to compare it with the general path.
-    decode_fast_path = True
+    Args:
+        kv: the block manager the rows' blocks come from.
+    """
 
-    def _schedule_running_requests(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Visit every running request in order; some may be preempted (see `Scheduler`).
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
 
-        Runs of requests the decode fast path takes (`_schedule_decodes`) alternate with
-        single requests for the general path (`_schedule_running`).
+    def plan(
+        self,
+        request: Request,
+        budget: StepBudget,
+        running: Iterable[Request] = (),
+        first: int = 0,
+    ) -> Plan:
+        """Pick each unfinished sequence's tokens for this step and charge the budget.
+
+        ``running[first:]``: the running requests visited after `request`, whose decodes a
+        prefill chunk reserves when the budget has not counted them yet.
         """
-        running = self.running
-        i = 0
-        while True:
-            if self.decode_fast_path:
-                i = self._schedule_decodes(i, out, budget)
-            if i >= len(running):
-                return
-            if budget.reserved_decodes is None:
-                # Counted when the general path first needs them: every request before i
-                # has been visited, so they are exactly those of running[i:] (a victim
-                # leaves from the end).
-                budget.reserved_decodes = sum(
-                    1
-                    for r in islice(running, i, None)
-                    for s in r.seqs
-                    if s.is_decode and s.finish_reason is None
-                )
-            if self._schedule_running(i, out, budget):
-                i += 1
-
-    def _schedule_decodes(self, first: int, out: SchedulerOutput, budget: StepBudget) -> int:
-        """Schedule running[first:] while each is the step's common case (see the module
-        docstring), each exactly as `_schedule_running` would. Nothing is preempted here, so
-        `running` does not change.
-
-        Returns:
-            The index of the first request left to the general path (it is unchanged), or
-            ``len(running)``.
-        """
-        rows = out.decode_rows
-        block_size, append_token, emit = self.kv.block_size, self.kv.append_token, rows.append
-        num_before = len(rows)
-        # One token each, so the budget bounds the run (what is left sees it spent).
-        for request in islice(self.running, first, first + max(budget.tokens, 0)):
-            seqs = request.seqs
-            if request.n != 1 or len(seqs) != 1:
-                break
-            seq = seqs[0]
-            tokens, start = seq.token_ids, seq.num_computed
-            # `is_decode` and unfinished, spelled out.
-            if (
-                len(tokens) - start != 1
-                or start < seq.prompt_len
-                or not seq.is_allocated
-                or seq.finish_reason is not None
-            ):
-                break
-            seq_id, token = seq.seq_id, tokens[start]
-            table = append_token(seq_id, token)
-            if table is None:  # a block is needed and not free: the general path preempts
-                break
-            seq.num_computed = start + 1
-            request.metrics.num_computed_tokens += 1
-            slot = table[start // block_size] * block_size + start % block_size
-            # A `DecodeRow`: past the prompt, so no prompt logprob targets.
-            emit((seq_id, token, start, table, slot, request.params, request.seed))
-        num_rows = len(rows) - num_before
-        budget.tokens -= num_rows
-        if budget.reserved_decodes:  # counted (not None) and positive: one per row
-            budget.reserved_decodes = max(0, budget.reserved_decodes - num_rows)
-        return first + num_rows
-
-    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> bool:
-        """Schedule running[index]; False when it left `running` (preempted or ended)."""
-        request = self.running[index]
-        plan = self._plan(request, budget)
-        if not plan:
-            return True
-        need = self._blocks_needed(plan)
-        while need > self.kv.num_free_blocks:
-            victim = self.running[-1]
-            if victim is not request:
-                self._preempt(victim, out, budget)
-                continue
-            if index > 0:
-                budget.refund(plan)
-                self._preempt(request, out, budget, visited=True)
-                return False
-            # Alone in the pool: what does not fit now never will (see _run_alone).
-            return self._run_alone(request, plan, out, budget)
-        self._run_plan(request, plan, out, budget)
-        return True
-
-    def _run_alone(
-        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
-    ) -> bool:
-        """Run what fits now of a request that is alone on the device.
-
-        Chunks that do not fit wait for its other samples to finish. If nothing fits at
-        all, the pool is smaller than the request: its newest blocked sample ends with
-        "length", so every step makes progress.
-        """
-        blocked: list[Sequence] = []
-        for seq, start, num in plan:
-            if self._blocks_needed([(seq, start, num)]) <= self.kv.num_free_blocks:
-                self._run_plan(request, [(seq, start, num)], out, budget)
-            else:
-                budget.tokens += num
-                blocked.append(seq)
-        if blocked and len(blocked) == len(plan):
-            self.finish_sequence(blocked[-1], "length")
-        if request.is_finished:
-            out.finished_request_ids.append(request.request_id)
-            return False
-        return True
-
-    def _plan(self, request: Request, budget: StepBudget) -> Plan:
-        """Pick each unfinished sequence's tokens for this step and charge the budget."""
         plan: Plan = []
-        for seq in request.unfinished_seqs():
-            if seq.is_decode:
-                budget.reserved_decodes = max(0, (budget.reserved_decodes or 0) - 1)
+        for i, seq in enumerate(request.seqs):
+            if seq.finish_reason is not None:
+                continue
+            start = seq.num_computed
+            num_tokens = len(seq.token_ids)
+            if num_tokens - start == 1 and seq.is_allocated and num_tokens > seq.prompt_len:
+                if budget.reserved_decodes:  # this decode is no longer reserved
+                    budget.reserved_decodes -= 1
                 if budget.tokens >= 1:
-                    plan.append((seq, seq.num_computed, 1))
+                    plan.append((seq, start, 1))
                     budget.tokens -= 1
                 continue
-            if seq.is_allocated:
-                start = seq.num_computed
-            elif not _uses_prefix_cache(request):
-                start = 0
-            else:
-                start = self.kv.num_cached_tokens(seq.token_ids)
-            num = min(len(seq.token_ids) - start, budget.prefill_tokens)
+            if budget.reserved_decodes is None:  # this request's later decodes too
+                later_seqs = [s for s in request.seqs[i + 1 :] if s.is_decode and not s.is_finished]
+                others = islice(running, first, None)
+                budget.reserved_decodes = num_decodes(others) + len(later_seqs)
+            if not seq.is_allocated:
+                start = (
+                    self.kv.num_cached_tokens(seq.token_ids) if _uses_prefix_cache(request) else 0
+                )
+            num = min(num_tokens - start, budget.prefill_tokens)
             if num > 0:
                 plan.append((seq, start, num))
                 budget.tokens -= num
         return plan
 
-    def _blocks_needed(self, plan: Plan) -> int:
+    def fork(self, request: Request, parent: Sequence) -> None:
+        """Add sequences 1..n-1 to `request`, each sharing every block of `parent` (no copy).
+
+        A child starts with the parent's tokens and computed count; a shared partial last
+        block is copied on the first append to either (queued for the next step's copies).
+        """
+        for index in range(1, request.n):
+            child = Sequence(
+                (request.request_id, index),
+                list(parent.token_ids),
+                parent.prompt_len,
+                num_computed=parent.num_computed,
+                is_allocated=True,
+            )
+            self.kv.fork(parent.seq_id, child.seq_id)
+            request.seqs.append(child)
+
+    def blocks_needed(self, request: Request, plan: Plan) -> int:
         """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
         need = 0
         for seq, start, num in plan:
@@ -204,54 +125,80 @@ class PlanningMixin:
                 need += self.kv.num_blocks_to_append(seq.seq_id, num)
             else:
                 need += self.kv.num_blocks_to_allocate(
-                    seq.token_ids[: start + num],
-                    use_prefix_cache=_uses_prefix_cache(self.requests[seq.seq_id[0]]),
+                    seq.token_ids,
+                    use_prefix_cache=_uses_prefix_cache(request),
+                    num_tokens=start + num,
                 )
         return need
 
-    def _run_plan(
-        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
-    ) -> None:
-        """Allocate or append each planned chunk and emit it. A chunk that no longer fits
-        (the conservative count was not enough) waits for the next step."""
-        for seq, start, num in plan:
-            end = start + num
+    def run(self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Run each planned chunk (`run_chunk`). A chunk that no longer fits (the
+        conservative count was not enough) waits for the next step."""
+        for chunk in plan:
             try:
-                if seq.is_allocated:
-                    self.kv.append(seq.seq_id, seq.token_ids[start:end])
-                else:
-                    start = self.kv.allocate(
-                        seq.seq_id,
-                        seq.token_ids[:end],
-                        use_prefix_cache=_uses_prefix_cache(request),
-                    )
-                    seq.is_allocated = True
-                    if request.metrics.num_computed_tokens == 0 and seq.index == 0:
-                        request.metrics.num_cached_tokens = start
+                self.run_chunk(request, chunk, out)
             except OutOfBlocks:
-                budget.tokens += num
-                continue
-            seq.num_computed = end
-            request.metrics.num_computed_tokens += end - start
-            if end < len(seq.token_ids):
-                sample_ids: list[SeqId] = []
-            elif request.is_forked:
-                sample_ids = [seq.seq_id]
-            else:  # the prompt's last row samples all n, which the fork then separates
-                sample_ids = [(request.request_id, i) for i in range(request.n)]
-            out.add(
-                ScheduledSequence(
-                    seq.seq_id,
-                    seq.token_ids[start:end],
-                    start,
-                    self.kv.block_table(seq.seq_id),
-                    self.kv.slot_mapping(seq.seq_id, start, end),
-                    sample_ids,
-                    request.params,
-                    request.seed,
-                    _prompt_logprob_targets(request, seq, start, end),
-                )
-            )
+                budget.tokens += chunk[2]
+
+    def run_chunk(
+        self, request: Request, chunk: tuple[Sequence, int, int], out: SchedulerOutput
+    ) -> None:
+        """Allocate or append one planned chunk and add its row.
+
+        Raises:
+            OutOfBlocks: its blocks are not free; nothing changed.
+        """
+        seq, start, num = chunk
+        end = start + num
+        if seq.is_allocated:
+            token_ids = seq.token_ids[start:end]
+            table = self.kv.append(seq.seq_id, token_ids)
+        else:
+            start = self._allocate(request, seq, end)
+            table = self.kv.block_table(seq.seq_id)
+            token_ids = seq.token_ids[start:end]
+        seq.num_computed = end
+        request.metrics.num_computed_tokens += end - start
+        if end < len(seq.token_ids):
+            num_samples = 0
+        else:  # the prompt's last row of an unforked request samples all n
+            num_samples = 1 if len(request.seqs) == request.n else request.n
+        targets = None
+        if request.prompt_logprobs is not None:
+            targets = _prompt_logprob_targets(request, seq, start, end)
+        out.add_row(seq.seq_id, token_ids, start, table, num_samples,
+                    request.params, request.seed, targets)  # fmt: skip
+
+    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
+        """Allocate `seq` with its first `end` tokens; returns the first position to compute."""
+        start = self.kv.allocate(
+            seq.seq_id, seq.token_ids[:end], use_prefix_cache=_uses_prefix_cache(request)
+        )
+        seq.is_allocated = True
+        if request.metrics.num_computed_tokens == 0 and seq.index == 0:
+            request.metrics.num_cached_tokens = start
+        return start
+
+    def run_alone(
+        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
+    ) -> Sequence | None:
+        """Run what fits now of a request that is alone on the device.
+
+        Chunks that do not fit wait for its other samples to finish. If nothing fits at
+        all, the pool is smaller than the request.
+
+        Returns:
+            The newest blocked sample when nothing fit (to end with "length", so every step
+            makes progress), else None.
+        """
+        blocked: list[Sequence] = []
+        for chunk in plan:
+            if self.blocks_needed(request, [chunk]) <= self.kv.num_free_blocks:
+                self.run(request, [chunk], out, budget)
+            else:
+                budget.tokens += chunk[2]
+                blocked.append(chunk[0])
+        return blocked[-1] if blocked and len(blocked) == len(plan) else None
 
 
 def _uses_prefix_cache(request: Request) -> bool:

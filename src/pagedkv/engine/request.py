@@ -162,3 +162,27 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.value}, "
             f"prompt_len={len(self.prompt_token_ids)}, seqs={len(self.seqs)}/{self.n})"
         )
+
+
+def check_fits(
+    request: Request, *, max_model_len: int, num_blocks: int, block_size: int, max_num_seqs: int
+) -> None:
+    """Raise ValueError unless `request` can ever run: a prompt of at least one token with
+    room for one new token within `max_model_len` and the pool, and n <= `max_num_seqs`."""
+    prompt_len = len(request.prompt_token_ids)
+    if prompt_len == 0:
+        raise ValueError("expected a prompt of at least one token, got an empty prompt")
+    if prompt_len + 1 > max_model_len:
+        raise ValueError(
+            f"expected prompt + 1 token <= max_model_len "
+            f"({max_model_len}), got {prompt_len} prompt tokens"
+        )
+    blocks = -(-(prompt_len + 1) // block_size)
+    if blocks > num_blocks:
+        raise ValueError(
+            f"expected a prompt that fits the pool with one new token "
+            f"({num_blocks} blocks of {block_size} tokens), got "
+            f"{prompt_len} prompt tokens needing {blocks} blocks"
+        )
+    if request.n > max_num_seqs:
+        raise ValueError(f"expected n <= max_num_seqs ({max_num_seqs}), got n={request.n}")

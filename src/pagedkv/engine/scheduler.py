@@ -25,9 +25,8 @@ requests are visited in order and victims come from the end, so a victim was nev
 appended to in this call. `append` makes full blocks prefix-cacheable at once; a freed
 block whose KV was never written must not stay in the prefix cache.
 
-Per-request planning, with the decode fast path that keeps a step of 1,024 decoding
-sequences cheap, lives in `pagedkv.engine.planning`; this module owns the queues
-(admission, preemption, resumption).
+Per-request planning and the rows it makes live in `pagedkv.engine.planning`
+(`StepBuilder`); this module owns the queues (admission, preemption, resumption).
 """
 
 from __future__ import annotations
@@ -37,16 +36,17 @@ from collections.abc import Callable, Iterable, Mapping
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
-from pagedkv.engine.planning import PlanningMixin, StepBudget
-from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence
-from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pagedkv.engine.planning import Plan, StepBudget, StepBuilder, num_decodes
+from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence, check_fits
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput, sample_ids
 from pagedkv.engine.stop import check_stop, stop_bounds
+from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
-class Scheduler(PlanningMixin):
+class Scheduler:
     """Decides, step by step, which tokens run and which blocks they use."""
 
     def __init__(
@@ -72,6 +72,7 @@ class Scheduler(PlanningMixin):
         """
         self.config = config
         self.kv = kv_manager
+        self.builder = StepBuilder(kv_manager)
         self.max_model_len = max_model_len
         self._eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
@@ -96,25 +97,13 @@ class Scheduler(PlanningMixin):
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("expected a prompt of at least one token, got an empty prompt")
-        if prompt_len + 1 > self.max_model_len:
-            raise ValueError(
-                f"expected prompt + 1 token <= max_model_len "
-                f"({self.max_model_len}), got {prompt_len} prompt tokens"
-            )
-        blocks = -(-(prompt_len + 1) // self.kv.block_size)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(
-                f"expected a prompt that fits the pool with one new token "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens), got "
-                f"{prompt_len} prompt tokens needing {blocks} blocks"
-            )
-        if request.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"expected n <= max_num_seqs ({self.config.max_num_seqs}), got n={request.n}"
-            )
+        check_fits(
+            request,
+            max_model_len=self.max_model_len,
+            num_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+        )
         self._set_stop_bounds(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -183,9 +172,12 @@ class Scheduler(PlanningMixin):
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the order)."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(self.kv.block_size)
         budget = StepBudget(self.config.max_num_batched_tokens)
-        self._schedule_running_requests(out, budget)
+        index = 0
+        while index < len(self.running):  # some may be preempted (see the module docstring)
+            if self._schedule_running(index, out, budget):
+                index += 1
         budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
             self._resume_swapped(out, budget)
@@ -207,69 +199,97 @@ class Scheduler(PlanningMixin):
             The request of each new token, in step order (once per sample).
         """
         touched: list[Request] = []
-        rows = output.decode_rows
-        for lo, hi, scheduled in output.segments():
-            if hi > lo:  # plain decodes: one sample each, the row's own sequence
-                self._update_samples([row[0] for row in rows[lo:hi]], sampled, touched)
-            if scheduled is not None and scheduled.sample_seq_ids:
-                request = self.requests[scheduled.seq_id[0]]
+        for seq_id, num in zip(output.seq_ids, output.num_samples, strict=True):
+            if num == 1:  # a sequence's own sample
+                self._update_sample(seq_id, sampled, touched)
+            elif num:  # the prompt's last row of n > 1: fork, then every sample
+                request = self.requests[seq_id[0]]
                 if not request.is_forked:
-                    self._fork(request, request.seq(scheduled.seq_id[1]))
-                self._update_samples(scheduled.sample_seq_ids, sampled, touched)
+                    self.builder.fork(request, request.seq(seq_id[1]))
+                for sample_id in sample_ids(seq_id, num):
+                    self._update_sample(sample_id, sampled, touched)
         return touched
 
-    def _fork(self, request: Request, parent: Sequence) -> None:
-        """Add sequences 1..n-1 to `request`, each sharing every block of `parent` (no copy).
-
-        A child starts with the parent's tokens and computed count; a shared partial last
-        block is copied on the first append to either (queued for the next step's copies).
-        """
-        for index in range(1, request.n):
-            child = Sequence(
-                (request.request_id, index),
-                list(parent.token_ids),
-                parent.prompt_len,
-                num_computed=parent.num_computed,
-                is_allocated=True,
-            )
-            self.kv.fork(parent.seq_id, child.seq_id)
-            request.seqs.append(child)
-
-    def _update_samples(
-        self, seq_ids: list[SeqId], sampled: Mapping[SeqId, int], touched: list[Request]
+    def _update_sample(
+        self, seq_id: SeqId, sampled: Mapping[SeqId, int], touched: list[Request]
     ) -> None:
-        """`update` of the samples `seq_ids`, in step order."""
-        requests, detokenize = self.requests, self.detokenize
-        for seq_id in seq_ids:
-            request = requests[seq_id[0]]
-            seq = request.seqs[seq_id[1]]
-            token = int(sampled[seq_id])
-            seq.token_ids.append(token)
-            text_start = len(seq.text)
-            if detokenize is not None:
-                seq.text += detokenize(seq)
-            bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
-            if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
-                stop = check_stop(
-                    seq,
-                    request.params,
-                    eos_token_ids=self._eos_token_ids,
-                    max_model_len=self.max_model_len,
-                    text_start=text_start,
-                )
-                if stop is not None:
-                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
-            touched.append(request)
+        """`update` of sample `seq_id`."""
+        request = self.requests[seq_id[0]]
+        seq = request.seqs[seq_id[1]]
+        token = int(sampled[seq_id])
+        seq.token_ids.append(token)
+        text_start = len(seq.text)
+        if self.detokenize is not None:
+            seq.text += self.detokenize(seq)
+        bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
+        if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
+            stop = check_stop(
+                seq,
+                request.params,
+                eos_token_ids=self._eos_token_ids,
+                max_model_len=self.max_model_len,
+                text_start=text_start,
+            )
+            if stop is not None:
+                self.finish_sequence(seq, stop.reason, stop.stop_reason)
+        touched.append(request)
+
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> bool:
+        """Schedule running[index]; False when it left `running` (preempted or ended).
+
+        While its blocks are not free, the newest running request is preempted. A plan of
+        one chunk just tries it (the manager changes nothing when it does not fit); a plan
+        of several is counted first, so that no victim was appended to in this step.
+        """
+        running, builder = self.running, self.builder
+        request = running[index]
+        plan = builder.plan(request, budget, running, index + 1)
+        while plan:
+            try:
+                if len(plan) == 1:
+                    builder.run_chunk(request, plan[0], out)
+                    return True
+                if builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
+                    builder.run(request, plan, out, budget)
+                    return True
+            except OutOfBlocks:
+                pass
+            victim = running[-1]
+            if victim is not request:
+                self._preempt(victim, out, budget)
+            elif index > 0:
+                budget.refund(plan)
+                self._preempt(request, out, budget, visited=True)
+                return False
+            else:  # alone in the pool: what does not fit now never will
+                return self._run_alone(request, plan, out, budget)
+        return True
+
+    def _run_alone(
+        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
+    ) -> bool:
+        """`StepBuilder.run_alone`, ending the sample that cannot grow; False when the
+        request ended."""
+        blocked = self.builder.run_alone(request, plan, out, budget)
+        if blocked is not None:
+            self.finish_sequence(blocked, "length")
+        if request.is_finished:
+            out.finished_request_ids.append(request.request_id)
+            return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and budget.prefill_tokens > 0:
             request = self.waiting[0]
             if self._exceeds_max_num_seqs(request):
                 return
-            plan = self._plan(request, budget)
+            plan = self.builder.plan(request, budget)
             is_alone = not self.running
             watermark = 0 if is_alone else self._watermark
-            fits = bool(plan) and self._blocks_needed(plan) + watermark <= self.kv.num_free_blocks
+            fits = (
+                bool(plan)
+                and self.builder.blocks_needed(request, plan) + watermark <= self.kv.num_free_blocks
+            )
             if not fits and not (plan and is_alone):
                 budget.refund(plan)
                 return
@@ -281,7 +301,7 @@ class Scheduler(PlanningMixin):
                 # prompt once the first is allocated), as a running request would.
                 self._run_alone(request, plan, out, budget)
                 return
-            self._run_plan(request, plan, out, budget)
+            self.builder.run(request, plan, out, budget)
 
     # ---- preemption, resumption and the thrash bound ------------------------------------
 
@@ -293,10 +313,8 @@ class Scheduler(PlanningMixin):
         `visited`: its plan already released its decode reservations.
         """
         self.running.remove(request)
-        if not visited:
-            decodes = sum(1 for s in request.seqs if s.is_decode and not s.is_finished)
-            assert budget.reserved_decodes is not None, "preempting before decodes counted"
-            budget.reserved_decodes = max(0, budget.reserved_decodes - decodes)
+        if not visited and budget.reserved_decodes is not None:  # else counted without it
+            budget.reserved_decodes = max(0, budget.reserved_decodes - num_decodes([request]))
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
@@ -340,9 +358,9 @@ class Scheduler(PlanningMixin):
                 seq.is_allocated, seq.is_swapped = True, False
             self.swapped.popleft()
             self._start_running(request)
-            plan = self._plan(request, budget)
-            if self._blocks_needed(plan) <= self.kv.num_free_blocks:
-                self._run_plan(request, plan, out, budget)
+            plan = self.builder.plan(request, budget)
+            if self.builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
+                self.builder.run(request, plan, out, budget)
             else:
                 budget.refund(plan)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.manager import KVCacheManager, SeqId
+from pagedkv.memory.manager import KVCacheManager
 from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
 
-__all__ = ["BlockPool", "KVCacheManager", "OutOfBlocks", "PrefixIndex", "ROOT_UID", "SeqId"]
+__all__ = ["BlockPool", "KVCacheManager", "OutOfBlocks", "PrefixIndex", "ROOT_UID"]

@@ -46,7 +46,8 @@ class BlockPool:
     """
 
     __slots__ = ("num_blocks", "index", "_stack", "_next_fresh", "_extra", "_queue", "_head",
-                 "_stamp", "_num_cached", "_num_shared", "num_evictions")  # fmt: skip
+                 "_stamp", "_num_cached", "_num_shared", "num_evictions",
+                 "num_moves")  # fmt: skip
 
     # Compact the cached queue once it holds this many more entries than twice the live ones
     # (a class attribute so that tests can compact on every call).
@@ -79,6 +80,9 @@ class BlockPool:
         # what keeps a 2M-block pool's churn close to a 10K-block pool's).
         self._num_shared = 0
         self.num_evictions = 0
+        # Calls that may move held blocks to cached or back (`free`, `touch`): while it
+        # stands still, which of a set of indexed blocks are evictable does not change.
+        self.num_moves = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,6 +168,7 @@ class BlockPool:
         Args:
             block_ids: held blocks, each at most once.
         """
+        self.num_moves += 1
         released: Sequence[int]
         if self._num_shared:
             released = self._release(block_ids)
@@ -228,6 +233,7 @@ class BlockPool:
         Args:
             block_ids: held or cached (then indexed) blocks, each at most once.
         """
+        self.num_moves += 1
         extra = self._extra
         num_cached = num_shared = 0
         for b in block_ids:
@@ -244,8 +250,8 @@ class BlockPool:
 
     def num_evictable(self, block_ids: Iterable[int]) -> int:
         """How many of `block_ids` are cached-but-free (a hit on one takes a free block)."""
-        extra = self._extra
-        return sum(extra[b] < 0 for b in block_ids)
+        # -1 >= count, i.e. count < 0, over the blocks' counts, in C.
+        return sum(map((-1).__ge__, map(self._extra.__getitem__, block_ids)))
 
     def is_shared(self, block_id: int) -> bool:
         """Whether a held block has more than one holder."""

@@ -13,16 +13,24 @@ A sequence's blocks::
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
-from pagedkv.memory.prefix import ROOT_UID
-from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_tuple
-from pagedkv.memory.state import ManagerState
+from pagedkv.memory.audit import EventCounts, check_state
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.lookups import PrefixLookups
+from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.sequence import (
+    SeqState,
+    SequenceTable,
+    positive_int,
+    table_of,
+    token_tuple,
+)
 
 
-class KVCacheManager(ManagerState):
+class KVCacheManager:
     """The paged KV cache's bookkeeping: which blocks hold which sequence's tokens.
 
     Args:
@@ -32,11 +40,9 @@ class KVCacheManager(ManagerState):
             prompt reuses them; freed ones stay cached until the space is needed.
         num_host_blocks: blocks of the host pool for `swap_out` (>= 0).
 
-    Raises:
-        ValueError: a non-positive size (or a negative `num_host_blocks`).
-
-    Sequence ids are any hashable. Token ids are compared, never interpreted. Running out of
-    blocks raises `OutOfBlocks` and leaves every piece of state unchanged.
+    Raises ValueError for a non-positive size (or a negative `num_host_blocks`). Sequence
+    ids are any hashable. Token ids are compared, never interpreted. Running out of blocks
+    raises `OutOfBlocks` and leaves every piece of state unchanged.
 
     The caller's duties: execute copies (`pop_copies`) and swap pairs in the order the calls
     were made, before the forward pass; and compute every token handed to `allocate` /
@@ -44,40 +50,103 @@ class KVCacheManager(ManagerState):
     free or swap out a sequence between that call and its forward pass.
     """
 
-    # ----- prefix lookups -------------------------------------------------------------------
-    def _lookup(
-        self, token_ids: Sequence[Any], with_rest: bool = False, use_prefix_cache: bool = True
-    ) -> tuple[list[int], int, Sequence[Any]]:
-        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index, no hit
-        without `use_prefix_cache`."""
-        if self._index is None:
-            return [], ROOT_UID, ()
-        # The last token is always computed (its logits are needed): at most n - 1 cached.
-        max_blocks = (len(token_ids) - 1) // self._block_size if use_prefix_cache else 0
-        return self._index.lookup(token_ids, self._block_size, max_blocks, with_rest)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_size = positive_int("block_size", block_size)
+        self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks, minimum=0)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
+        self._pool = BlockPool(num_blocks, self._index)
+        self._host = BlockPool(num_host_blocks)
+        self._seqs = SequenceTable()
+        self._copies: list[tuple[int, int]] = []
+        self._counts = EventCounts()
+        self._lookups = PrefixLookups(self._index, self._pool, block_size)
 
+    # ----- sizes and membership -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks an allocation can use now: free plus cached (evictable)."""
+        return self._pool.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host.num_free_blocks
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def seq_ids(self) -> list[Hashable]:
+        """Ids of the live sequences (resident or swapped out), oldest first."""
+        return list(self._seqs)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
+        return self._seqs.state(seq_id).host_block_ids is not None
+
+    # ----- one sequence ---------------------------------------------------------------------
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's block ids, logical block order. Raises as `num_tokens`.
+
+        The same list comes back until the blocks change, then a new one (so a list handed
+        out earlier still describes the step it was handed to): never mutate it.
+        """
+        return table_of(self._seqs.resident(seq_id, "block_table"))
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens the sequence holds. Raises KeyError if unknown, ValueError if swapped out."""
+        return len(self._seqs.resident(seq_id, "num_tokens").token_ids)
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
+
+        Raises:
+            KeyError: unknown `seq_id`.
+            ValueError: swapped out, or not ``0 <= start <= end <= num_tokens``.
+        """
+        return self._seqs.slot_mapping(seq_id, start, end, self.block_size)
+
+    # ----- prefix lookups -------------------------------------------------------------------
     def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
         """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
 
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._lookup(token_ids)[0]) * self._block_size
+        return len(self._lookups.hits(token_ids)) * self.block_size
 
     def num_blocks_to_allocate(
-        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self,
+        token_ids: Sequence[Any],
+        *,
+        use_prefix_cache: bool = True,
+        num_tokens: int | None = None,
     ) -> int:
-        """Free blocks `allocate(_, token_ids, use_prefix_cache=...)` would take now (after
-        prefix hits).
+        """Free blocks `allocate(_, token_ids[:num_tokens], use_prefix_cache=...)` would take
+        now (after prefix hits); `num_tokens` None: all of them.
 
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
         """
-        hits = self._lookup(token_ids, use_prefix_cache=use_prefix_cache)[0]
-        num_needed = -(-len(token_ids) // self._block_size)
-        return num_needed - len(hits) + self._pool.num_evictable(hits)
+        end = len(token_ids) if num_tokens is None else num_tokens
+        if not use_prefix_cache:
+            return -(-end // self.block_size)
+        # Hits are matched block by block from the start: those of a prefix are a prefix.
+        hits = self._lookups.hits(token_ids)
+        num = min(len(hits), (end - 1) // self.block_size)
+        return -(-end // self.block_size) - num + self._lookups.num_evictable(hits, num)
 
-    def num_blocks_to_append(self, seq_id: SeqId, num_tokens: int) -> int:
+    def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
         """Free blocks `append(seq_id, <num_tokens tokens>)` would take now.
 
         New blocks, plus one copy-on-write block if the partially filled last block is shared.
@@ -85,21 +154,28 @@ class KVCacheManager(ManagerState):
         Raises:
             KeyError: unknown `seq_id`.  ValueError: swapped out, or `num_tokens` < 0.
         """
-        seq = self._resident(seq_id, "num_blocks_to_append")
-        positive_int("num_tokens", num_tokens, minimum=0)
-        return self._append_cost(seq, num_tokens)[0]
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.host_block_ids is not None:
+            seq = self._seqs.resident(seq_id, "num_blocks_to_append")  # raises
+        if type(num_tokens) is not int or num_tokens < 0:
+            positive_int("num_tokens", num_tokens, minimum=0)  # raises
+        return self._append_cost(seq, num_tokens) + self._is_cow(seq, num_tokens)
 
-    def _append_cost(self, seq: SeqState, num_tokens: int) -> tuple[int, bool]:
-        block_size, num_cur = self._block_size, len(seq.token_ids)
-        num_new = -(-(num_cur + num_tokens) // block_size) - len(seq.block_ids)
-        is_cow = (
-            num_tokens > 0 and num_cur % block_size != 0 and self._pool.is_shared(seq.block_ids[-1])
+    def _append_cost(self, seq: SeqState, num_tokens: int) -> int:
+        """New blocks (copy-on-write aside) `num_tokens` more tokens take."""
+        return -(-(len(seq.token_ids) + num_tokens) // self.block_size) - len(seq.block_ids)
+
+    def _is_cow(self, seq: SeqState, num_tokens: int) -> bool:
+        """Whether appending `num_tokens` copies a shared, partially filled last block."""
+        return bool(
+            num_tokens
+            and len(seq.token_ids) % self.block_size
+            and self._pool.is_shared(seq.block_ids[-1])
         )
-        return num_new + is_cow, is_cow
 
     # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self, seq_id: Hashable, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
     ) -> int:
         """Start sequence `seq_id` holding `token_ids`, reusing cached leading blocks.
 
@@ -123,10 +199,8 @@ class KVCacheManager(ManagerState):
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
-        hits, chain_uid, keys = self._lookup(
-            tokens, with_rest=True, use_prefix_cache=use_prefix_cache
-        )
-        index, block_size, pool = self._index, self._block_size, self._pool
+        hits, chain_uid, keys = self._lookups.lookup(tokens, use_prefix_cache=use_prefix_cache)
+        index, block_size, pool = self._index, self.block_size, self._pool
         num_hits = len(hits)
         num_fresh = -(-len(tokens) // block_size) - num_hits
         # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
@@ -148,98 +222,69 @@ class KVCacheManager(ManagerState):
             )
             num_keyed = len(tokens) // block_size
             if use_prefix_cache:  # the counts of prefix lookups
-                self._num_queries += len(tokens)
-                self._num_hits += num_hits * block_size
+                self._counts.prefix_cache_queries += len(tokens)
+                self._counts.prefix_cache_hits += num_hits * block_size
         self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid)
         return num_hits * block_size
 
-    def append(self, seq_id: SeqId, token_ids: Sequence[Any]) -> None:
+    def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
         """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk).
 
         Allocates blocks on demand. If the partially filled last block is shared (after a
         fork), it is copied first: a fresh block replaces it in this sequence's table and the
         copy ``(src, dst)`` is queued for `pop_copies()`. Appending nothing is a no-op.
 
+        Returns:
+            The sequence's block table after the append (see `block_table`).
+
         Raises:
             KeyError: unknown `seq_id`.  ValueError: swapped out.
             OutOfBlocks: not enough free blocks; nothing changed.
         """
-        seq = self._resident(seq_id, "append")
-        # A decode step appends one token to every sequence: keep the common path short.
-        tokens = token_ids if type(token_ids) is list else list(token_tuple(token_ids))
-        num_blocks, is_cow = self._append_cost(seq, len(tokens))
-        if num_blocks:
-            pool = self._pool
-            if num_blocks > pool.num_free_blocks:
-                raise OutOfBlocks(
-                    f"append {seq_id!r}: need {num_blocks} blocks, {pool.num_free_blocks} free"
-                )
-            new_block_ids = pool.allocate(num_blocks)
-            if is_cow:
-                src, dst = seq.block_ids[-1], new_block_ids.pop(0)
-                pool.free([src])  # shared, so it stays held by the others
-                seq.block_ids[-1] = dst
-                self._copies.append((src, dst))
-                self._num_cow += 1
-            seq.block_ids += new_block_ids
-            seq.table = None
-        if isinstance(seq.token_ids, tuple):  # the prompt, kept as allocate got it
-            seq.token_ids = list(seq.token_ids)
-        seq.token_ids += tokens
-        if tokens:
-            seq.is_tail_own = True
-        if len(seq.token_ids) // self._block_size > seq.num_keyed:
-            self._key_full_blocks(seq)
-
-    def append_token(self, seq_id: SeqId, token_id: Any) -> list[int] | None:
-        """A decode step's append: `append(seq_id, [token_id])` if the blocks it takes are
-        free, returning the block table; else None and nothing changed.
-
-        The common case (room in an unshared last block) allocates nothing and copies no
-        table: the same list comes back until the blocks change, then a new one (so a list
-        handed out earlier still describes the step it was handed to). Never mutate it.
-
-        Returns:
-            The sequence's block ids (the new token's slot is ``table[p // B] * B + p % B``
-            at its position p), or None when `num_blocks_to_append(seq_id, 1)` blocks are
-            not free.
-
-        Raises:
-            KeyError: unknown `seq_id`.  ValueError: swapped out.
-        """
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.is_tail_own:  # the common case: see `SeqState`
-            tokens = seq.token_ids
-            if not len(tokens) % self._block_size:
-                if not self._pool.num_free_blocks:
-                    return None
-                seq.block_ids.append(self._pool.allocate_one())
-                seq.table = None
-            tokens.append(token_id)  # type: ignore[union-attr]
-            if len(tokens) // self._block_size > seq.num_keyed:
-                self._key_full_blocks(seq)
-        else:  # a copy-on-write, or the prompt's tuple: the general path
-            seq = self._resident(seq_id, "append_token")
-            if self._append_cost(seq, 1)[0] > self._pool.num_free_blocks:
-                return None
-            self.append(seq_id, [token_id])
+        if seq is None or seq.host_block_ids is not None:
+            seq = self._seqs.resident(seq_id, "append")  # raises
+        tokens = seq.token_ids
+        if type(tokens) is not list:  # the prompt, kept as `allocate` got it
+            tokens = seq.token_ids = list(tokens)
+        if type(token_ids) is not list:
+            token_ids = list(token_tuple(token_ids))
+        # Tokens that fit an unshared partial last block (a decode step's common case) take
+        # no block; anything else asks `_grow`.
+        block_size, num_cur, num_new = self.block_size, len(tokens), len(token_ids)
+        if -(-(num_cur + num_new) // block_size) > len(seq.block_ids) or (
+            num_cur % block_size and num_new and self._pool.is_shared(seq.block_ids[-1])
+        ):
+            self._grow(seq_id, seq, num_new)
+        tokens += token_ids
+        if len(tokens) // self.block_size > seq.num_keyed:
+            seq.key_full_blocks(self._index, self.block_size)
+        return seq.table or table_of(seq)
+
+    def _grow(self, seq_id: Hashable, seq: SeqState, num_tokens: int) -> None:
+        """Take the blocks `num_tokens` more tokens need (copy-on-write of a shared partial
+        last block included), or raise OutOfBlocks with nothing changed."""
+        is_cow = self._is_cow(seq, num_tokens)
+        num_blocks = self._append_cost(seq, num_tokens) + is_cow
+        pool = self._pool
+        if num_blocks > pool.num_free_blocks:
+            raise OutOfBlocks(
+                f"append {seq_id!r}: need {num_blocks} blocks, {pool.num_free_blocks} free"
+            )
+        new_block_ids = pool.allocate(num_blocks)
         table = seq.table
-        if table is None:
-            table = seq.table = seq.block_ids.tolist()
-        return table
+        if is_cow:
+            src, dst = seq.block_ids[-1], new_block_ids.pop(0)
+            pool.free([src])  # shared, so it stays held by the others
+            seq.block_ids[-1] = dst
+            self._copies.append((src, dst))
+            self._counts.num_cow_copies += 1
+            table = None
+        seq.block_ids += new_block_ids
+        # A new list (a step may still read the old one), extended rather than rebuilt.
+        seq.table = None if table is None else table + new_block_ids.tolist()
 
-    def _key_full_blocks(self, seq: SeqState) -> None:
-        """Offer the sequence's newly full blocks to the prefix index (chained keys)."""
-        if self._index is None:
-            return
-        start = seq.num_keyed
-        keys = self._index.keys_of(seq.token_ids, self._block_size, start)
-        seq.chain_uid = self._index.insert_keys(
-            seq.chain_uid, keys, seq.block_ids[start : start + len(keys)]
-        )
-        seq.num_keyed = start + len(keys)
-
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.
 
         A shared, partially filled last block is copied on the first append to either
@@ -249,42 +294,32 @@ class KVCacheManager(ManagerState):
             KeyError: unknown `parent_id`.  ValueError: `child_id` in use, or the parent is
             swapped out.
         """
-        parent = self._resident(parent_id, "fork")
+        parent = self._seqs.resident(parent_id, "fork")
         if child_id in self._seqs:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
         self._pool.touch(parent.block_ids)
-        parent.is_tail_own = False
-        self._num_forked += len(parent.block_ids)
+        self._counts.num_forked_blocks += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
             parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
         )
 
-    def free(self, seq_id: SeqId) -> None:
-        """Drop the sequence's references (its host blocks if swapped out).
-
-        With prefix caching its indexed full blocks stay cached, evictable least recently
-        used first; the sequence's last blocks are evicted before its first ones.
-
-        Raises:
-            KeyError: unknown `seq_id`.
-        """
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence's references (its host blocks if swapped out). Its indexed full
+        blocks stay cached, its last blocks evicted before its first. KeyError if unknown."""
+        seq = self._seqs.pop(seq_id, None) or self._seqs.state(seq_id)  # KeyError if unknown
         if seq.host_block_ids is not None:
             self._host.free(seq.host_block_ids)
         else:
             self._pool.free(seq.block_ids)
 
     def pop_copies(self) -> list[tuple[int, int]]:
-        """The copy-on-write copies ``(src, dst)`` queued since the last call, in order.
-
-        The engine copies each src block's KV into dst (in this order) before writing new KV.
-        """
+        """The copy-on-write copies ``(src, dst)`` queued since the last call, in order: the
+        engine copies each src block's KV into dst (in this order) before writing new KV."""
         copies, self._copies = self._copies, []
         return copies
 
     # ----- swap to the host pool ------------------------------------------------------------
-    def swap_out(self, seq_id: SeqId) -> list[tuple[int, int]]:
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.
 
         Returns:
@@ -296,59 +331,69 @@ class KVCacheManager(ManagerState):
             KeyError: unknown `seq_id`.  ValueError: already swapped out.
             OutOfBlocks: not enough free host blocks; nothing changed.
         """
-        seq = self._resident(seq_id, "swap_out")
+        seq = self._seqs.resident(seq_id, "swap_out")
         host_block_ids = self._host.allocate(len(seq.block_ids))
         pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
         self._pool.free(seq.block_ids)
         seq.block_ids, seq.host_block_ids, seq.table = array("i"), host_block_ids, None
-        seq.is_tail_own = False
-        self._num_swapped_out += len(pairs)
+        self._counts.num_swapped_out_blocks += len(pairs)
         return pairs
 
-    def swap_in(self, seq_id: SeqId) -> list[tuple[int, int]]:
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out sequence back to fresh device blocks; its full blocks are
         offered to the prefix index again.
 
         Returns:
-            ``(host_block, device_block)`` pairs in table order, to copy before the sequence's
-            next step.
+            ``(host_block, device_block)`` pairs in table order, to copy before its next step.
 
         Raises:
             KeyError: unknown `seq_id`.  ValueError: not swapped out.
             OutOfBlocks: not enough free device blocks; nothing changed.
         """
-        seq = self._get(seq_id)
-        if seq.host_block_ids is None:
-            raise ValueError(f"swap_in: expected a swapped-out sequence, got {seq_id!r} resident")
+        seq = self._seqs.swapped(seq_id, "swap_in")
+        assert seq.host_block_ids is not None, "checked by swapped()"
         block_ids = self._pool.allocate(len(seq.host_block_ids))
         pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
         self._host.free(seq.host_block_ids)
         seq.block_ids, seq.host_block_ids, seq.table = block_ids, None, None
         seq.num_keyed, seq.chain_uid = 0, ROOT_UID
-        self._key_full_blocks(seq)
-        self._num_swapped_in += len(pairs)
+        seq.key_full_blocks(self._index, self.block_size)
+        self._counts.num_swapped_in_blocks += len(pairs)
         return pairs
 
-    def num_blocks_to_swap_in(self, seq_id: SeqId) -> int:
+    def num_blocks_to_swap_in(self, seq_id: Hashable) -> int:
         """Device blocks `swap_in(seq_id)` needs. Raises KeyError if unknown, ValueError if
         resident."""
-        seq = self._get(seq_id)
-        if seq.host_block_ids is None:
-            raise ValueError(f"expected a swapped-out sequence, got {seq_id!r} resident")
-        return len(seq.host_block_ids)
+        return len(self._seqs.swapped(seq_id, "num_blocks_to_swap_in").host_block_ids or ())
 
     # ----- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights), if no device block is held.
 
         Returns:
-            True if the cache is now empty; False (nothing changed) while any device block
-            is in use.
+            True if the cache is now empty; False (nothing changed) while a device block is held.
         """
         pool = self._pool
         if pool.num_free_blocks != pool.num_blocks:
             return False
         pool.reset_cache()
+        self._lookups.forget()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
             seq.num_keyed, seq.chain_uid = 0, ROOT_UID
         return True
+
+    def check(self) -> None:
+        """Prove the state consistent, or raise AssertionError naming the first thing wrong
+        (see `pagedkv.memory.audit.check_state`)."""
+        check_state(self._pool, self._host, self._index, self._seqs, self._copies, self.block_size)
+
+    def stats(self) -> dict[str, int]:
+        """Counts of blocks and events since construction (prefix counts in tokens).
+
+        Keys: num_blocks, num_free_blocks, num_used_blocks, num_cached_blocks (free and
+        evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
+        num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_forked_blocks
+        (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
+        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
+        """
+        return self._counts.stats(self._pool, self._host, self._index, self._seqs, self._copies)

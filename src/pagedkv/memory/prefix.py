@@ -109,6 +109,10 @@ class PrefixIndex:
         except (struct.error, TypeError):
             return None
 
+    def pack(self, token_ids: Sequence[Any]) -> bytes | None:
+        """The tokens as int32 bytes (see the module docstring), or None if one does not fit."""
+        return self._pack(token_ids)
+
     def block_tokens(self, tokens: Sequence[Any]) -> BlockTokens:
         """The canonical form of one block's tokens (int32 bytes, else a tuple)."""
         packed = self._pack(tokens)
@@ -150,7 +154,11 @@ class PrefixIndex:
 
     # ----- lookups and updates --------------------------------------------------------------
     def match(
-        self, token_ids: Sequence[Any], block_size: int, max_blocks: int
+        self,
+        token_ids: Sequence[Any],
+        block_size: int,
+        max_blocks: int,
+        packed: bytes | None = None,
     ) -> tuple[list[int], int]:
         """Find the cached blocks holding the leading full blocks of `token_ids`.
 
@@ -159,11 +167,15 @@ class PrefixIndex:
 
         Args:
             max_blocks: look at most this many leading blocks.
+            packed: `pack(token_ids)` when the caller kept it (not None), else computed.
 
         Returns:
             ``(block_ids, uid)``: the matching blocks in order, and the uid of the last match
             (``ROOT_UID`` when nothing matched).
         """
+        if packed is not None:
+            num = min(max_blocks, len(token_ids) // block_size)
+            return self._match_packed(packed, 4 * block_size, num)
         return self.lookup(token_ids, block_size, max_blocks, with_rest=False)[:2]
 
     def lookup(

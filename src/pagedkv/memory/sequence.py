@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SeqId = Hashable
+from pagedkv.memory.prefix import PrefixIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -24,15 +24,87 @@ class SeqState:
     chain_uid: int
     # Host blocks while swapped out (block_ids is then empty), else None.
     host_block_ids: array[int] | None = None
-    # `block_ids` as the list handed out by `KVCacheManager.append_token`, or None once
-    # the blocks changed: replaced, never mutated, since a step may still read the old one.
+    # `block_ids` as the list `KVCacheManager.block_table` hands out, or None once the
+    # blocks changed: replaced, never mutated, since a step may still read the old one.
     table: list[int] | None = None
-    # True when resident, `token_ids` is a list and a partially filled last block is
-    # this sequence's alone, so `append_token` writes into it without asking the pool
-    # (or, when the last block is full, takes one fresh block). Only a fork shares a
-    # partial block (prefix hits are on full blocks), and a non-empty `append` leaves
-    # the last block unshared (written in place, fresh, or copied).
-    is_tail_own: bool = False
+
+    def key_full_blocks(self, index: PrefixIndex | None, block_size: int) -> None:
+        """Offer the newly full blocks to the prefix index (chained keys)."""
+        if index is None:
+            return
+        start = self.num_keyed
+        keys = index.keys_of(self.token_ids, block_size, start)
+        self.chain_uid = index.insert_keys(
+            self.chain_uid, keys, self.block_ids[start : start + len(keys)]
+        )
+        self.num_keyed = start + len(keys)
+
+
+class SequenceTable(dict[Hashable, SeqState]):
+    """The manager's sequences by id, oldest first, with lookups that name a mistake."""
+
+    def state(self, seq_id: Hashable) -> SeqState:
+        """The sequence's state. Raises KeyError if unknown."""
+        seq = self.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def resident(self, seq_id: Hashable, op: str) -> SeqState:
+        """The state of a sequence that holds device blocks.
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out (naming `op`).
+        """
+        seq = self.state(seq_id)
+        if seq.host_block_ids is not None:
+            raise ValueError(
+                f"{op}: expected a resident sequence, got {seq_id!r} swapped out "
+                "(only swap_in and free apply)"
+            )
+        return seq
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, block_size: int) -> list[int]:
+        """`KVCacheManager.slot_mapping`: validated, then `slots_of`."""
+        seq = self.resident(seq_id, "slot_mapping")
+        if not (
+            isinstance(start, int)
+            and isinstance(end, int)
+            and 0 <= start <= end <= len(seq.token_ids)
+        ):
+            raise ValueError(
+                f"slot_mapping: expected 0 <= start <= end <= "
+                f"{len(seq.token_ids)}, got start={start!r}, end={end!r}"
+            )
+        return slots_of(seq.block_ids, block_size, start, end)
+
+    def swapped(self, seq_id: Hashable, op: str) -> SeqState:
+        """The state of a swapped-out sequence. Raises KeyError if unknown, ValueError (naming
+        `op`) if resident."""
+        seq = self.state(seq_id)
+        if seq.host_block_ids is None:
+            raise ValueError(f"{op}: expected a swapped-out sequence, got {seq_id!r} resident")
+        return seq
+
+
+def table_of(seq: SeqState) -> list[int]:
+    """The sequence's block ids as a list, made once per change of its blocks."""
+    table = seq.table
+    if table is None:
+        table = seq.table = seq.block_ids.tolist()
+    return table
+
+
+def slots_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """Slots of positions ``start <= p < end``: ``block_ids[p // B] * B + p % B``."""
+    slots: list[int] = []
+    # One range per block touched, not one Python step per token.
+    for i in range(start // block_size, -(-end // block_size)):
+        base = block_ids[i] * block_size
+        slots += range(
+            base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size)
+        )
+    return slots
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:

@@ -6,11 +6,13 @@ Only the standard library at import time; matplotlib is imported by `--plot` alo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -232,7 +234,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     results = []
     for name in names:
         began = time.perf_counter()
-        result = simulate(requests, create_policy(name, **sizes))
+        with _progress_bar(name, len(requests)) as progress:
+            result = simulate(requests, create_policy(name, **sizes), progress=progress)
         seconds = time.perf_counter() - began
         if args.plot:
             # Replay once more recording ~300 map snapshots: the run is deterministic.
@@ -259,6 +262,24 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         print(format_results(header, results))
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(policy: str, total: int) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar of requests done on stderr while a policy replays, when stderr is a
+    terminal (else None: no output)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=policy, unit="req", leave=True, mininterval=0.5) as bar:
+
+        def update(done: int) -> None:
+            if done != bar.n:
+                bar.update(done - bar.n)
+
+        yield update
 
 
 # The table's columns between the policy name and the wall time: (heading, field, format).

@@ -20,9 +20,10 @@ One iteration:
 When nothing is running or waiting, the clock jumps to the next arrival. Token ids live
 in disjoint ranges: request i's own tokens at (2i + 1) << 32 | position, prefix group g's
 shared ones at (2g + 2) << 32 | position, so blocks are shared only through the prefix
-cache, and only within a prefix group (or a request's own recomputed tokens). A caller
-whose positions and indices allow may pass a smaller `id_shift` (e.g. for int32 ids, as a
-tokenizer's are).
+cache, and only within a prefix group (or a request's own recomputed tokens). A replay uses
+a smaller `id_shift` when the ids then fit in int32, as a tokenizer's do
+(`int32_id_shift`): the prefix index keys a block of int32 ids as packed bytes and other
+ids on a slower path the engine never takes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pagedkv.engine.request import Request as EngineRequest
 from pagedkv.engine.request import SeqId, Sequence
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.scheduler_output import sample_ids
 from pagedkv.sim.policies import PagedPolicy, StepCost
 from pagedkv.sim.results import PolicyResult, Regions, Replay
 from pagedkv.sim.workload import Request
@@ -55,6 +57,15 @@ def token_ids(
     return list(range(group, group + shared)) + list(range(own + shared, own + hi - lo))
 
 
+def int32_id_shift(requests: list[Request]) -> int:
+    """The position bits of `token_ids` for `requests`: as few as hold every position, if
+    the ids then fit in int32; else 32."""
+    max_len = max(r.total_len for r in requests)
+    shift = max_len.bit_length()
+    top = max(2 * len(requests) - 1, 2 * max(r.prefix_group or 0 for r in requests) + 2)
+    return shift if (top << shift) + max_len < 2**31 else _ID_SHIFT
+
+
 class StandInRunner:
     """Executes a `SchedulerOutput` without a model (the request id is the workload index)."""
 
@@ -69,11 +80,14 @@ class StandInRunner:
         def own_token(seq_id: SeqId, position: int) -> int:  # as `token_ids` numbers them
             return ((2 * int(seq_id[0]) + 1) << shift) + position
 
-        # A decode row's new token is at its position + 1 (see `DecodeRow`).
-        sampled = {seq_id: own_token(seq_id, pos + 1) for seq_id, _, pos, *_ in step.decode_rows}
-        for seq in step.scheduled:
-            for seq_id in seq.sample_seq_ids:
-                sampled[seq_id] = own_token(seq_id, seq.seq_len)
+        sampled: dict[SeqId, int] = {}
+        rows = zip(step.seq_ids, step.start_pos, step.query_lens, step.num_samples, strict=True)
+        for seq_id, start, num, num_samples in rows:
+            if num_samples == 1:
+                sampled[seq_id] = own_token(seq_id, start + num)
+            elif num_samples:
+                for sample_id in sample_ids(seq_id, num_samples):
+                    sampled[sample_id] = own_token(sample_id, start + num)
         return sampled
 
 
@@ -92,7 +106,8 @@ class _Replay(Replay):
             policy.manager,
             max_model_len=max(r.total_len for r in requests),
         )
-        self.runner = StandInRunner(policy.step_cost)
+        self.id_shift = int32_id_shift(requests)
+        self.runner = StandInRunner(policy.step_cost, id_shift=self.id_shift)
         self.clock = 0.0
         self.num_steps = 0
 
@@ -105,7 +120,7 @@ class _Replay(Replay):
             self.clock = max(self.clock, self.requests[self.next_arrival][1].arrival)
         for index, request in self.arrivals(self.clock):
             params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            prompt = token_ids(index, request, 0, request.prompt_len)
+            prompt = token_ids(index, request, 0, request.prompt_len, id_shift=self.id_shift)
             engine_request = EngineRequest(
                 str(index), prompt, params, arrival_time=self.clock, arrival_index=self.next_arrival
             )
@@ -117,7 +132,7 @@ class _Replay(Replay):
         step = self.scheduler.schedule()
         if step.is_empty and not step.finished_request_ids:
             raise AssertionError(f"{self.policy.name}: the scheduler made no progress")
-        for seq_id in step.seq_ids():
+        for seq_id in step.seq_ids:
             self.first_run.setdefault(seq_id[0], (self.num_steps, self.clock))
         sampled = self.runner.execute(step)
         if on_step is not None:
@@ -170,16 +185,20 @@ def replay(
     record: bool = False,
     snapshot_every: int = 1,
     on_step: Callable[[SchedulerOutput], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> PolicyResult:
     """`simulate` for a paged policy: replay `requests` (at least one) through the engine's
     scheduler until every one finished or was rejected.
 
     The timeline's `steps` are the clock at each engine step, `snapshot_every` counts engine
-    steps, and `on_step` is called with each step's `SchedulerOutput` before its update.
+    steps, `on_step` is called with each step's `SchedulerOutput` before its update, and
+    `progress` with the number of requests done (finished or rejected) after each step.
     """
     run = _Replay(requests, policy, record, snapshot_every)
     while run.has_work():
         run.arrive()
         if run.scheduler.has_unfinished_requests():
             run.step(on_step)
+        if progress is not None:
+            progress(run.next_arrival - len(run.scheduler.requests))
     return run.result()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 from pagedkv.sim import paged
 from pagedkv.sim.policies import ContiguousPolicy, Live, PagedPolicy, Policy
@@ -123,7 +124,12 @@ class _Run(Replay):
 
 
 def simulate(
-    requests: list[Request], policy: Policy, *, record: bool = False, snapshot_every: int = 1
+    requests: list[Request],
+    policy: Policy,
+    *,
+    record: bool = False,
+    snapshot_every: int = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> PolicyResult:
     """Replay `requests` against `policy` until every request has finished or been rejected.
 
@@ -132,6 +138,8 @@ def simulate(
         policy: a fresh policy from `create_policy` (it is used up by the run).
         record: keep a `Timeline` for plots (per-step memory use and sampled memory maps).
         snapshot_every: steps between memory-map snapshots (doubled past 400 snapshots).
+        progress: called with the number of requests done (finished or rejected) as the
+            replay goes.
 
     Returns:
         The policy's figures; `admitted + rejected == len(requests)`.
@@ -142,7 +150,9 @@ def simulate(
     if not requests:
         raise ValueError("requests: expected at least one request, got none")
     if isinstance(policy, PagedPolicy):
-        return paged.replay(requests, policy, record=record, snapshot_every=snapshot_every)
+        return paged.replay(
+            requests, policy, record=record, snapshot_every=snapshot_every, progress=progress
+        )
     run = _Run(requests, policy, record, snapshot_every)
     step = 0
     while not run.done():
@@ -157,4 +167,6 @@ def simulate(
         run.sample(step)
         run.finish(step)
         step += 1
+        if progress is not None:
+            progress(run.next_arrival - len(run.queue) - len(run.running))
     return run.result(step)

@@ -1,0 +1,94 @@
+"""The manager's prefix lookups of prompts: hits for `allocate`, and the queries before it
+(standard library only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.prefix import ROOT_UID, BlockTokens, PrefixIndex
+
+
+class PrefixLookups:
+    """Prompt lookups in `index` (None: no prefix caching, never a hit) over `pool`, the
+    device pool whose evictions change what the index holds."""
+
+    def __init__(self, index: PrefixIndex | None, pool: BlockPool, block_size: int) -> None:
+        self.index = index
+        self.pool = pool
+        self.block_size = block_size
+        self._num_resets = 0
+        # (token list, (its length, resets, evictions), hits, uid of the last hit, a getter
+        # of their entries, the entries then, the list packed).
+        self._memo: tuple[Any, ...] | None = None
+        self._evictable: tuple[list[int], tuple[int, int], int] | None = None
+
+    def lookup(
+        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+    ) -> tuple[list[int], int, Sequence[BlockTokens]]:
+        """`PrefixIndex.lookup` of a prompt with the keys of the full blocks after the hits:
+        ``([], ROOT_UID, ())`` without an index, no hit without `use_prefix_cache`."""
+        if self.index is None:
+            return [], ROOT_UID, ()
+        # The last token is always computed (its logits are needed): at most n - 1 cached.
+        max_blocks = (len(token_ids) - 1) // self.block_size if use_prefix_cache else 0
+        return self.index.lookup(token_ids, self.block_size, max_blocks, with_rest=True)
+
+    def hits(self, token_ids: Sequence[Any]) -> list[int]:
+        """The cached blocks `allocate(_, token_ids)` would reuse now.
+
+        The last answer is remembered for the same token list (same object and length) and
+        checked instead of walked again (a waiting prompt is asked about every step): its
+        blocks must still hold the entries found, and the block after them must still miss.
+        Only these queries use it; `allocate` looks up afresh.
+        """
+        index = self.index
+        if index is None:
+            return []
+        memo = self._memo
+        state = (len(token_ids), self._num_resets, self.pool.num_evictions)
+        if memo is not None and memo[0] is token_ids and memo[1][:2] == state[:2]:
+            if self._still_holds(token_ids, memo, memo[1][2] != state[2]):
+                self._memo = (token_ids, state, *memo[2:])
+                return memo[2]
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        # The same list asked again after its blocks changed: walk again, not pack again.
+        same = memo is not None and memo[0] is token_ids and memo[1][0] == state[0]
+        packed = memo[6] if same else index.pack(token_ids)  # type: ignore[index]
+        hits, uid = index.match(token_ids, self.block_size, max_blocks, packed)
+        getter = itemgetter(*hits) if hits else None
+        entries = getter(index.block_entries) if getter is not None else None
+        self._memo = (token_ids, state, hits, uid, getter, entries, packed)
+        return hits
+
+    def _still_holds(self, token_ids: Sequence[Any], memo: tuple[Any, ...], evicted: bool) -> bool:
+        """Whether the remembered hits are still what a walk of `token_ids` finds: after an
+        eviction each must still hold the entry found, and the block after them must miss."""
+        index, block_size = self.index, self.block_size
+        assert index is not None, "only asked with an index"
+        _, _, hits, uid, getter, entries, _ = memo
+        if evicted and getter is not None and getter(index.block_entries) != entries:
+            return False
+        num = len(hits)
+        if num >= (len(token_ids) - 1) // block_size:
+            return True
+        tokens = index.block_tokens(token_ids[num * block_size : (num + 1) * block_size])
+        return not index.match_keys([tokens], 1, uid)[0]
+
+    def num_evictable(self, hits: list[int], num: int) -> int:
+        """`BlockPool.num_evictable(hits[:num])`, remembered for the same `hits` list while no
+        block was freed or touched (a hit block evicted means new hits, a new list)."""
+        state = (num, self.pool.num_moves)
+        memo = self._evictable
+        if memo is not None and memo[0] is hits and memo[1] == state:
+            return memo[2]
+        count = self.pool.num_evictable(hits[:num])
+        self._evictable = (hits, state, count)
+        return count
+
+    def forget(self) -> None:
+        """The index was cleared: no remembered answer holds."""
+        self._num_resets += 1
+        self._memo = self._evictable = None
