@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedkv.engine.llm",
     "LLMEngine": "pagedkv.engine.engine",
+    "EngineArgs": "pagedkv.engine.args",
     "SamplingParams": "pagedkv.engine.sampling_params",
     "BeamSearchParams": "pagedkv.engine.sampling_params",
     "StructuredOutputsParams": "pagedkv.engine.structured",

@@ -176,3 +176,10 @@ def test_default_pool_is_a_share_of_free_memory_capped_on_the_cpu(
     assert builder._num_device_blocks(given, scheduler, shape, 8192, device) == (
         2 * CPU_KV_MEMORY_CAP // per_block
     )
+
+
+def test_engine_args_is_exported_at_the_top_level() -> None:
+    import pagedkv
+
+    assert pagedkv.EngineArgs is EngineArgs
+    assert "EngineArgs" in pagedkv.__all__

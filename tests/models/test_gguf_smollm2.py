@@ -118,7 +118,7 @@ def test_tokenizer_is_converted_once_then_read_back(tmp_path):
     converted again, and every load encodes and decodes alike."""
     code = (
         "import json, sys\n"
-        "from pagedkv.models.tokenizer import load_tokenizer\n"
+        "from pagedkv.models.loader import load_tokenizer\n"
         f"t = load_tokenizer({str(GGUF)!r})\n"
         "ids = t.encode('Hello, world! 12345 <|im_start|>user')\n"
         "print(json.dumps([ids, t.decode(ids, False), 'transformers' in sys.modules]))"

@@ -7,7 +7,8 @@ import json
 import pytest
 from helpers import make_tokenizer
 
-from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from pagedkv.models.loader import load_tokenizer
+from pagedkv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "The quick brown fox.",

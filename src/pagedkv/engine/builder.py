@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import (
@@ -21,15 +22,20 @@ from pagedkv.config import (
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.workers import (
+    Launch,
     TensorParallelRunner,
     Worker,
     first_failure,
+    join_group,
+    left_key,
+    rank_device,
     share_cpu_threads,
     start_workers,
 )
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
+from pagedkv.models.loader import load_tokenizer
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
-from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
+from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.runtime.tuning import CpuTuning
 
 # Without num_blocks or kv_cache_memory the pool takes this share of the memory that is
@@ -54,7 +60,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     model_config = ModelConfig.from_hf(args.model)
     if args.tensor_parallel_size > 1:
         check_split(model_config, args.tensor_parallel_size)  # before any process starts
-        tp, workers, device = start_workers(args)
+        tp, workers, device = start_workers(args, serve_rank)
         try:
             config = create_engine_config(args, model_config, device)
             runner = build_rank_runner(args, config, tp, workers)
@@ -64,6 +70,19 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         config = create_engine_config(args, model_config, resolve_device(args.device))
         runner = build_rank_runner(args, config, NO_PARALLEL)
     return config, runner, load_tokenizer(args.model)
+
+
+def serve_rank(args: EngineArgs, launch: Launch) -> None:
+    """A worker rank: join the group, build this rank's share, run the steps rank 0
+    broadcasts until it sends None, then leave."""
+    device = rank_device(args.device, launch)
+    tp = join_group(launch, device, [])
+    config = create_engine_config(args, ModelConfig.from_hf(args.model), device)
+    runner = build_rank_runner(args, config, tp)
+    while (step := tp.broadcast_object()) is not None:
+        runner.execute(step)
+    dist.destroy_process_group()
+    tp.store.set(left_key(tp.rank), "1")  # rank 0 may leave now (`workers._shut_down`)
 
 
 def create_engine_config(args: EngineArgs, model_config: ModelConfig, device: str) -> EngineConfig:

@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -38,7 +39,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.config import ModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
@@ -115,15 +115,21 @@ class Launch:
         return cls(int(os.environ["RANK"]), world, "env://", int(os.environ.get("LOCAL_RANK", 0)))
 
 
+ServeSteps = Callable[[EngineArgs, Launch], None]
+"""What a worker rank runs: build its share of the engine, then run rank 0's steps until
+told to stop (`pagedkv.engine.builder.serve_rank`)."""
+
+
 def launched_rank() -> int:
     """This process's rank under `torchrun` (0 when not launched by it)."""
     return int(os.environ.get("RANK", "0"))
 
 
-def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], str]:
+def start_workers(args: EngineArgs, serve: ServeSteps) -> tuple[TensorParallel, list[Worker], str]:
     """Join (torchrun) or create (spawn) the group of `args.tensor_parallel_size` ranks as
-    rank 0; return it, the spawned workers (none under torchrun) and rank 0's device. The
-    workers build their share of the engine meanwhile.
+    rank 0; return it, the spawned workers (none under torchrun) and rank 0's device. Each
+    spawned worker runs `serve(args, launch)` meanwhile: it builds its share of the engine
+    and runs the steps rank 0 broadcasts.
 
     Raises:
         WorkerFailed: a worker died before the group formed.
@@ -138,7 +144,7 @@ def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], str]:
             receiver, sender = context.Pipe(duplex=False)
             child = Launch(rank, size, launch.init_method, rank)
             process = context.Process(
-                target=_worker_main, args=(args, child, sender), name=f"pagedkv-tp{rank}"
+                target=_worker_main, args=(serve, args, child, sender), name=f"pagedkv-tp{rank}"
             )
             process.daemon = True  # never outlive the engine's process
             process.start()
@@ -147,7 +153,7 @@ def start_workers(args: EngineArgs) -> tuple[TensorParallel, list[Worker], str]:
     elif launch.rank != 0:
         raise ValueError(f"start_workers: expected rank 0, got rank {launch.rank}; call run_worker")
     device = rank_device(args.device, launch)
-    return _init_group(launch, device, workers), workers, device
+    return join_group(launch, device, workers), workers, device
 
 
 def rank_device(device: str, launch: Launch) -> str:
@@ -252,7 +258,7 @@ def _shut_down(
         try:
             tp.broadcast_object(None)
             tp.store.wait(
-                [_left_key(rank) for rank in range(1, tp.size)], timedelta(seconds=_EXIT_GRACE_S)
+                [left_key(rank) for rank in range(1, tp.size)], timedelta(seconds=_EXIT_GRACE_S)
             )
         except RuntimeError:
             pass  # a worker already gone (or too slow to leave): nothing left to wait for
@@ -265,9 +271,9 @@ def _shut_down(
     torch.set_num_threads(num_threads)
 
 
-def run_worker(args: EngineArgs) -> NoReturn:
-    """Serve as rank RANK of a `torchrun` launch until rank 0 closes the engine, then end
-    the process (exit status 0).
+def run_worker(args: EngineArgs, serve: ServeSteps) -> NoReturn:
+    """Serve as rank RANK of a `torchrun` launch (`serve(args, launch)`) until rank 0 closes
+    the engine, then end the process (exit status 0).
 
     The process ends as a spawned worker's does (multiprocessing ends its children with
     `os._exit`): once the rank has left the group nothing remains to save, and an ordinary
@@ -281,41 +287,29 @@ def run_worker(args: EngineArgs) -> NoReturn:
     launch = Launch.from_environment(args.tensor_parallel_size)
     if launch is None or launch.rank == 0:
         raise ValueError("run_worker: expected RANK >= 1 and WORLD_SIZE from torchrun")
-    _serve_steps(args, launch)
+    serve(args, launch)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _worker_main(args: EngineArgs, launch: Launch, errors: Connection) -> None:
+def _worker_main(serve: ServeSteps, args: EngineArgs, launch: Launch, errors: Connection) -> None:
     """A spawned worker: join the group, build this rank's share, run steps until told to
     stop. Any failure is reported on `errors` before the process exits non-zero."""
     try:
-        _serve_steps(args, launch)
+        serve(args, launch)
     except BaseException as exc:  # noqa: BLE001 - rank 0 must learn why, whatever it was
         errors.send(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
-def _serve_steps(args: EngineArgs, launch: Launch) -> None:
-    from pagedkv.engine.builder import build_rank_runner, create_engine_config
-
-    device = rank_device(args.device, launch)
-    tp = _init_group(launch, device, [])
-    config = create_engine_config(args, ModelConfig.from_hf(args.model), device)
-    runner = build_rank_runner(args, config, tp)
-    while (step := tp.broadcast_object()) is not None:
-        runner.execute(step)
-    dist.destroy_process_group()
-    tp.store.set(_left_key(tp.rank), "1")  # rank 0 may leave now (`_shut_down`)
-
-
-def _left_key(rank: int) -> str:
+def left_key(rank: int) -> str:
+    """The store key a worker sets once it has left the group (rank 0 waits for it)."""
     return f"pagedkv/left/{rank}"
 
 
-def _init_group(launch: Launch, device: str, workers: list[Worker]) -> TensorParallel:
+def join_group(launch: Launch, device: str, workers: list[Worker]) -> TensorParallel:
     """`init_process_group` on a helper thread, so that rank 0 can give up when a worker
     dies before the rendezvous completes (the call itself would wait for it)."""
     if dist.is_initialized():

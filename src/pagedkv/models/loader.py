@@ -23,8 +23,10 @@ from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
 from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
+from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
 from pagedkv.models.llama import CausalLM
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, shard_of
+from pagedkv.models.tokenizer import Tokenizer
 
 # Checkpoint projection -> (fused parameter, index of its part in the fusion).
 _FUSED = {
@@ -304,3 +306,18 @@ def save_random_checkpoint(
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     return model_dir
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The model dir's tokenizer, or None when it has no tokenizer.json; for a `.gguf` file,
+    the tokenizer in its metadata (None when it has none).
+
+    Raises:
+        ValueError: a tokenizer file exists but is broken.
+        ImportError: a `.gguf` file, and transformers (its tokenizer converter) is missing.
+    """
+    if is_gguf_path(model_dir):
+        return load_gguf_tokenizer(read_gguf(model_dir))
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_dir(model_dir)

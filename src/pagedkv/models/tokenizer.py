@@ -165,25 +165,6 @@ class Tokenizer:
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
-    """The model dir's tokenizer, or None when it has no tokenizer.json; for a `.gguf` file,
-    the tokenizer in its metadata (None when it has none).
-
-    Raises:
-        ValueError: a tokenizer file exists but is broken.
-        ImportError: a `.gguf` file, and transformers (its tokenizer converter) is missing.
-    """
-    from pagedkv.gguf_file import is_gguf_path, read_gguf
-
-    if is_gguf_path(model_dir):
-        from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(read_gguf(model_dir))
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.from_dir(model_dir)
-
-
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time, for streaming.
 

@@ -91,6 +91,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
     """The engine's options from the flags (the model path checked); on a torchrun rank > 0
     this process serves the engine's steps instead, then ends."""
     kernel_cache.announce()  # before torch loads, so the line comes at once
+    from pagedkv.engine.builder import serve_rank
     from pagedkv.engine.workers import launched_rank, run_worker
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -101,7 +102,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             f"got {engine_args.model!r}"
         )
     if launched_rank() > 0:
-        run_worker(engine_args)
+        run_worker(engine_args, serve_rank)
     return engine_args
 
 
