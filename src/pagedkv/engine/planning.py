@@ -189,7 +189,7 @@ class PlanningMixin:
             elif not _uses_prefix_cache(request):
                 start = 0
             else:
-                start = self.kv.num_cached_tokens(seq.token_ids)
+                start = self.kv.num_cached_tokens(seq.token_ids, salt=request.params.cache_salt)
             num = min(len(seq.token_ids) - start, budget.prefill_tokens)
             if num > 0:
                 plan.append((seq, start, num))
@@ -203,9 +203,11 @@ class PlanningMixin:
             if seq.is_allocated:
                 need += self.kv.num_blocks_to_append(seq.seq_id, num)
             else:
+                request = self.requests[seq.seq_id[0]]
                 need += self.kv.num_blocks_to_allocate(
                     seq.token_ids[: start + num],
-                    use_prefix_cache=_uses_prefix_cache(self.requests[seq.seq_id[0]]),
+                    use_prefix_cache=_uses_prefix_cache(request),
+                    salt=request.params.cache_salt,
                 )
         return need
 
@@ -224,6 +226,7 @@ class PlanningMixin:
                         seq.seq_id,
                         seq.token_ids[:end],
                         use_prefix_cache=_uses_prefix_cache(request),
+                        salt=request.params.cache_salt,
                     )
                     seq.is_allocated = True
                     if request.metrics.num_computed_tokens == 0 and seq.index == 0:

@@ -36,6 +36,10 @@ class SamplingParams:
             prefix-cache hits: a cached block has no logits, so its prompt is computed in full.
         logit_bias: token id -> value in [-100, 100] added to that token's logit before
             sampling (greedy included); logprobs stay those of the raw logits.
+        cache_salt: a non-empty string that enters the key of the prompt's first KV block:
+            the request shares cached prefix blocks only with requests of the same salt, so
+            one tenant's prompts never hit (nor time) another's. None shares with every
+            unsalted request.
     """
 
     n: int = 1
@@ -51,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    cache_salt: str | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +90,12 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(
+                f"cache_salt: expected a non-empty string, got {self.cache_salt!r:.60}"
+            )
         if self.stop_token_ids is not None:
             for token in self.stop_token_ids:
                 _check_int("stop_token_ids", token, minimum=0)

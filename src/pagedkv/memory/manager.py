@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
-from pagedkv.memory.prefix import ROOT_UID
+from pagedkv.memory.prefix import ChainRoot, chain_root
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int, token_tuple
 from pagedkv.memory.state import ManagerState
 
@@ -46,34 +46,39 @@ class KVCacheManager(ManagerState):
 
     # ----- prefix lookups -------------------------------------------------------------------
     def _lookup(
-        self, token_ids: Sequence[Any], with_rest: bool = False, use_prefix_cache: bool = True
-    ) -> tuple[list[int], int, Sequence[Any]]:
-        """`PrefixIndex.lookup` of a prompt: ``([], ROOT_UID, ())`` without an index, no hit
-        without `use_prefix_cache`."""
+        self,
+        token_ids: Sequence[Any],
+        with_rest: bool = False,
+        use_prefix_cache: bool = True,
+        salt: str | None = None,
+    ) -> tuple[list[int], ChainRoot, Sequence[Any]]:
+        """`PrefixIndex.lookup` of a prompt from its salt's root: ``([], root, ())`` without
+        an index, no hit without `use_prefix_cache`."""
+        root = chain_root(salt)
         if self._index is None:
-            return [], ROOT_UID, ()
+            return [], root, ()
         # The last token is always computed (its logits are needed): at most n - 1 cached.
         max_blocks = (len(token_ids) - 1) // self._block_size if use_prefix_cache else 0
-        return self._index.lookup(token_ids, self._block_size, max_blocks, with_rest)
+        return self._index.lookup(token_ids, self._block_size, max_blocks, with_rest, root)
 
-    def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
-        """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
+    def num_cached_tokens(self, token_ids: Sequence[Any], *, salt: str | None = None) -> int:
+        """Tokens `allocate(_, token_ids, salt=salt)` would find cached now. No side effects.
 
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._lookup(token_ids)[0]) * self._block_size
+        return len(self._lookup(token_ids, salt=salt)[0]) * self._block_size
 
     def num_blocks_to_allocate(
-        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True, salt: str | None = None
     ) -> int:
-        """Free blocks `allocate(_, token_ids, use_prefix_cache=...)` would take now (after
-        prefix hits).
+        """Free blocks `allocate(_, token_ids, use_prefix_cache=..., salt=...)` would take now
+        (after prefix hits).
 
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
         """
-        hits = self._lookup(token_ids, use_prefix_cache=use_prefix_cache)[0]
+        hits = self._lookup(token_ids, use_prefix_cache=use_prefix_cache, salt=salt)[0]
         num_needed = -(-len(token_ids) // self._block_size)
         return num_needed - len(hits) + self._pool.num_evictable(hits)
 
@@ -99,7 +104,12 @@ class KVCacheManager(ManagerState):
 
     # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[Any],
+        *,
+        use_prefix_cache: bool = True,
+        salt: str | None = None,
     ) -> int:
         """Start sequence `seq_id` holding `token_ids`, reusing cached leading blocks.
 
@@ -108,6 +118,8 @@ class KVCacheManager(ManagerState):
             token_ids: the prompt, or its first chunk (continue with `append`).
             use_prefix_cache: False to reuse no cached block, so every token is computed
                 (e.g. for its logits); the full blocks still enter the prefix index.
+            salt: None, or a str that enters the first block's key: the sequence's blocks
+                are then shared only with sequences allocated with the same salt.
 
         Returns:
             Leading tokens whose KV is already cached: a multiple of `block_size`, at most
@@ -124,7 +136,7 @@ class KVCacheManager(ManagerState):
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
         hits, chain_uid, keys = self._lookup(
-            tokens, with_rest=True, use_prefix_cache=use_prefix_cache
+            tokens, with_rest=True, use_prefix_cache=use_prefix_cache, salt=salt
         )
         index, block_size, pool = self._index, self._block_size, self._pool
         num_hits = len(hits)
@@ -150,7 +162,9 @@ class KVCacheManager(ManagerState):
             if use_prefix_cache:  # the counts of prefix lookups
                 self._num_queries += len(tokens)
                 self._num_hits += num_hits * block_size
-        self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid)
+        self._seqs[seq_id] = SeqState(
+            block_ids, tokens, num_keyed, chain_uid, chain_root=chain_root(salt)
+        )
         return num_hits * block_size
 
     def append(self, seq_id: SeqId, token_ids: Sequence[Any]) -> None:
@@ -256,7 +270,11 @@ class KVCacheManager(ManagerState):
         parent.is_tail_own = False
         self._num_forked += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
-            parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
+            parent.block_ids[:],
+            list(parent.token_ids),
+            parent.num_keyed,
+            parent.chain_uid,
+            chain_root=parent.chain_root,
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -324,7 +342,7 @@ class KVCacheManager(ManagerState):
         pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
         self._host.free(seq.host_block_ids)
         seq.block_ids, seq.host_block_ids, seq.table = block_ids, None, None
-        seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+        seq.num_keyed, seq.chain_uid = 0, seq.chain_root
         self._key_full_blocks(seq)
         self._num_swapped_in += len(pairs)
         return pairs
@@ -350,5 +368,5 @@ class KVCacheManager(ManagerState):
             return False
         pool.reset_cache()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
-            seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+            seq.num_keyed, seq.chain_uid = 0, seq.chain_root
         return True

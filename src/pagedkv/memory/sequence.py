@@ -7,6 +7,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.memory.prefix import ROOT_UID, ChainRoot
+
 SeqId = Hashable
 
 
@@ -21,7 +23,7 @@ class SeqState:
     # Leading full blocks already offered to the prefix index, and the uid naming the
     # prefix through the last of them (the parent of the next full block's key).
     num_keyed: int
-    chain_uid: int
+    chain_uid: ChainRoot
     # Host blocks while swapped out (block_ids is then empty), else None.
     host_block_ids: array[int] | None = None
     # `block_ids` as the list handed out by `KVCacheManager.append_token`, or None once
@@ -33,6 +35,8 @@ class SeqState:
     # partial block (prefix hits are on full blocks), and a non-empty `append` leaves
     # the last block unshared (written in place, fresh, or copied).
     is_tail_own: bool = False
+    # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
+    chain_root: ChainRoot = ROOT_UID
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:

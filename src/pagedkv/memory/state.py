@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex
 from pagedkv.memory.sequence import SeqId, SeqState, positive_int
 
 
@@ -28,7 +28,7 @@ def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None
 def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState) -> None:
     """Each indexed block of the sequence holds exactly its key's tokens and parent."""
     tokens = seq.token_ids
-    parent_uid: int | None = ROOT_UID
+    parent_uid: ChainRoot | None = seq.chain_root
     for i, b in enumerate(seq.block_ids):
         entry = index.block_entries[b]
         if entry is None:
