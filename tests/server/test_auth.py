@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 import time
 
 import httpx
@@ -206,3 +208,13 @@ def test_keys_come_from_flags_and_the_environment() -> None:
         exposure.access_policy(_serve_args("--prefix-cache-isolation", "per-key"), {})
     with pytest.raises(ValueError, match="--metrics-require-key yes: expected --api-key"):
         exposure.access_policy(_serve_args("--metrics-require-key", "yes"), {})
+
+
+def test_the_serve_flags_load_no_server_stack() -> None:
+    code = (
+        "import sys; from pagedkv.cli import build_parser; build_parser(); "
+        "loaded = [m for m in ('starlette', 'pydantic', 'prometheus_client') if m in sys.modules]; "
+        "print(loaded); sys.exit(1 if loaded else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

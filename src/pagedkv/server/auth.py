@@ -18,13 +18,13 @@ import ipaddress
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+if TYPE_CHECKING:  # the CLI builds its flags from this module without loading the server
+    from starlette.responses import JSONResponse
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+    from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -153,6 +153,10 @@ class AccessMiddleware:
 
 
 def _unauthorized(was_given: bool) -> JSONResponse:
+    from starlette.responses import JSONResponse
+
+    from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+
     message = (
         "invalid API key: expected a configured key in 'Authorization: Bearer KEY'"
         if was_given

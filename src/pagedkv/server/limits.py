@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # the CLI builds its flags from this module without loading the server
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+    from pagedkv.server.metrics import ServerMetrics
 
 
 def _limit(default: int, help: str) -> Any:
@@ -111,6 +110,10 @@ class BodyLimitMiddleware:
             await self._refuse(scope, receive, send, f"more than {self.max_bytes}")
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, given: str) -> None:
+        from starlette.responses import JSONResponse
+
+        from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+
         self.metrics.rejected.labels("payload_too_large").inc()
         info = ErrorInfo(
             message=f"request body: expected at most {self.max_bytes} bytes "
