@@ -153,7 +153,7 @@ def access_policy(args: argparse.Namespace, environ: dict[str, str] | None = Non
         raise ValueError("--metrics-require-key yes: expected --api-key, got none")
     if args.prefix_cache_isolation == "per-key" and not keys:
         raise ValueError("--prefix-cache-isolation per-key: expected --api-key, got none")
-    if keys == () and not is_loopback(args.host):
+    if not keys and not is_loopback(args.host):
         logger.warning(
             "serving on %s without --api-key: anyone who reaches it may use it", args.host
         )
