@@ -16,6 +16,7 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
             list(s.token_ids),
             s.num_keyed,
             s.chain_uid,
+            s.chain_root,
             None if s.host_block_ids is None else list(s.host_block_ids),
         )
         for seq_id, s in manager._seqs.items()

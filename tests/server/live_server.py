@@ -16,15 +16,20 @@ MODEL_NAME = "tiny-llama"
 class LiveServer:
     """uvicorn serving `app` in a background thread; `url` is its base address."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, tls_kwargs: dict[str, Any] | None = None) -> None:
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if tls_kwargs else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+            app,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+            **(tls_kwargs or {}),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -45,9 +50,11 @@ class LiveServer:
         self._thread.join(10)
         self._sock.close()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """`/metrics` parsed into {sample name with labels: value}."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10)
+        response.raise_for_status()
+        text = response.text
         values = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -55,11 +62,13 @@ class LiveServer:
                 values[name] = float(value)
         return values
 
-    def wait_all_blocks_free(self, timeout: float = 10.0) -> dict[str, float]:
+    def wait_all_blocks_free(
+        self, timeout: float = 10.0, headers: dict[str, str] | None = None
+    ) -> dict[str, float]:
         """Poll /metrics until no block is used and no request runs or waits."""
         deadline = time.monotonic() + timeout
         while True:
-            m = self.metrics()
+            m = self.metrics(headers)
             idle = (
                 m["pagedkv_kv_blocks_used"] == 0
                 and m["pagedkv_num_requests_running"] == 0
@@ -75,8 +84,12 @@ def start_server(
     *,
     max_waiting_requests: int | None = None,
     tool_call_parser: str | None = None,
+    app_kwargs: dict[str, Any] | None = None,
+    tls_kwargs: dict[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> LiveServer:
+    """A live server on a new engine; `app_kwargs` go to `create_app` (access, limits,
+    cors), `tls_kwargs` to uvicorn (``ssl_keyfile``, ...)."""
     from pagedkv.engine.engine import LLMEngine
     from pagedkv.server.api import create_app
     from pagedkv.server.async_engine import AsyncEngine
@@ -88,5 +101,6 @@ def start_server(
         AsyncEngine(engine, max_waiting_requests),
         model_name=MODEL_NAME,
         tool_call_parser=tool_call_parser,
+        **(app_kwargs or {}),
     )
-    return LiveServer(app)
+    return LiveServer(app, tls_kwargs)

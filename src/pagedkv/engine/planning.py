@@ -91,9 +91,7 @@ class StepBuilder:
                 others = islice(running, first, None)
                 budget.reserved_decodes = num_decodes(others) + len(later_seqs)
             if not seq.is_allocated:
-                start = (
-                    self.kv.num_cached_tokens(seq.token_ids) if _uses_prefix_cache(request) else 0
-                )
+                start = self._num_cached(request, seq)
             num = min(num_tokens - start, budget.prefill_tokens)
             if num > 0:
                 plan.append((seq, start, num))
@@ -117,6 +115,12 @@ class StepBuilder:
             self.kv.fork(parent.seq_id, child.seq_id)
             request.seqs.append(child)
 
+    def _num_cached(self, request: Request, seq: Sequence) -> int:
+        """Leading tokens of an unallocated `seq` found cached under the request's salt."""
+        if not _uses_prefix_cache(request):
+            return 0
+        return self.kv.num_cached_tokens(seq.token_ids, salt=request.params.cache_salt)
+
     def blocks_needed(self, request: Request, plan: Plan) -> int:
         """Blocks the plan takes at most (copy-on-write of shared blocks included)."""
         need = 0
@@ -128,6 +132,7 @@ class StepBuilder:
                     seq.token_ids,
                     use_prefix_cache=_uses_prefix_cache(request),
                     num_tokens=start + num,
+                    salt=request.params.cache_salt,
                 )
         return need
 
@@ -172,7 +177,10 @@ class StepBuilder:
     def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
         """Allocate `seq` with its first `end` tokens; returns the first position to compute."""
         start = self.kv.allocate(
-            seq.seq_id, seq.token_ids[:end], use_prefix_cache=_uses_prefix_cache(request)
+            seq.seq_id,
+            seq.token_ids[:end],
+            use_prefix_cache=_uses_prefix_cache(request),
+            salt=request.params.cache_salt,
         )
         seq.is_allocated = True
         if request.metrics.num_computed_tokens == 0 and seq.index == 0:

@@ -40,6 +40,10 @@ class SamplingParams:
             sampling (greedy included); logprobs stay those of the raw logits.
         structured_outputs: a constraint (JSON schema, regex, choice, grammar) the
             completions follow; None leaves them free.
+        cache_salt: a non-empty string that enters the key of the prompt's first KV block:
+            the request shares cached prefix blocks only with requests of the same salt, so
+            one tenant's prompts never hit (nor time) another's. None shares with every
+            unsalted request.
     """
 
     n: int = 1
@@ -56,6 +60,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -96,6 +101,12 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs: expected StructuredOutputsParams, "
                 f"got {type(self.structured_outputs).__name__}"
+            )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(
+                f"cache_salt: expected a non-empty string, got {self.cache_salt!r:.60}"
             )
         if self.stop_token_ids is not None:
             for token in self.stop_token_ids:

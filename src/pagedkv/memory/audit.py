@@ -8,7 +8,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex
 from pagedkv.memory.sequence import SeqState
 
 
@@ -24,7 +24,7 @@ def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None
 def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState) -> None:
     """Each indexed block of the sequence holds exactly its key's tokens and parent."""
     tokens = seq.token_ids
-    parent_uid: int | None = ROOT_UID
+    parent_uid: ChainRoot | None = seq.chain_root
     for i, b in enumerate(seq.block_ids):
         entry = index.block_entries[b]
         if entry is None:
@@ -87,8 +87,8 @@ def check_state(
 
     Every block's count equals its number of holders; no block is both free and held;
     free + cached + held = num_blocks (device and host); every indexed block held by a
-    sequence holds exactly its key's tokens after its key's parent; queued copies name
-    device blocks.
+    sequence holds exactly its key's tokens after its key's parent (the first after the
+    sequence's chain root: ``ROOT_UID`` or its salt); queued copies name device blocks.
     """
     holders = [0] * pool.num_blocks
     host_holders = [0] * host.num_blocks

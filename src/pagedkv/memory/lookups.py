@@ -8,7 +8,7 @@ from operator import itemgetter
 from typing import Any
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ROOT_UID, BlockTokens, PrefixIndex
+from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex, chain_root
 
 
 class PrefixLookups:
@@ -20,47 +20,50 @@ class PrefixLookups:
         self.pool = pool
         self.block_size = block_size
         self._num_resets = 0
-        # (token list, (its length, resets, evictions), hits, uid of the last hit, a getter
-        # of their entries, the entries then, the list packed).
+        # (token list, (its length, resets, evictions), chain root, hits, uid of the last hit,
+        # a getter of their entries, the entries then, the list packed).
         self._memo: tuple[Any, ...] | None = None
         self._evictable: tuple[list[int], tuple[int, int], int] | None = None
 
     def lookup(
-        self, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
-    ) -> tuple[list[int], int, Sequence[BlockTokens]]:
-        """`PrefixIndex.lookup` of a prompt with the keys of the full blocks after the hits:
-        ``([], ROOT_UID, ())`` without an index, no hit without `use_prefix_cache`."""
+        self, token_ids: Sequence[Any], root: ChainRoot, use_prefix_cache: bool = True
+    ) -> tuple[list[int], ChainRoot, Sequence[BlockTokens]]:
+        """`PrefixIndex.lookup` of a prompt from `root` (`chain_root` of its salt) with the
+        keys of the full blocks after the hits: ``([], root, ())`` without an index, no hit
+        without `use_prefix_cache`."""
         if self.index is None:
-            return [], ROOT_UID, ()
+            return [], root, ()
         # The last token is always computed (its logits are needed): at most n - 1 cached.
         max_blocks = (len(token_ids) - 1) // self.block_size if use_prefix_cache else 0
-        return self.index.lookup(token_ids, self.block_size, max_blocks, with_rest=True)
+        return self.index.lookup(token_ids, self.block_size, max_blocks, True, root)
 
-    def hits(self, token_ids: Sequence[Any]) -> list[int]:
-        """The cached blocks `allocate(_, token_ids)` would reuse now.
+    def hits(self, token_ids: Sequence[Any], salt: str | None = None) -> list[int]:
+        """The cached blocks `allocate(_, token_ids, salt=salt)` would reuse now.
 
         The last answer is remembered for the same token list (same object and length) and
-        checked instead of walked again (a waiting prompt is asked about every step): its
-        blocks must still hold the entries found, and the block after them must still miss.
-        Only these queries use it; `allocate` looks up afresh.
+        salt, and checked instead of walked again (a waiting prompt is asked about every
+        step): its blocks must still hold the entries found, and the block after them must
+        still miss. Only these queries use it; `allocate` looks up afresh.
         """
         index = self.index
         if index is None:
             return []
-        memo = self._memo
+        memo, root = self._memo, chain_root(salt)
         state = (len(token_ids), self._num_resets, self.pool.num_evictions)
-        if memo is not None and memo[0] is token_ids and memo[1][:2] == state[:2]:
-            if self._still_holds(token_ids, memo, memo[1][2] != state[2]):
-                self._memo = (token_ids, state, *memo[2:])
-                return memo[2]
+        if memo is not None and memo[0] is token_ids and memo[1][0] == state[0]:
+            # Another salt's answer names another chain's blocks: walked again, never reused.
+            if memo[2] == root and memo[1][1] == state[1]:
+                if self._still_holds(token_ids, memo, memo[1][2] != state[2]):
+                    self._memo = (token_ids, state, *memo[2:])
+                    return memo[3]
+            packed = memo[7]  # the same list after its blocks changed: walk, not pack, again
+        else:
+            packed = index.pack(token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
-        # The same list asked again after its blocks changed: walk again, not pack again.
-        same = memo is not None and memo[0] is token_ids and memo[1][0] == state[0]
-        packed = memo[6] if same else index.pack(token_ids)  # type: ignore[index]
-        hits, uid = index.match(token_ids, self.block_size, max_blocks, packed)
+        hits, uid = index.match(token_ids, self.block_size, max_blocks, packed, root)
         getter = itemgetter(*hits) if hits else None
         entries = getter(index.block_entries) if getter is not None else None
-        self._memo = (token_ids, state, hits, uid, getter, entries, packed)
+        self._memo = (token_ids, state, root, hits, uid, getter, entries, packed)
         return hits
 
     def _still_holds(self, token_ids: Sequence[Any], memo: tuple[Any, ...], evicted: bool) -> bool:
@@ -68,7 +71,7 @@ class PrefixLookups:
         eviction each must still hold the entry found, and the block after them must miss."""
         index, block_size = self.index, self.block_size
         assert index is not None, "only asked with an index"
-        _, _, hits, uid, getter, entries, _ = memo
+        _, _, _, hits, uid, getter, entries, _ = memo
         if evicted and getter is not None and getter(index.block_entries) != entries:
             return False
         num = len(hits)

@@ -20,7 +20,7 @@ from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.lookups import PrefixLookups
-from pagedkv.memory.prefix import ROOT_UID, PrefixIndex
+from pagedkv.memory.prefix import PrefixIndex, chain_root
 from pagedkv.memory.sequence import (
     SeqState,
     SequenceTable,
@@ -117,13 +117,13 @@ class KVCacheManager:
         return self._seqs.slot_mapping(seq_id, start, end, self.block_size)
 
     # ----- prefix lookups -------------------------------------------------------------------
-    def num_cached_tokens(self, token_ids: Sequence[Any]) -> int:
-        """Tokens `allocate(_, token_ids)` would find cached now. No side effects.
+    def num_cached_tokens(self, token_ids: Sequence[Any], *, salt: str | None = None) -> int:
+        """Tokens `allocate(_, token_ids, salt=salt)` would find cached now. No side effects.
 
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._lookups.hits(token_ids)) * self.block_size
+        return len(self._lookups.hits(token_ids, salt)) * self.block_size
 
     def num_blocks_to_allocate(
         self,
@@ -131,9 +131,10 @@ class KVCacheManager:
         *,
         use_prefix_cache: bool = True,
         num_tokens: int | None = None,
+        salt: str | None = None,
     ) -> int:
-        """Free blocks `allocate(_, token_ids[:num_tokens], use_prefix_cache=...)` would take
-        now (after prefix hits); `num_tokens` None: all of them.
+        """Free blocks `allocate(_, token_ids[:num_tokens], use_prefix_cache=..., salt=...)`
+        would take now (after prefix hits); `num_tokens` None: all of them.
 
         A hit on a cached-but-free block counts as one, so the allocation succeeds exactly
         when the result is <= `num_free_blocks`.
@@ -142,7 +143,7 @@ class KVCacheManager:
         if not use_prefix_cache:
             return -(-end // self.block_size)
         # Hits are matched block by block from the start: those of a prefix are a prefix.
-        hits = self._lookups.hits(token_ids)
+        hits = self._lookups.hits(token_ids, salt)
         num = min(len(hits), (end - 1) // self.block_size)
         return -(-end // self.block_size) - num + self._lookups.num_evictable(hits, num)
 
@@ -175,7 +176,12 @@ class KVCacheManager:
 
     # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
-        self, seq_id: Hashable, token_ids: Sequence[Any], *, use_prefix_cache: bool = True
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[Any],
+        *,
+        use_prefix_cache: bool = True,
+        salt: str | None = None,
     ) -> int:
         """Start sequence `seq_id` holding `token_ids`, reusing cached leading blocks.
 
@@ -184,6 +190,8 @@ class KVCacheManager:
             token_ids: the prompt, or its first chunk (continue with `append`).
             use_prefix_cache: False to reuse no cached block, so every token is computed
                 (e.g. for its logits); the full blocks still enter the prefix index.
+            salt: None, or a str that enters the first block's key: the sequence's blocks
+                are then shared only with sequences allocated with the same salt.
 
         Returns:
             Leading tokens whose KV is already cached: a multiple of `block_size`, at most
@@ -199,7 +207,8 @@ class KVCacheManager:
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
-        hits, chain_uid, keys = self._lookups.lookup(tokens, use_prefix_cache=use_prefix_cache)
+        root = chain_root(salt)
+        hits, chain_uid, keys = self._lookups.lookup(tokens, root, use_prefix_cache)
         index, block_size, pool = self._index, self.block_size, self._pool
         num_hits = len(hits)
         num_fresh = -(-len(tokens) // block_size) - num_hits
@@ -224,7 +233,7 @@ class KVCacheManager:
             if use_prefix_cache:  # the counts of prefix lookups
                 self._counts.prefix_cache_queries += len(tokens)
                 self._counts.prefix_cache_hits += num_hits * block_size
-        self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid)
+        self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid, chain_root=root)
         return num_hits * block_size
 
     def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
@@ -300,7 +309,11 @@ class KVCacheManager:
         self._pool.touch(parent.block_ids)
         self._counts.num_forked_blocks += len(parent.block_ids)
         self._seqs[child_id] = SeqState(
-            parent.block_ids[:], list(parent.token_ids), parent.num_keyed, parent.chain_uid
+            parent.block_ids[:],
+            list(parent.token_ids),
+            parent.num_keyed,
+            parent.chain_uid,
+            chain_root=parent.chain_root,
         )
 
     def free(self, seq_id: Hashable) -> None:
@@ -356,7 +369,7 @@ class KVCacheManager:
         pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
         self._host.free(seq.host_block_ids)
         seq.block_ids, seq.host_block_ids, seq.table = block_ids, None, None
-        seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+        seq.unkey()
         seq.key_full_blocks(self._index, self.block_size)
         self._counts.num_swapped_in_blocks += len(pairs)
         return pairs
@@ -379,7 +392,7 @@ class KVCacheManager:
         pool.reset_cache()
         self._lookups.forget()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
-            seq.num_keyed, seq.chain_uid = 0, ROOT_UID
+            seq.unkey()
         return True
 
     def check(self) -> None:

@@ -1,10 +1,16 @@
 """Prefix index: full blocks findable by a chained key, verified on every hit.
 
 A block's key is ``(parent_uid, block_tokens)``: the uid of the entry for the block before it
-(``ROOT_UID`` for a sequence's first block) and the block's ``block_size`` tokens. Every entry
+(the chain's root for a sequence's first block) and the block's ``block_size`` tokens. Every entry
 gets a fresh uid that is never reused, so a key names one whole prefix: block ``i`` matches
 only if blocks ``0 .. i-1`` matched the same entries, and an entry left behind by an evicted
 parent can never be reached again.
+
+A chain's root is ``ROOT_UID``, or a salt (a str, see `chain_root`): a salted prompt's first
+key is ``(salt, block_tokens)``, so prompts with different salts share no block (every later
+block chains from a uid of the salted chain), while prompts with the same salt share as
+unsalted ones do. The salt is part of the key itself, compared in full on every hit like the
+tokens, so two salts whose hashes collide still never share a block.
 
 ``block_tokens`` is canonical for the block's tokens alone: the bytes of the tokens packed as
 int32 when every token is an int that fits (the usual case), else the tuple of the tokens
@@ -35,8 +41,10 @@ from typing import Any
 # The uid a sequence's first block chains from; entries get uids 1, 2, 3, ...
 ROOT_UID = 0
 
+# The parent of a chain's first block: ROOT_UID, or a salt.
+ChainRoot = int | str
 BlockTokens = bytes | tuple[Any, ...]
-BlockKey = tuple[int, BlockTokens]
+BlockKey = tuple[ChainRoot, BlockTokens]
 # (block_id, uid, key): one tuple per indexed block, never reused (its uid is fresh).
 Entry = tuple[int, int, BlockKey]
 
@@ -45,6 +53,12 @@ Entry = tuple[int, int, BlockKey]
 SPAN_BLOCKS = 16
 # Cached struct formats, per length; cleared past this many (lengths are bounded by prompts).
 _MAX_FORMATS = 4096
+
+
+def chain_root(salt: str | None) -> ChainRoot:
+    """The parent of a prompt's first block: ``ROOT_UID`` without a salt, else the salt
+    itself (a str never equals an int uid, nor another salt)."""
+    return ROOT_UID if salt is None else salt
 
 
 def iter_full_blocks(
@@ -87,7 +101,7 @@ class PrefixIndex:
         # entries, block_ids, uid of the last) for the `span_blocks` blocks from it, live iff
         # ``getter(block_entries) == entries``. Only chains of bytes keys get spans;
         # `span_blocks` >= 2 (tests lower it).
-        self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], int]] = {}
+        self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], ChainRoot]] = {}
         self.span_blocks = span_blocks
         # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
         self._packers: dict[int, struct.Struct] = {}
@@ -159,7 +173,8 @@ class PrefixIndex:
         block_size: int,
         max_blocks: int,
         packed: bytes | None = None,
-    ) -> tuple[list[int], int]:
+        root: ChainRoot = ROOT_UID,
+    ) -> tuple[list[int], ChainRoot]:
         """Find the cached blocks holding the leading full blocks of `token_ids`.
 
         Side-effect free (but for spans, an internal shortcut: see `_match_packed`). Block
@@ -168,19 +183,25 @@ class PrefixIndex:
         Args:
             max_blocks: look at most this many leading blocks.
             packed: `pack(token_ids)` when the caller kept it (not None), else computed.
+            root: the parent of the first block (`chain_root` of the prompt's salt).
 
         Returns:
             ``(block_ids, uid)``: the matching blocks in order, and the uid of the last match
-            (``ROOT_UID`` when nothing matched).
+            (`root` when nothing matched).
         """
         if packed is not None:
             num = min(max_blocks, len(token_ids) // block_size)
-            return self._match_packed(packed, 4 * block_size, num)
-        return self.lookup(token_ids, block_size, max_blocks, with_rest=False)[:2]
+            return self._match_packed(packed, 4 * block_size, num, root)
+        return self.lookup(token_ids, block_size, max_blocks, with_rest=False, root=root)[:2]
 
     def lookup(
-        self, token_ids: Sequence[Any], block_size: int, max_blocks: int, with_rest: bool = True
-    ) -> tuple[list[int], int, Sequence[BlockTokens]]:
+        self,
+        token_ids: Sequence[Any],
+        block_size: int,
+        max_blocks: int,
+        with_rest: bool = True,
+        root: ChainRoot = ROOT_UID,
+    ) -> tuple[list[int], ChainRoot, Sequence[BlockTokens]]:
         """`match`, plus the canonical tokens of the full blocks after the matched ones.
 
         The prompt is packed once (one ``struct`` call, no copy when `token_ids` is a tuple):
@@ -196,16 +217,16 @@ class PrefixIndex:
         packed = self._pack(token_ids) if num_full else None
         if packed is None:  # a non-int32 token (or no full block): block by block
             keys = self.keys_of(token_ids, block_size) if num_full else ()
-            block_ids, uid = self.match_keys(keys, num)
+            block_ids, uid = self.match_keys(keys, num, root)
             return block_ids, uid, keys[len(block_ids) :] if with_rest else ()
         width = 4 * block_size
-        block_ids, uid = self._match_packed(packed, width, num)
+        block_ids, uid = self._match_packed(packed, width, num, root)
         rest = self._split(packed, width, len(block_ids), num_full) if with_rest else ()
         return block_ids, uid, rest
 
     def match_keys(
-        self, keys: Sequence[BlockTokens], max_blocks: int, uid: int = ROOT_UID
-    ) -> tuple[list[int], int]:
+        self, keys: Sequence[BlockTokens], max_blocks: int, uid: ChainRoot = ROOT_UID
+    ) -> tuple[list[int], ChainRoot]:
         """`match` on block tokens from `keys_of`: the first ``max_blocks`` of `keys`, the
         first of them chained from `uid`."""
         get = self._entries.get
@@ -218,7 +239,9 @@ class PrefixIndex:
             uid = entry[1]
         return block_ids, uid
 
-    def _match_packed(self, packed: bytes, width: int, num: int) -> tuple[list[int], int]:
+    def _match_packed(
+        self, packed: bytes, width: int, num: int, root: ChainRoot
+    ) -> tuple[list[int], ChainRoot]:
         """`match` on the packed prompt (`width` bytes per block), ``num`` blocks at most.
 
         Walks `span_blocks` blocks at a time: a live span (see `_spans`) matches a whole
@@ -228,7 +251,7 @@ class PrefixIndex:
         num_span = self.span_blocks
         span_width, end = width * num_span, width * num
         block_ids: list[int] = []
-        uid = ROOT_UID
+        uid = root
         for start in range(0, end, span_width):
             stop = min(start + span_width, end)
             if stop - start == span_width:
@@ -253,7 +276,7 @@ class PrefixIndex:
                 self._add_span(block_ids[-num_span:], uid)
         return block_ids, uid
 
-    def _add_span(self, block_ids: list[int], uid: int) -> None:
+    def _add_span(self, block_ids: list[int], uid: ChainRoot) -> None:
         """Record that `block_ids` (just walked, all indexed) form one chain ending at `uid`."""
         getter = itemgetter(*block_ids)
         entries = getter(self.block_entries)
@@ -265,11 +288,12 @@ class PrefixIndex:
             block_entries = self.block_entries
             self._spans = {k: v for k, v in self._spans.items() if v[0](block_entries) == v[2]}
 
-    def insert(self, parent_uid: int, tokens: Sequence[Any], block_id: int) -> int:
+    def insert(self, parent_uid: ChainRoot, tokens: Sequence[Any], block_id: int) -> ChainRoot:
         """Index `block_id` as holding `tokens` after the prefix `parent_uid`.
 
         Args:
-            parent_uid: the chain position of the block before (``ROOT_UID`` for the first).
+            parent_uid: the chain position of the block before (the chain's root for the
+                first: ``ROOT_UID`` or a salt).
             tokens: the block's ``block_size`` tokens (a tuple or a list).
             block_id: a held block whose KV is (or is being) computed for exactly this prefix.
 
@@ -280,8 +304,8 @@ class PrefixIndex:
         return self.insert_keys(parent_uid, [self.block_tokens(tokens)], [block_id])
 
     def insert_keys(
-        self, parent_uid: int, keys: Sequence[BlockTokens], block_ids: Sequence[int]
-    ) -> int:
+        self, parent_uid: ChainRoot, keys: Sequence[BlockTokens], block_ids: Sequence[int]
+    ) -> ChainRoot:
         """Index consecutive blocks: ``block_ids[i]`` holds ``keys[i]`` (from `keys_of`).
 
         Returns:
@@ -328,11 +352,12 @@ class PrefixIndex:
                 f"prefix index: key of block {block_id} does not point back at its entry"
             )
             assert uid not in uids, f"prefix index: uid {uid} is used twice"
-            assert ROOT_UID <= key[0] < uid, (
-                f"prefix index: block {block_id} chains from uid {key[0]}, not an older entry"
+            parent = key[0]
+            assert isinstance(parent, str) or ROOT_UID <= parent < uid, (
+                f"prefix index: block {block_id} chains from uid {parent}, not an older entry"
             )
             uids.add(uid)
-        for first_key, (getter, tokens, entries, block_ids, uid) in self._spans.items():
+        for first_key, (getter, tokens, entries, block_ids, last) in self._spans.items():
             if getter(self.block_entries) != entries:
                 continue  # dead: never served
             assert [e[0] for e in entries] == block_ids and entries[0][2] == first_key, (
@@ -344,9 +369,9 @@ class PrefixIndex:
             assert tokens == b"".join(e[2][1] for e in entries), (  # type: ignore[misc]  # spans are bytes-keyed
                 f"prefix index: span at blocks {block_ids} holds other tokens than its entries"
             )
-            chain = [e[2][0] for e in entries[1:]] + [uid]
+            chain = [e[2][0] for e in entries[1:]] + [last]
             assert chain == [e[1] for e in entries], (
-                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {uid}"
+                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {last}"
             )
         num_keyed = sum(key is not None for key in self.block_entries)
         assert num_keyed == len(self._entries), (

@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.memory.prefix import PrefixIndex
+from pagedkv.memory.prefix import ROOT_UID, ChainRoot, PrefixIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -21,12 +21,14 @@ class SeqState:
     # Leading full blocks already offered to the prefix index, and the uid naming the
     # prefix through the last of them (the parent of the next full block's key).
     num_keyed: int
-    chain_uid: int
+    chain_uid: ChainRoot
     # Host blocks while swapped out (block_ids is then empty), else None.
     host_block_ids: array[int] | None = None
     # `block_ids` as the list `KVCacheManager.block_table` hands out, or None once the
     # blocks changed: replaced, never mutated, since a step may still read the old one.
     table: list[int] | None = None
+    # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
+    chain_root: ChainRoot = ROOT_UID
 
     def key_full_blocks(self, index: PrefixIndex | None, block_size: int) -> None:
         """Offer the newly full blocks to the prefix index (chained keys)."""
@@ -38,6 +40,11 @@ class SeqState:
             self.chain_uid, keys, self.block_ids[start : start + len(keys)]
         )
         self.num_keyed = start + len(keys)
+
+    def unkey(self) -> None:
+        """Mark no block offered to the prefix index: the next `key_full_blocks` keys them all
+        again from the chain's root (after a swap-in or a reset of the index)."""
+        self.num_keyed, self.chain_uid = 0, self.chain_root
 
 
 class SequenceTable(dict[Hashable, SeqState]):

@@ -5,9 +5,12 @@ Every error, including FastAPI's own validation errors and invalid JSON, is answ
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (the
 message names the field, the expected and the given value, never the whole request), 404
 for another model's name, 503 with `Retry-After` when the waiting queue is full or the
-server is shutting down, 500 for a server fault. Every refusal is counted by reason in
-`pagedkv_rejected_requests_total`. Streams are server-sent events that end with
-``data: [DONE]``; a client that disconnects has its requests aborted at once.
+server is shutting down, 500 for a server fault; 401 for a missing or wrong API key
+(`pagedkv.server.auth`) and 413 for a body over the size limit (`pagedkv.server.limits`),
+both before the body is read. Every refusal is counted by reason in
+`pagedkv_rejected_requests_total` (401s in `pagedkv_auth_failures_total`). Streams are
+server-sent events that end with ``data: [DONE]``; a client that disconnects has its
+requests aborted at once.
 """
 
 from __future__ import annotations
@@ -16,15 +19,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.server.async_engine import AsyncEngine, EngineDead
+from pagedkv.server.auth import AccessMiddleware, AccessPolicy, request_salt
+from pagedkv.server.limits import BodyLimitMiddleware, RequestLimits
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +51,7 @@ from pagedkv.server.serving import (
     ServerState,
     admit,
     check_context,
+    check_limits,
     check_model,
     make_sampling_params,
     merge,
@@ -83,15 +91,32 @@ _GENERATE_RESPONSES = {
 } | _ERRORS
 
 
+@dataclass(frozen=True)
+class CorsOptions:
+    """Cross-origin requests from browsers (Starlette's `CORSMiddleware`), off unless
+    `allowed_origins` names some."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("GET", "POST")
+    allowed_headers: tuple[str, ...] = ("Authorization", "Content-Type")
+
+
 def create_app(
-    engine: AsyncEngine, *, model_name: str, tool_call_parser: str | None = None
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    access: AccessPolicy | None = None,
+    limits: RequestLimits | None = None,
+    cors: CorsOptions | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the server app around a (not necessarily started) `AsyncEngine`.
 
     The engine starts and stops with the app; `model_name` is the name `/v1/models` lists
     and requests must use (or omit); `tool_call_parser` reads tool calls for
-    `tool_choice: "auto"` (`tool_parsers.TOOL_CALL_PARSERS`). Serve the app with uvicorn,
-    or `launch.serve` for a bounded shutdown.
+    `tool_choice: "auto"` (`tool_parsers.TOOL_CALL_PARSERS`). `access` (default: no keys),
+    `limits` (default: `RequestLimits()`) and `cors` (default: none) guard every request
+    before any work. Serve the app with uvicorn, or `launch.serve` for a bounded shutdown.
     """
 
     @asynccontextmanager
@@ -102,9 +127,23 @@ def create_app(
 
     app = FastAPI(title="pagedkv", version="0.1.0", lifespan=lifespan)
     max_model_len = engine.engine.max_model_len
+    access, limits = access or AccessPolicy(), limits or RequestLimits()
+    metrics = ServerMetrics(engine.stats)
     app.state.server = ServerState(
-        engine, ServerMetrics(engine.stats), model_name, max_model_len, tool_call_parser
+        engine, metrics, model_name, max_model_len, access, limits, tool_call_parser
     )
+    # The last added runs first: CORS answers preflights, then keys, then the body's size.
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes, metrics=metrics
+    )
+    app.add_middleware(AccessMiddleware, policy=access, metrics=metrics)
+    if cors is not None and cors.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+        )
     _add_error_handlers(app)
     _add_routes(app)
     add_tokenize_routes(app, _ERRORS)
@@ -221,14 +260,24 @@ def _add_routes(app: FastAPI) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
+        check_limits(
+            state.limits,
+            num_prompts=_num_prompts(body.prompt),
+            n=body.n,
+            logprobs=body.logprobs,
+            stop=body.stop,
+        )
         prompts = _completion_prompts(state, body)
         # max_tokens 0 with echo: generate one token and drop it, as vLLM does.
         max_tokens = max(body.max_tokens, 1)
         for prompt in prompts:
             check_context(state.max_model_len, len(prompt["prompt_token_ids"]), max_tokens)
         prompt_logprobs = body.logprobs if body.echo else None
+        salt = request_salt(state.access, request, body.cache_salt)
         constraint = await constrain(state, request_constraint(body))
-        params = make_sampling_params(body, max_tokens, body.logprobs, prompt_logprobs, constraint)
+        params = make_sampling_params(
+            body, max_tokens, body.logprobs, prompt_logprobs, constraint, salt
+        )
         builder = CompletionBuilder(
             random_id("cmpl"), state.model_name, body, state.engine.tokenizer
         )
@@ -240,6 +289,14 @@ def _add_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state: ServerState = request.app.state.server
         check_model(state, body.model)
+        check_limits(
+            state.limits,
+            num_prompts=1,
+            n=body.n,
+            logprobs=body.top_logprobs,
+            stop=body.stop,
+            logprobs_param="top_logprobs",
+        )
         tokenizer = require_tokenizer(state, "messages")
         tool_choice, tools = tool_constraint(body, state.tool_call_parser, tokenizer.chat_template)
         prompt = render_chat(state, body.messages, True, body.tools)
@@ -248,8 +305,9 @@ def _add_routes(app: FastAPI) -> None:
         max_tokens = body.max_completion_tokens or body.max_tokens or room
         check_context(state.max_model_len, num_prompt_tokens, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        salt = request_salt(state.access, request, body.cache_salt)
         constraint = await constrain(state, tool_choice + request_constraint(body))
-        params = make_sampling_params(body, max_tokens, logprobs, None, constraint)
+        params = make_sampling_params(body, max_tokens, logprobs, None, constraint, salt)
         builder = ChatBuilder(
             random_id("chatcmpl"), state.model_name, body, state.engine.tokenizer, tools
         )
@@ -258,6 +316,13 @@ def _add_routes(app: FastAPI) -> None:
 
 def _card(state: ServerState) -> ModelCard:
     return ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
+
+
+def _num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """Prompts in a completions request: one text or token-id list, else the batch's length."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return 1
+    return len(prompt)
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[dict[str, Any]]:

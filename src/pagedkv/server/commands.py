@@ -16,6 +16,7 @@ from typing import Any
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.runtime import kernel_cache
+from pagedkv.server import exposure
 from pagedkv.server.streaming import DeltaTracker
 from pagedkv.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -28,7 +29,8 @@ def register(subparsers: Any) -> None:
         "serve",
         help="OpenAI-compatible HTTP server",
         description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics (Prometheus).",
+        "/v1/models, /health, /metrics (Prometheus). Before exposing it beyond this machine, "
+        "set --api-key (and TLS): see the README's server section.",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -57,6 +59,7 @@ def register(subparsers: Any) -> None:
         help='the model\'s tool-call format, for tool_choice "auto" (default: hermes when '
         "the chat template spells out <tool_call>, else none)",
     )
+    exposure.add_cli_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -108,9 +111,12 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and serve until interrupted."""
+    access = exposure.access_policy(args)  # bad options fail before the model loads
+    limits = exposure.RequestLimits.from_cli_args(args)
+    tls = exposure.tls_options(args)
     engine_args = _engine_args(args)
     from pagedkv.engine.engine import LLMEngine
-    from pagedkv.server.api import create_app
+    from pagedkv.server.api import CorsOptions, create_app
     from pagedkv.server.async_engine import AsyncEngine
     from pagedkv.server.launch import serve
 
@@ -124,9 +130,26 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.engine.stats()["num_blocks"],
         args.block_size,
     )
-    app = create_app(engine, model_name=name, tool_call_parser=args.tool_call_parser)
-    logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
-    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+    cors = CorsOptions(
+        tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers)
+    )
+    app = create_app(
+        engine,
+        model_name=name,
+        access=access,
+        limits=limits,
+        cors=cors,
+        tool_call_parser=args.tool_call_parser,
+    )
+    scheme = "https" if tls.enabled else "http"
+    logger.info("serving %r on %s://%s:%d/v1", name, scheme, args.host, args.port)
+    serve(
+        app,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        tls_kwargs=tls.uvicorn_kwargs(),
+    )
     return 0
 
 

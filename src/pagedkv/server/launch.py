@@ -21,12 +21,20 @@ from typing import Any
 _BACKSTOP_S = 3.0
 
 
-def serve(app: Any, *, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+def serve(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    shutdown_timeout: float = 30.0,
+    tls_kwargs: dict[str, Any] | None = None,
+) -> None:
     """Run `app` (from `create_app`) until SIGTERM or SIGINT, then shut down in bounded time.
 
     Args:
         app: the FastAPI app; `app.state.server.engine` is its `AsyncEngine`.
         shutdown_timeout: seconds running requests may take after the signal.
+        tls_kwargs: uvicorn's ``ssl_*`` keywords (`exposure.TLSOptions.uvicorn_kwargs`).
 
     Raises:
         ValueError: a negative `shutdown_timeout`.
@@ -48,6 +56,7 @@ def serve(app: Any, *, host: str, port: int, shutdown_timeout: float = 30.0) -> 
         port=port,
         log_level="warning",
         timeout_graceful_shutdown=int(shutdown_timeout + _BACKSTOP_S),
+        **(tls_kwargs or {}),
     )
     # uvicorn re-raises the signal it caught once it is done, under the handler that was
     # installed before it: make that a no-op for SIGTERM, so a drained server exits 0.

@@ -24,6 +24,8 @@ REJECT_REASONS = (
     "invalid_request",  # 400: refused by the engine (token ids, pool size, ...)
     "overloaded",  # 503: the waiting queue is full
     "unavailable",  # 503: the engine is shutting down or stopped
+    "payload_too_large",  # 413: the body is over --max-request-body-bytes
+    "limit",  # 400: over a request limit (--max-n, --max-prompts-per-request, ...)
 )
 
 # (stats key, metric name, help); gauges are levels, counters only ever grow.
@@ -115,6 +117,11 @@ class ServerMetrics(Collector):
             "pagedkv_rejected_requests",
             "Requests refused before admission, by reason (see REJECT_REASONS).",
             ["reason"],
+            registry=reg,
+        )
+        self.auth_failures = Counter(
+            "pagedkv_auth_failures",
+            "Requests refused for a missing or wrong API key (401), before reading their body.",
             registry=reg,
         )
         for reason in REJECT_REASONS:

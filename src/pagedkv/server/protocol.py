@@ -20,6 +20,8 @@ from pagedkv.engine.sampling_params import SEED_MAX, SEED_MIN
 
 # OpenAI caps `logprobs` (completions) and `top_logprobs` (chat) at 20.
 MAX_LOGPROBS = 20
+# A salt is kept in the prefix index's key of every cached first block.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def random_id(prefix: str) -> str:
@@ -105,6 +107,14 @@ class SamplingRequest(RequestModel):
         None,
         description="Token id (as a string) -> bias in [-100, 100] added to its logit "
         "before sampling; logprobs stay those of the unbiased logits.",
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Requests share cached prompt prefixes only with requests of the same "
+        "salt (vLLM's field); with --prefix-cache-isolation per-key, within the API key's own "
+        "partition of the cache.",
     )
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")

@@ -14,6 +14,8 @@ from typing import Any
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.structured import StructuredOutputsParams
 from pagedkv.server.async_engine import AsyncEngine, RequestStream
+from pagedkv.server.auth import AccessPolicy
+from pagedkv.server.limits import RequestLimits
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import SamplingRequest, short
 from pagedkv.server.streaming import RequestDelta
@@ -43,12 +45,15 @@ class APIError(Exception):
 
 @dataclass
 class ServerState:
-    """What every route needs: the engine, the metrics, and the served model's name."""
+    """What every route needs: the engine, the metrics, the served model's name, and the
+    access policy and limits (`pagedkv.server.auth`, `pagedkv.server.limits`)."""
 
     engine: AsyncEngine
     metrics: ServerMetrics
     model_name: str
     max_model_len: int
+    access: AccessPolicy
+    limits: RequestLimits
     tool_call_parser: str | None = None  # `tool_parsers.TOOL_CALL_PARSERS`, for "auto"
 
 
@@ -123,14 +128,49 @@ def check_context(max_model_len: int, num_prompt: int, max_tokens: int) -> None:
     )
 
 
+def _over(name: str, limit: int, given: int, param: str) -> APIError:
+    return APIError(
+        f"{param}: expected at most {limit} ({name.replace('_', '-')}), got {given}",
+        param=param,
+        code="limit_exceeded",
+        reason="limit",
+    )
+
+
+def check_limits(
+    limits: RequestLimits,
+    *,
+    num_prompts: int,
+    n: int,
+    logprobs: int | None,
+    stop: str | list[str] | None,
+    logprobs_param: str = "logprobs",
+) -> None:
+    """Raise the 400 `APIError` of the first limit the request passes, if any."""
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    checks = (
+        ("max_prompts_per_request", num_prompts, "prompt"),
+        ("max_n", n, "n"),
+        ("max_logprobs", logprobs or 0, logprobs_param),
+        ("max_stop_strings", len(stops), "stop"),
+        ("max_stop_string_length", max(map(len, stops), default=0), "stop"),
+    )
+    for name, given, param in checks:
+        limit = getattr(limits, name)
+        if given > limit:
+            raise _over(name, limit, given, param)
+
+
 def make_sampling_params(
     body: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    cache_salt: str | None = None,
 ) -> SamplingParams:
-    """`SamplingParams` from a request body (ValueError from its validation becomes a 400)."""
+    """`SamplingParams` from a request body (ValueError from its validation becomes a 400);
+    `cache_salt` is the request's effective salt (`auth.request_salt`)."""
     try:
         return SamplingParams(
             n=body.n,
@@ -147,6 +187,7 @@ def make_sampling_params(
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(t): v for t, v in body.logit_bias.items()} if body.logit_bias else None,
             structured_outputs=structured_outputs,
+            cache_salt=cache_salt,
         )
     except ValueError as exc:
         raise APIError(str(exc), param=param_of(str(exc)), reason="schema") from None
