@@ -72,7 +72,7 @@ def export(rev: str, into: Path) -> Path:
 
 
 def default_model() -> str:
-    from pagedkv.demo import find_demo_model
+    from pagedkv.cli.demo import find_demo_model
 
     model = find_demo_model()
     if model is None:

@@ -66,7 +66,7 @@ from bench_engine import FULL_MODEL, QUICK_MODEL, _set_threads, matmul_parameter
 from latency_parts import layer_parts, step_parts  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
-from pagedkv.demo import find_demo_model  # noqa: E402
+from pagedkv.cli.demo import find_demo_model  # noqa: E402
 from pagedkv.models import save_random_checkpoint  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -230,7 +230,7 @@ def prepare_models(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
         elif Path(real).is_dir():
             models[Path(real).name] = Path(real)
         else:
-            from pagedkv.convert import convert_gguf
+            from pagedkv.cli.convert import convert_gguf
 
             models[Path(real).stem] = convert_gguf(real, tmp / "real", dtype="float32")
     return models

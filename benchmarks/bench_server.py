@@ -216,8 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pagedkv.cli.demo import DEMO_MODEL_CONFIG
     from pagedkv.config import ModelConfig
-    from pagedkv.demo import DEMO_MODEL_CONFIG
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         model_dir = Path(args.model) if args.model else _random_model(Path(tmp))
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _random_model(tmp: Path) -> Path:
-    from pagedkv.demo import DEMO_MODEL_CONFIG
+    from pagedkv.cli.demo import DEMO_MODEL_CONFIG
     from pagedkv.models.loader import save_random_checkpoint
 
     return save_random_checkpoint(tmp / "model", DEMO_MODEL_CONFIG, seed=0)

@@ -281,7 +281,7 @@ def soak(base: str, pid: int, vocab_size: int, args: argparse.Namespace) -> dict
 
 def default_model(tmp: Path) -> str:
     """SmolLM2-135M-Instruct's GGUF when installed, else a random model of its shape."""
-    from pagedkv.demo import find_demo_model
+    from pagedkv.cli.demo import find_demo_model
     from pagedkv.models.loader import save_random_checkpoint
 
     found = find_demo_model()

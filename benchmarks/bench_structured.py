@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
-        from pagedkv.demo import smollm2_gguf_path
+        from pagedkv.cli.demo import smollm2_gguf_path
 
         model = smollm2_gguf_path()
         if model is None:

@@ -44,7 +44,7 @@ from typing import Any  # noqa: E402
 from _common import print_table, write_results  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv.demo import find_demo_model  # noqa: E402
+from pagedkv.cli.demo import find_demo_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_NAME = "pagedkv_old"

@@ -11,8 +11,8 @@ import pytest
 from helpers import make_hf_model, make_tokenizer
 from helpers.gguf_models import smollm2_gguf
 
-from pagedkv.chat import ChatSession
 from pagedkv.cli import main
+from pagedkv.cli.chat import ChatSession
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -66,7 +66,7 @@ def test_help_lists_engine_flags(capsys):
 
 
 def test_without_model_or_demo_extra_says_how_to_get_one(monkeypatch, capsys):
-    from pagedkv import demo
+    from pagedkv.cli import demo
 
     monkeypatch.setattr(demo, "find_demo_model", lambda: None)
     assert main(["chat"]) == 2

@@ -109,8 +109,8 @@ def test_generate_bad_model_dir_is_one_line_error(tmp_path, capsys):
 
 
 def test_demo_quick():
-    from pagedkv.demo import DEMO_MODEL_CONFIG
-    from pagedkv.demo_workload import make_workload
+    from pagedkv.cli.demo import DEMO_MODEL_CONFIG
+    from pagedkv.cli.demo_workload import make_workload
 
     # A subprocess: the demo sets its OpenMP policy before torch loads (see the command).
     argv = [

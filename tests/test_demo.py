@@ -8,8 +8,7 @@ import re
 import pytest
 from helpers.gguf_models import smollm2_gguf
 
-from pagedkv import demo
-from pagedkv.cli import main
+from pagedkv.cli import demo, main
 from pagedkv.engine.llm import LLM
 from pagedkv.models.loader import save_random_checkpoint
 

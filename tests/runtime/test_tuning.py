@@ -13,10 +13,10 @@ from helpers import make_hf_model
 
 from pagedkv import LLM
 from pagedkv.cli import main
+from pagedkv.cli.tune import FUSED_CANDIDATES, MATVEC_CANDIDATES
 from pagedkv.runtime import matvec, tuning
 from pagedkv.runtime.products import linear_rows
 from pagedkv.runtime.tuning import CpuTuning, tuning_path
-from pagedkv.tune import FUSED_CANDIDATES, MATVEC_CANDIDATES
 
 
 def test_defaults_where_there_is_no_file(tmp_path, monkeypatch):

@@ -181,7 +181,8 @@ def test_simulate_table_and_plots(tmp_path, capsys):
 def test_sim_imports_without_torch_numpy_or_matplotlib():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from pagedkv.sim import commands, planner, simulator, policies, workload\n"
+        "from pagedkv.sim import planner, simulator, policies, workload\n"
+        "from pagedkv.cli import simulate\n"
         "from pagedkv.sim.workload import make_workload\n"
         "requests = make_workload('chat', 20)\n"
         "for name in policies.POLICIES:\n"

@@ -1,7 +1,8 @@
 """`pagedkv` command line: one entry point, a subcommand per job.
 
-Each layer registers its own subcommands (`register(subparsers)`), and imports its heavy
-dependencies only inside the handler, so `pagedkv plan --help` never loads torch.
+Every command lives in this package, one module each (`register(subparsers)`), on top of
+the layers it drives; a module imports its heavy dependencies only inside the handler, so
+`pagedkv plan --help` never loads torch.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-# Modules that own subcommands, in the order `--help` lists them.
+# The command modules, in the order `--help` lists them.
 _COMMAND_MODULES = (
-    "pagedkv.server.commands",  # serve, generate
-    "pagedkv.demo",  # demo
-    "pagedkv.chat",  # chat
-    "pagedkv.convert",  # convert
-    "pagedkv.sim.commands",  # plan, simulate
-    "pagedkv.tune",  # tune
+    "pagedkv.cli.serve",  # serve, generate
+    "pagedkv.cli.demo",  # demo
+    "pagedkv.cli.chat",  # chat
+    "pagedkv.cli.convert",  # convert
+    "pagedkv.cli.simulate",  # plan, simulate
+    "pagedkv.cli.tune",  # tune
 )
 
 
@@ -51,7 +52,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.demo_workload import (
+from pagedkv.cli.demo_workload import (
     DemoRequest,
     contiguous_admission,
     default_num_blocks,

@@ -1,5 +1,5 @@
 """`pagedkv chat [--model DIR|FILE.gguf]`: a multi-turn chat in the terminal (without
---model, the demo's SmolLM2 when installed, see `pagedkv.demo.DEMO_EXTRA_HINT`).
+--model, the demo's SmolLM2 when installed, see `pagedkv.cli.demo.DEMO_EXTRA_HINT`).
 
 Each turn renders the whole history through the model's chat template and submits it as a
 new request; the earlier turns' KV blocks are still in the prefix cache, so only the new
@@ -180,7 +180,7 @@ def register(subparsers: Any) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     """Load the model and chat until /exit or end of input."""
     kernel_cache.announce()  # before torch loads, so the line comes at once
-    from pagedkv.demo import DEMO_EXTRA_HINT, find_demo_model
+    from pagedkv.cli.demo import DEMO_EXTRA_HINT, find_demo_model
     from pagedkv.engine.engine import LLMEngine
 
     if args.model is None:  # the demo's chat model, when installed
