@@ -1,6 +1,7 @@
 """Products through oneDNN (`runtime.linear.Linear`): packed (blocked) bfloat16 weights give
 the same logits bit for bit, plain float32 ones the same logits up to rounding, both the same
-tokens; every weight is held once, and no module gains an attribute."""
+tokens; the loaded weights stay in place (bfloat16 ones that a few-row kernel reads gain a
+packed copy for oneDNN), and no module gains an attribute."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_onednn_linear_gives_the_same_bits_packed_or_plain(rows, keep_plain):
     layer.use_products(0, onednn=True, keep_plain=keep_plain)
     assert layer.onednn and layer.weight.is_mkldnn != keep_plain
     assert ("weight" in dict(layer.named_parameters())) == keep_plain  # packed: released
+    assert (layer.packed is not None) == keep_plain and (not keep_plain or layer.packed.is_mkldnn)
     assert torch.equal(layer.forward(x), expected)
 
 
@@ -61,9 +63,10 @@ def _storages(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
-def test_the_runtime_holds_each_weight_once_and_tags_no_module(tmp_path, arch, dtype):
+def test_the_runtime_reads_the_loaded_weights_in_place_and_tags_no_module(tmp_path, arch, dtype):
     """With every CPU product on, the kernels read the loaded tensors in place (none is
-    copied or packed); every module keeps the attributes it was built with."""
+    copied; a bfloat16 layer holds a packed copy for oneDNN beside it, a float32 one none);
+    every module keeps the attributes it was built with."""
     model = load_model(make_hf_model(tmp_path, arch), dtype=dtype, device="cpu")
     names = {name: _attribute_names(m) for name, m in model.named_modules()}
     weights = _storages(model)
@@ -72,6 +75,8 @@ def test_the_runtime_holds_each_weight_once_and_tags_no_module(tmp_path, arch, d
     after = {name: _attribute_names(m) for name, m in model.named_modules()}
     assert after == {**names, **({"tied_head": after["tied_head"]} if arch == "qwen2" else {})}
     assert _storages(model) == weights
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.onednn]
+    assert layers and all((m.packed is not None) == (dtype == torch.bfloat16) for m in layers)
     if arch == "qwen2":  # the tied head is the embedding table itself
         assert model.tied_head.weight is model.model.embed_tokens.weight
 

@@ -3,12 +3,15 @@ machine (`Linear.use_products`), one call per product on the step path.
 
     rows <= few_rows   the matrix-vector kernel (`products.linear_rows`): each weight
                        row read once, on the calling thread or on every one
-    otherwise          oneDNN (`onednn=True`): a plain float32 or bfloat16 weight, or a
-                       bfloat16 one packed in oneDNN's blocked layout where nothing else
-                       reads the plain one; else torch's `F.linear`
+    otherwise          oneDNN (`onednn=True`): a plain float32 weight, or a bfloat16 one
+                       packed in oneDNN's blocked layout; else torch's `F.linear`
 
-Every weight is held once: the matrix-vector kernel and the compiled decoder stack read the
-plain weight in place, so a weight is packed only where neither runs.
+The matrix-vector kernel and the compiled decoder stack read the plain weight in place. A
+bfloat16 weight that they read and oneDNN multiplies is therefore held twice, plain and
+packed: oneDNN reorders a plain bfloat16 weight on every call, which costs most where a
+product is bound by reading the weight (an LM head at a decode step past the few rows).
+Where nothing reads the plain copy it is released, and with `onednn=False` every weight is
+held once (docs/benchmarks.md has what each choice costs).
 """
 
 from __future__ import annotations
@@ -70,14 +73,15 @@ class Linear(nn.Module):
         self.few_rows = 0  # products of at most this many rows go to `matvec`
         self.matvec: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
+        self.packed: Tensor | None = None  # the oneDNN copy beside a plain weight still read
 
     def use_products(
         self, few_rows: int, onednn: bool, keep_plain: bool, tuning: CpuTuning | None = None
     ) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
         never; its knobs from `tuning`), oneDNN past them (else torch). `keep_plain`:
-        another reader (the compiled decoder stack) needs the plain weight, so a bfloat16
-        one is not packed."""
+        another reader (the compiled decoder stack) needs the plain weight, so a packed
+        bfloat16 copy is held beside it."""
         weight = self.weight.detach()
         if few_rows:
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
@@ -88,11 +92,14 @@ class Linear(nn.Module):
         # the bits could differ, so biased bfloat16 layers stay with torch.
         self.onednn = onednn and can_pack(weight.dtype, weight.device)
         self.onednn &= not (is_bf16 and self.bias is not None)
-        if self.onednn and is_bf16 and not (few_rows or keep_plain):
-            # Packed where nothing reads the plain copy, which is released. The batch-size
-            # hint picks the blocking; decode-sized batches are the ones bound by reading
-            # the weight, and every other size gives the same bits.
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        if not (self.onednn and is_bf16):
+            return
+        # The batch-size hint picks the blocking; decode-sized batches are the ones bound by
+        # reading the weight, and every other size gives the same bits.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        if few_rows or keep_plain:
+            self.packed = packed
+        else:
             del self.weight
             self.register_buffer("weight", packed)
 
@@ -101,5 +108,6 @@ class Linear(nn.Module):
         if x.shape[0] <= self.few_rows:
             return self.matvec(x)  # type: ignore[misc]
         if self.onednn:
-            return onednn_linear(x, self.weight, self.bias)
+            weight = self.weight if self.packed is None else self.packed
+            return onednn_linear(x, weight, self.bias)
         return F.linear(x, self.weight, self.bias)
