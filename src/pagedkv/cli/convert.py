@@ -92,7 +92,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
 
 
 def _write_tokenizer(tokenizer: Any, out: Path, max_length: int) -> None:
-    tokenizer._tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer.backend.save(str(out / "tokenizer.json"))
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokenizer.bos_token,
