@@ -38,9 +38,8 @@ from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
 from pagedkv.engine.planning import Plan, StepBudget, StepBuilder, num_decodes
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence, check_fits
-from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput, sample_ids
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.engine.stop import check_stop, stop_bounds
-from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
@@ -176,8 +175,7 @@ class Scheduler:
         budget = StepBudget(self.config.max_num_batched_tokens)
         index = 0
         while index < len(self.running):  # some may be preempted (see the module docstring)
-            if self._schedule_running(index, out, budget):
-                index += 1
+            index = self._schedule_running(index, out, budget)
         budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
             self._resume_swapped(out, budget)
@@ -198,72 +196,63 @@ class Scheduler:
         Returns:
             The request of each new token, in step order (once per sample).
         """
+        samples = output.seq_ids  # when each row is its own sample
+        if output.num_samples.count(1) != len(samples):
+            samples = self.builder.fork_samples(output, self.requests)
+        requests, detokenize = self.requests, self.detokenize
         touched: list[Request] = []
-        for seq_id, num in zip(output.seq_ids, output.num_samples, strict=True):
-            if num == 1:  # a sequence's own sample
-                self._update_sample(seq_id, sampled, touched)
-            elif num:  # the prompt's last row of n > 1: fork, then every sample
-                request = self.requests[seq_id[0]]
-                if not request.is_forked:
-                    self.builder.fork(request, request.seq(seq_id[1]))
-                for sample_id in sample_ids(seq_id, num):
-                    self._update_sample(sample_id, sampled, touched)
+        for seq_id in samples:
+            request = requests[seq_id[0]]
+            seq = request.seqs[seq_id[1]]
+            token = int(sampled[seq_id])
+            seq.token_ids.append(token)
+            text_start = len(seq.text)
+            if detokenize is not None:
+                seq.text += detokenize(seq)
+            bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
+            if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
+                stop = check_stop(seq, request.params, eos_token_ids=self._eos_token_ids,
+                                  max_model_len=self.max_model_len,
+                                  text_start=text_start)  # fmt: skip
+                if stop is not None:
+                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
+            touched.append(request)
         return touched
 
-    def _update_sample(
-        self, seq_id: SeqId, sampled: Mapping[SeqId, int], touched: list[Request]
-    ) -> None:
-        """`update` of sample `seq_id`."""
-        request = self.requests[seq_id[0]]
-        seq = request.seqs[seq_id[1]]
-        token = int(sampled[seq_id])
-        seq.token_ids.append(token)
-        text_start = len(seq.text)
-        if self.detokenize is not None:
-            seq.text += self.detokenize(seq)
-        bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
-        if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
-            stop = check_stop(
-                seq,
-                request.params,
-                eos_token_ids=self._eos_token_ids,
-                max_model_len=self.max_model_len,
-                text_start=text_start,
-            )
-            if stop is not None:
-                self.finish_sequence(seq, stop.reason, stop.stop_reason)
-        touched.append(request)
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> int:
+        """Schedule running[index] and those after it whose chunks surely fit the free
+        blocks, together; returns the index of the next request to visit.
 
-    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> bool:
-        """Schedule running[index]; False when it left `running` (preempted or ended).
-
-        While its blocks are not free, the newest running request is preempted. A plan of
-        one chunk just tries it (the manager changes nothing when it does not fit); a plan
-        of several is counted first, so that no victim was appended to in this step.
+        While the blocks of the first that may not fit are not free, the newest running
+        request is preempted. A plan of one chunk just tries it (nothing changes when it
+        does not fit); one of several is counted first, so no victim was appended to.
         """
         running, builder = self.running, self.builder
+        num_fitting, requests, chunks, plan = builder.plan_fitting(
+            running, index, budget, self.kv.num_free_blocks
+        )
+        builder.run_appends(requests, chunks, out)  # all fit: none fails
+        index += num_fitting
+        if plan is None:
+            return index
         request = running[index]
-        plan = builder.plan(request, budget, running, index + 1)
         while plan:
-            try:
-                if len(plan) == 1:
-                    builder.run_chunk(request, plan[0], out)
-                    return True
-                if builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
-                    builder.run(request, plan, out, budget)
-                    return True
-            except OutOfBlocks:
-                pass
+            if len(plan) == 1:
+                if not builder.run(request, plan, out):
+                    return index + 1
+            elif builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
+                builder.run(request, plan, out, budget)
+                return index + 1
             victim = running[-1]
             if victim is not request:
                 self._preempt(victim, out, budget)
             elif index > 0:
                 budget.refund(plan)
                 self._preempt(request, out, budget, visited=True)
-                return False
+                return index
             else:  # alone in the pool: what does not fit now never will
-                return self._run_alone(request, plan, out, budget)
-        return True
+                return index + self._run_alone(request, plan, out, budget)
+        return index + 1
 
     def _run_alone(
         self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
