@@ -1,20 +1,17 @@
-"""Turning one request's work in a step into block-manager calls and rows of the step.
+"""Turning requests' work in a step into block-manager calls and rows of the step.
 
 `StepBuilder` plans each unfinished sequence's chunk (a decode token or the next prompt
-chunk) under the step's `StepBudget`, counts the blocks the plan needs, and runs it:
-`KVCacheManager.allocate` or `append`, then one row per chunk in the `SchedulerOutput`.
+chunk) under the step's `StepBudget`, and runs the chunks of requests that surely fit the
+free blocks together: one `KVCacheManager.append_many`, then their rows a column at a time.
 `Scheduler` decides which requests run and preempts; beam search builds its steps with the
-same builder. The common case, a request with one sequence decoding one token, takes the
-same calls as every other: each is cheap when nothing but a token changes.
-
-Standard library only (no torch), like the scheduler.
+same builder. Standard library only (no torch), like the scheduler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 
 from pagedkv.engine.request import Request, SeqId, Sequence
 from pagedkv.engine.scheduler_output import SchedulerOutput, sample_ids
@@ -46,22 +43,13 @@ class StepBudget:
         self.tokens += sum(num for _, _, num in plan)
 
 
-def num_decodes(requests: Iterable[Request]) -> int:
-    """Unfinished sequences of `requests` whose next step is a decode."""
-    return sum(num_decodes_of(r.seqs) for r in requests)
-
-
-def num_decodes_of(seqs: Iterable[Sequence]) -> int:
+def num_decodes(seqs: Iterable[Sequence]) -> int:
     """Unfinished sequences of `seqs` whose next step is a decode."""
     return sum(1 for s in seqs if s.is_decode and s.finish_reason is None)
 
 
 class StepBuilder:
-    """Plans and runs one request's chunks of a step on `kv`.
-
-    Args:
-        kv: the block manager the rows' blocks come from.
-    """
+    """Plans and runs requests' chunks of a step on `kv`, the block manager of their rows."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -71,25 +59,6 @@ class StepBuilder:
         request with no running request after it: see `plan_fitting`)."""
         _, _, chunks, rest = self.plan_fitting([request], 0, budget, 0)
         return chunks if rest is None else rest
-
-    def _plan_prefill(
-        self, request: Request, seq: Sequence, budget: StepBudget, later: Iterable[Request]
-    ) -> tuple[Sequence, int, int] | None:
-        """`seq`'s next prompt chunk under the budget (None: no token left for it); the
-        decodes of `later` requests and of `request`'s sequences after `seq` are reserved
-        first when the budget has not counted them yet."""
-        if budget.reserved_decodes is None:
-            seqs = request.seqs
-            after = next(i for i, s in enumerate(seqs) if s is seq) + 1
-            budget.reserved_decodes = num_decodes(later) + num_decodes_of(seqs[after:])
-        start = seq.num_computed
-        if not seq.is_allocated:
-            start = self.kv.num_cached_tokens(seq.token_ids) if _uses_prefix_cache(request) else 0
-        num = min(len(seq.token_ids) - start, budget.prefill_tokens)
-        if num <= 0:
-            return None
-        budget.tokens -= num
-        return seq, start, num
 
     def fork(self, request: Request, parent: Sequence) -> None:
         """Add sequences 1..n-1 to `request`, each sharing every block of `parent` (no copy).
@@ -139,17 +108,17 @@ class StepBuilder:
     def plan_fitting(
         self, requests: list[Request], first: int, budget: StepBudget, free: int
     ) -> tuple[int, list[Request], Plan, Plan | None]:
-        """Plan ``requests[first:]`` in order while their chunks surely fit `free` blocks,
-        each counted at its most (a chunk of `num` tokens touches at most
-        ``(num + B - 2) // B + 1`` blocks needing a new or copied block). A prefill chunk
-        reserves the decodes of the requests after its own (see `StepBudget`).
+        """Plan ``requests[first:]`` in order (each unfinished sequence's decode token or
+        next prompt chunk, charged to the budget) while their chunks surely fit `free`
+        blocks, each counted at its most: a chunk of `num` tokens takes at most
+        ``(num + B - 2) // B + 1`` new or copied blocks (1 for a decode token).
 
         Returns:
-            ``(num_fitting, chunk_requests, chunks, rest)``: how many requests surely fit
-            together, their chunks (each beside its request in `chunk_requests`), and the
-            plan of the request after them, which may not fit or allocates (None if all fit).
+            ``(num_fitting, chunk_requests, chunks, rest)``: how many requests surely fit,
+            their chunks (each beside its request in `chunk_requests`), and the plan of the
+            request after them, which may not fit or allocates (None if all fit).
         """
-        block_size, plan_prefill = self.kv.block_size, self._plan_prefill
+        block_size, num_cached = self.kv.block_size, self.kv.num_cached_tokens
         chunk_requests: list[Request] = []
         chunks: Plan = []
         for i in range(first, len(requests)):
@@ -163,20 +132,28 @@ class StepBuilder:
                 if num_tokens - start == 1 and seq.is_allocated and num_tokens > seq.prompt_len:
                     if budget.reserved_decodes:  # this decode is no longer reserved
                         budget.reserved_decodes -= 1
-                    if budget.tokens >= 1:
-                        chunks.append((seq, start, 1))
-                        chunk_requests.append(request)
-                        budget.tokens -= 1
-                        free -= 1
-                    continue
-                chunk = plan_prefill(request, seq, budget, islice(requests, i + 1, None))
-                if chunk is not None:
-                    chunks.append(chunk)
-                    chunk_requests.append(request)
-                    if seq.is_allocated:
-                        free -= (chunk[2] + block_size - 2) // block_size + 1
-                    else:  # an allocation is counted exactly, on its own
+                    if budget.tokens < 1:
+                        continue
+                    budget.tokens -= 1
+                    free -= 1
+                    chunk = (seq, start, 1)
+                else:  # a prompt chunk, after reserving the decodes not yet visited
+                    if budget.reserved_decodes is None:
+                        after = next(j for j, s in enumerate(request.seqs) if s is seq) + 1
+                        later = (r.seqs for r in islice(requests, i + 1, None))
+                        budget.reserved_decodes = num_decodes(chain(request.seqs[after:], *later))
+                    if not seq.is_allocated:
+                        start = num_cached(seq.token_ids) if _uses_prefix_cache(request) else 0
+                    num = min(num_tokens - start, budget.prefill_tokens)
+                    if num <= 0:
+                        continue
+                    budget.tokens -= num
+                    if not seq.is_allocated:  # an allocation is counted exactly, alone
                         free = -1
+                    free -= (num + block_size - 2) // block_size + 1
+                    chunk = (seq, start, num)
+                chunks.append(chunk)
+                chunk_requests.append(request)
             if free < 0:
                 rest = chunks[num_before:]
                 del chunks[num_before:], chunk_requests[num_before:]
@@ -195,13 +172,18 @@ class StepBuilder:
             if seq.is_allocated:
                 failed += self.run_appends([request], [chunk], out)
                 continue
-            try:
-                chunk = seq, start, num = self._allocate(request, seq, start, num)
+            try:  # `allocate` returns the tokens cached: the row starts after them
+                cached = self.kv.allocate(seq.seq_id, seq.token_ids[: start + num],
+                                          use_prefix_cache=_uses_prefix_cache(request))  # fmt: skip
             except OutOfBlocks:
                 failed.append(chunk)
                 continue
-            tokens, table = seq.token_ids[start : start + num], self.kv.block_table(seq.seq_id)
-            _add_rows([request], [chunk], [tokens], [table], out)
+            seq.is_allocated = True
+            if request.metrics.num_computed_tokens == 0 and seq.index == 0:
+                request.metrics.num_cached_tokens = cached
+            tokens, table = seq.token_ids[cached : start + num], self.kv.block_table(seq.seq_id)
+            row = [(seq, cached, start + num - cached)]
+            _add_rows([request], row, [seq.seq_id], [tokens], [table], out)
         if budget is not None:
             budget.refund(failed)
         return failed
@@ -217,56 +199,17 @@ class StepBuilder:
         while done < len(chunks):
             tables = self.kv.append_many(seq_ids[done:], new_tokens[done:])
             end = done + len(tables)
-            _add_rows(requests[done:end], chunks[done:end], new_tokens[done:end], tables, out)
+            rows = slice(done, end)
+            _add_rows(requests[rows], chunks[rows], seq_ids[rows], new_tokens[rows], tables, out)
             if end < len(chunks):
                 failed.append(chunks[end])
             done = end + 1
         return failed
 
-    def _allocate(
-        self, request: Request, seq: Sequence, start: int, num: int
-    ) -> tuple[Sequence, int, int]:
-        """Allocate `seq` with its first ``start + num`` tokens.
 
-        Returns:
-            The chunk left to compute, from the first position not cached.
-
-        Raises:
-            OutOfBlocks: its blocks are not free; nothing changed.
-        """
-        end = start + num
-        start = self.kv.allocate(
-            seq.seq_id, seq.token_ids[:end], use_prefix_cache=_uses_prefix_cache(request)
-        )
-        seq.is_allocated = True
-        if request.metrics.num_computed_tokens == 0 and seq.index == 0:
-            request.metrics.num_cached_tokens = start
-        return seq, start, end - start
-
-    def run_alone(
-        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
-    ) -> Sequence | None:
-        """Run what fits now of a request that is alone on the device.
-
-        Chunks that do not fit wait for its other samples to finish. If nothing fits at
-        all, the pool is smaller than the request.
-
-        Returns:
-            The newest blocked sample when nothing fit (to end with "length", so every step
-            makes progress), else None.
-        """
-        blocked: list[Sequence] = []
-        for chunk in plan:
-            if self.blocks_needed(request, [chunk]) <= self.kv.num_free_blocks:
-                self.run(request, [chunk], out, budget)
-            else:
-                budget.tokens += chunk[2]
-                blocked.append(chunk[0])
-        return blocked[-1] if blocked and len(blocked) == len(plan) else None
-
-
-def _add_rows(requests: list[Request], chunks: Plan, token_ids: list[list[int]],
-              tables: list[list[int]], out: SchedulerOutput) -> None:  # fmt: skip
+def _add_rows(requests: list[Request], chunks: Plan, seq_ids: list[SeqId],
+              token_ids: list[list[int]], tables: list[list[int]],
+              out: SchedulerOutput) -> None:  # fmt: skip
     """Record computed chunks (``chunks[i]`` of ``requests[i]``: tokens ``token_ids[i]`` in
     blocks ``tables[i]``) and add their rows."""
     num_samples: list[int] = []
@@ -280,7 +223,7 @@ def _add_rows(requests: list[Request], chunks: Plan, token_ids: list[list[int]],
             num_samples.append(1 if len(request.seqs) == request.n else request.n)
         if request.prompt_logprobs is not None:
             targets[i] = _prompt_logprob_targets(request, seq, start, end)
-    out.add_rows([seq.seq_id for seq, _, _ in chunks], token_ids,
+    out.add_rows(seq_ids, token_ids,
                  [start for _, start, _ in chunks], tables, num_samples,
                  [r.params for r in requests], [r.seed for r in requests],
                  {i: t for i, t in targets.items() if t})  # fmt: skip

@@ -1,32 +1,23 @@
 """Continuous batching over the paged KV cache (standard library only: no torch).
 
-One `schedule()` call decides one step:
+One `schedule()` call decides one step (docs/architecture.md, "One schedule()"):
 
-1. running requests, in `running` order (admission order, except that a request past the
-   thrash bound sits ahead of the others): each unfinished sequence gets its decode token
-   or its next prefill chunk. The decode tokens of requests not yet visited are reserved
-   out of the token budget, so a prefill chunk only takes what they leave. When the blocks
-   a request needs are not free, the last request in `running` (the newest) is preempted
-   (recompute or swap), repeatedly, until they are; if that is the request asking, it is
-   preempted itself, unless it is alone: then what fits runs, and if nothing does its
-   newest blocked sample ends with "length".
-2. if nothing was preempted: swapped-out requests come back in the order they left
-   (protected ones first) while their blocks and `max_num_seqs` allow; one that could not
-   fit even an empty pool is recomputed instead,
+1. running requests, in `running` order (a request past the thrash bound sits ahead of the
+   others), each sequence its decode token or next prefill chunk; the decodes of requests
+   not yet visited are reserved out of the token budget. While a request's blocks are not
+   free the newest running request is preempted (recompute or swap); the newest itself is
+   preempted, unless alone: then what fits runs, and if nothing does its newest blocked
+   sample ends with "length".
+2. if nothing was preempted: swapped-out requests come back in the order they left;
 3. then, once none is left swapped out, waiting requests are admitted from the head of the
-   queue (recompute-preempted ones were put back at its head) while the token budget,
-   `max_num_seqs` and the free blocks (less a 1 % watermark next to running requests)
-   allow; the first that does not fit stops admission. Admission takes only the blocks of
-   the first chunk, after the prefix cache.
+   queue while the token budget, `max_num_seqs` and the free blocks (less a 1 % watermark)
+   allow, each with the blocks of its first chunk only;
 4. the copy-on-write copies queued by the appends close the step.
 
-Invariant: preemptions are decided before appending to a sequence in a step. Running
-requests are visited in order and victims come from the end, so a victim was never
-appended to in this call. `append` makes full blocks prefix-cacheable at once; a freed
-block whose KV was never written must not stay in the prefix cache.
-
-Per-request planning and the rows it makes live in `pagedkv.engine.planning`
-(`StepBuilder`); this module owns the queues (admission, preemption, resumption).
+Invariant: preemptions are decided before appending to a sequence in a step: requests are
+visited in order and victims come from the end. `append` makes full blocks prefix-cacheable
+at once, so a freed block whose KV was never written must not stay in the prefix cache.
+Planning and rows live in `pagedkv.engine.planning` (`StepBuilder`).
 """
 
 from __future__ import annotations
@@ -257,11 +248,18 @@ class Scheduler:
     def _run_alone(
         self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
     ) -> bool:
-        """`StepBuilder.run_alone`, ending the sample that cannot grow; False when the
-        request ended."""
-        blocked = self.builder.run_alone(request, plan, out, budget)
-        if blocked is not None:
-            self.finish_sequence(blocked, "length")
+        """Run what fits now of a request alone on the device; the rest waits for its other
+        samples to finish. If nothing fits, the pool is smaller than the request: its newest
+        blocked sample ends with "length" (every step makes progress). False when it ended."""
+        blocked: list[Sequence] = []
+        for chunk in plan:
+            if self.builder.blocks_needed(request, [chunk]) <= self.kv.num_free_blocks:
+                self.builder.run(request, [chunk], out, budget)
+            else:
+                budget.tokens += chunk[2]
+                blocked.append(chunk[0])
+        if blocked and len(blocked) == len(plan):
+            self.finish_sequence(blocked[-1], "length")
         if request.is_finished:
             out.finished_request_ids.append(request.request_id)
             return False
@@ -303,7 +301,7 @@ class Scheduler:
         """
         self.running.remove(request)
         if not visited and budget.reserved_decodes is not None:  # else counted without it
-            budget.reserved_decodes = max(0, budget.reserved_decodes - num_decodes([request]))
+            budget.reserved_decodes = max(0, budget.reserved_decodes - num_decodes(request.seqs))
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)

@@ -104,26 +104,17 @@ class SchedulerOutput:
         for row in rows:
             self.add(row)
 
-    def add_rows(
-        self,
-        seq_ids: list[SeqId],
-        token_ids: list[list[int]],
-        start_pos: list[int],
-        block_tables: list[list[int]],
-        num_samples: list[int],
-        params: list[SamplingParams | None],
-        seeds: list[int],
-        prompt_logprob_targets: dict[int, list[int]] | None = None,
-    ) -> None:
+    def add_rows(self, seq_ids: list[SeqId], token_ids: list[list[int]], start_pos: list[int],
+                 block_tables: list[list[int]], num_samples: list[int],
+                 params: list[SamplingParams | None], seeds: list[int],
+                 prompt_logprob_targets: dict[int, list[int]] | None = None) -> None:  # fmt: skip
         """Append rows, one per entry of each list (the columns' meaning is in the class
         docstring; `token_ids` holds each row's tokens, `prompt_logprob_targets` the
         non-empty targets by index in these lists)."""
-        if None in params:
-            for seq_id, num, row_params in zip(seq_ids, num_samples, params, strict=True):
-                if num and row_params is None:
-                    raise ValueError(
-                        f"params: expected SamplingParams for {seq_id!r}, which samples"
-                    )
+        rows = zip(seq_ids, num_samples, params, strict=True) if None in params else ()
+        for seq_id, num, row_params in rows:  # a row without params must not sample
+            if num and row_params is None:
+                raise ValueError(f"params: expected SamplingParams for {seq_id!r}, which samples")
         first = len(self.seq_ids)
         for i, targets in (prompt_logprob_targets or {}).items():
             self.prompt_logprob_targets[first + i] = targets

@@ -259,8 +259,7 @@ class BlockPool:
 
     @property
     def extra_refs(self) -> list[int]:
-        """Per block: ref_count - 1 when held (> 0: shared), 0 or -1 when free. Read only
-        (a loop over many blocks indexes it rather than calling `is_shared` for each)."""
+        """Per block ref_count - 1 (> 0: shared), read only: `is_shared` without a call."""
         return self._extra
 
     def free_block_ids(self) -> list[int]:

@@ -252,6 +252,7 @@ class KVCacheManager:
         get, index, block_size, pool = self._seqs.get, self._index, self.block_size, self._pool
         extra_refs = pool.extra_refs
         tables: list[list[int]] = []
+        add_table = tables.append
         for seq_id, new in zip(seq_ids, token_ids, strict=True):
             seq = get(seq_id)
             if seq is None or seq.host_block_ids is not None:
@@ -262,7 +263,7 @@ class KVCacheManager:
             # take no block; anything else asks `SeqState.grow`.
             num_cur, num_new = seq.num_tokens, len(new)
             num = num_cur + num_new
-            if -(-num // block_size) > len(seq.block_ids) or (
+            if num > len(seq.block_ids) * block_size or (
                 num_cur % block_size and num_new and extra_refs[seq.block_ids[-1]] > 0
             ):
                 copy = seq.grow(num_new, block_size, pool)
@@ -279,7 +280,7 @@ class KVCacheManager:
                 tokens += new
                 if num // block_size > seq.num_keyed:
                     seq.key_full_blocks(index, block_size)
-            tables.append(seq.table or table_of(seq))
+            add_table(seq.table or table_of(seq))
         return tables
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:

@@ -37,39 +37,29 @@ class SeqState:
         is_cow = bool(
             num_tokens and self.num_tokens % block_size and pool.is_shared(self.block_ids[-1])
         )
-        return -(-(self.num_tokens + num_tokens) // block_size) - len(
-            self.block_ids
-        ) + is_cow, is_cow
+        num = -(-(self.num_tokens + num_tokens) // block_size) - len(self.block_ids)
+        return num + is_cow, is_cow
 
     def grow(
         self, num_tokens: int, block_size: int, pool: BlockPool
     ) -> tuple[int, int] | tuple[()] | None:
-        """Take the blocks `num_tokens` more tokens need from `pool` (the caller queues the
-        copy and adds the tokens).
-
-        Returns:
-            None, with nothing changed, if they are not free; else the copy ``(src, dst)``
-            when a fresh block replaced the shared, partially filled last block, or ().
-        """
+        """Take the blocks `num_tokens` more tokens need from `pool`: None, with nothing
+        changed, if they are not free; else the copy ``(src, dst)`` to queue when a fresh
+        block replaced the shared, partially filled last block, or ()."""
         num_blocks, is_cow = self.append_cost(num_tokens, block_size, pool)
         if num_blocks > pool.num_free_blocks:
             return None
-        table = self.table
-        if num_blocks == 1 and not is_cow:  # a decode step's new block: no array
-            block_id = pool.allocate_one()
-            self.block_ids.append(block_id)
-            self.table = None if table is None else [*table, block_id]
-            return ()
-        new_block_ids = pool.allocate(num_blocks)
-        copy: tuple[int, int] | tuple[()] = ()
+        # A decode step's one block as an int, not an array.
+        new = [pool.allocate_one()] if num_blocks == 1 else pool.allocate(num_blocks).tolist()
+        table, copy = self.table, ()  # type: list[int] | None, tuple[int, int] | tuple[()]
         if is_cow:
-            copy = src, dst = self.block_ids[-1], new_block_ids.pop(0)
+            copy = src, dst = self.block_ids[-1], new.pop(0)
             pool.free([src])  # shared, so it stays held by the others
             self.block_ids[-1] = dst
             table = None
-        self.block_ids += new_block_ids
+        self.block_ids.extend(new)
         # A new list (a step may still read the old one), extended rather than rebuilt.
-        self.table = None if table is None else table + new_block_ids.tolist()
+        self.table = None if table is None else table + new
         return copy
 
     def key_full_blocks(self, index: PrefixIndex | None, block_size: int) -> None:
