@@ -197,14 +197,14 @@ class Scheduler:
             seq = request.seqs[seq_id[1]]
             token = int(sampled[seq_id])
             seq.token_ids.append(token)
-            text_start = len(seq.text)
+            text = seq.text  # before the new token's
             if detokenize is not None:
                 seq.text += detokenize(seq)
             bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
             if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
                 stop = check_stop(seq, request.params, eos_token_ids=self._eos_token_ids,
                                   max_model_len=self.max_model_len,
-                                  text_start=text_start)  # fmt: skip
+                                  text_start=len(text))  # fmt: skip
                 if stop is not None:
                     self.finish_sequence(seq, stop.reason, stop.stop_reason)
             touched.append(request)

@@ -111,7 +111,8 @@ class SchedulerOutput:
         """Append rows, one per entry of each list (the columns' meaning is in the class
         docstring; `token_ids` holds each row's tokens, `prompt_logprob_targets` the
         non-empty targets by index in these lists)."""
-        rows = zip(seq_ids, num_samples, params, strict=True) if None in params else ()
+        # all(): truth tests in C (`None in params` would call each one's __eq__).
+        rows = () if all(params) else zip(seq_ids, num_samples, params, strict=True)
         for seq_id, num, row_params in rows:  # a row without params must not sample
             if num and row_params is None:
                 raise ValueError(f"params: expected SamplingParams for {seq_id!r}, which samples")
