@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             "pool_us_per_block",
             "pool_calls_us_per_block",
             "floor_us_per_block",
+            "manager_us_per_block",
             "hit_us_per_block",
         )
     }

@@ -22,10 +22,13 @@ def mixed() -> tuple[SchedulerOutput, list[ScheduledSequence]]:
     s1 = ScheduledSequence(("q", 0), [4, 5], 6, [31, 32], 4, [("q", 0), ("q", 1)], SEEDED, 3)
     expected = [d[0], d[1], s0, d[2], s1, d[3]]
     out = SchedulerOutput(4)
-    for row in expected:
-        out.add_row(row.seq_id, row.token_ids, row.start_pos, row.block_table,
-                    len(row.sample_seq_ids), row.sampling_params, row.seed,
-                    row.prompt_logprob_token_ids)  # fmt: skip
+    for rows in (expected[:4], expected[4:]):  # columns, the targets by index among them
+        out.add_rows([r.seq_id for r in rows], [r.token_ids for r in rows],
+                     [r.start_pos for r in rows], [r.block_table for r in rows],
+                     [len(r.sample_seq_ids) for r in rows], [r.sampling_params for r in rows],
+                     [r.seed for r in rows],
+                     {i: r.prompt_logprob_token_ids for i, r in enumerate(rows)
+                      if r.prompt_logprob_token_ids})  # fmt: skip
     return out, expected
 
 
@@ -68,6 +71,6 @@ def test_is_empty_and_construction() -> None:
 def test_rows_are_checked() -> None:
     out = SchedulerOutput(4)
     with pytest.raises(ValueError, match="params"):
-        out.add_row(("a", 0), [1], 0, [0], 1, None, 0)
+        out.add_rows([("a", 0)], [[1]], [0], [[0]], [1], [None], [0])
     with pytest.raises(ValueError, match="sample_seq_ids"):
         out.add(ScheduledSequence(("a", 0), [1], 0, [0], 4, [("b", 0)], PARAMS))

@@ -1,23 +1,20 @@
-"""Turning one request's work in a step into block-manager calls and rows of the step.
+"""Turning requests' work in a step into block-manager calls and rows of the step.
 
 `StepBuilder` plans each unfinished sequence's chunk (a decode token or the next prompt
-chunk) under the step's `StepBudget`, counts the blocks the plan needs, and runs it:
-`KVCacheManager.allocate` or `append`, then one row per chunk in the `SchedulerOutput`.
+chunk) under the step's `StepBudget`, and runs the chunks of requests that surely fit the
+free blocks together: one `KVCacheManager.append_many`, then their rows a column at a time.
 `Scheduler` decides which requests run and preempts; beam search builds its steps with the
-same builder. The common case, a request with one sequence decoding one token, takes the
-same calls as every other: each is cheap when nothing but a token changes.
-
-Standard library only (no torch), like the scheduler.
+same builder. Standard library only (no torch), like the scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 
-from pagedkv.engine.request import Request, Sequence
-from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.engine.request import Request, SeqId, Sequence
+from pagedkv.engine.scheduler_output import SchedulerOutput, sample_ids
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
@@ -46,57 +43,22 @@ class StepBudget:
         self.tokens += sum(num for _, _, num in plan)
 
 
-def num_decodes(requests: Iterable[Request]) -> int:
-    """Unfinished sequences of `requests` whose next step is a decode."""
-    return sum(1 for r in requests for s in r.seqs if s.is_decode and s.finish_reason is None)
+def num_decodes(seqs: Iterable[Sequence]) -> int:
+    """Unfinished sequences of `seqs` whose next step is a decode."""
+    return sum(1 for s in seqs if s.is_decode and s.finish_reason is None)
 
 
 class StepBuilder:
-    """Plans and runs one request's chunks of a step on `kv`.
-
-    Args:
-        kv: the block manager the rows' blocks come from.
-    """
+    """Plans and runs requests' chunks of a step on `kv`, the block manager of their rows."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
 
-    def plan(
-        self,
-        request: Request,
-        budget: StepBudget,
-        running: Iterable[Request] = (),
-        first: int = 0,
-    ) -> Plan:
-        """Pick each unfinished sequence's tokens for this step and charge the budget.
-
-        ``running[first:]``: the running requests visited after `request`, whose decodes a
-        prefill chunk reserves when the budget has not counted them yet.
-        """
-        plan: Plan = []
-        for i, seq in enumerate(request.seqs):
-            if seq.finish_reason is not None:
-                continue
-            start = seq.num_computed
-            num_tokens = len(seq.token_ids)
-            if num_tokens - start == 1 and seq.is_allocated and num_tokens > seq.prompt_len:
-                if budget.reserved_decodes:  # this decode is no longer reserved
-                    budget.reserved_decodes -= 1
-                if budget.tokens >= 1:
-                    plan.append((seq, start, 1))
-                    budget.tokens -= 1
-                continue
-            if budget.reserved_decodes is None:  # this request's later decodes too
-                later_seqs = [s for s in request.seqs[i + 1 :] if s.is_decode and not s.is_finished]
-                others = islice(running, first, None)
-                budget.reserved_decodes = num_decodes(others) + len(later_seqs)
-            if not seq.is_allocated:
-                start = self._num_cached(request, seq)
-            num = min(num_tokens - start, budget.prefill_tokens)
-            if num > 0:
-                plan.append((seq, start, num))
-                budget.tokens -= num
-        return plan
+    def plan(self, request: Request, budget: StepBudget) -> Plan:
+        """Pick each unfinished sequence's tokens for this step and charge the budget (a
+        request with no running request after it: see `plan_fitting`)."""
+        _, _, chunks, rest = self.plan_fitting([request], 0, budget, 0)
+        return chunks if rest is None else rest
 
     def fork(self, request: Request, parent: Sequence) -> None:
         """Add sequences 1..n-1 to `request`, each sharing every block of `parent` (no copy).
@@ -114,6 +76,20 @@ class StepBuilder:
             )
             self.kv.fork(parent.seq_id, child.seq_id)
             request.seqs.append(child)
+
+    def fork_samples(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> list[SeqId]:
+        """The samples of `output`'s rows in order (`requests` by id), after forking
+        sequence 0 of each n > 1 prompt whose last row samples all n."""
+        samples: list[SeqId] = []
+        for seq_id, num in zip(output.seq_ids, output.num_samples, strict=True):
+            if num == 1:  # a sequence's own sample
+                samples.append(seq_id)
+            elif num:  # the prompt's last row of n > 1: fork, then every sample
+                request = requests[seq_id[0]]
+                if not request.is_forked:
+                    self.fork(request, request.seq(seq_id[1]))
+                samples += sample_ids(seq_id, num)
+        return samples
 
     def _num_cached(self, request: Request, seq: Sequence) -> int:
         """Leading tokens of an unallocated `seq` found cached under the request's salt."""
@@ -136,77 +112,129 @@ class StepBuilder:
                 )
         return need
 
-    def run(self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget) -> None:
-        """Run each planned chunk (`run_chunk`). A chunk that no longer fits (the
-        conservative count was not enough) waits for the next step."""
-        for chunk in plan:
-            try:
-                self.run_chunk(request, chunk, out)
-            except OutOfBlocks:
-                budget.tokens += chunk[2]
-
-    def run_chunk(
-        self, request: Request, chunk: tuple[Sequence, int, int], out: SchedulerOutput
-    ) -> None:
-        """Allocate or append one planned chunk and add its row.
-
-        Raises:
-            OutOfBlocks: its blocks are not free; nothing changed.
-        """
-        seq, start, num = chunk
-        end = start + num
-        if seq.is_allocated:
-            token_ids = seq.token_ids[start:end]
-            table = self.kv.append(seq.seq_id, token_ids)
-        else:
-            start = self._allocate(request, seq, end)
-            table = self.kv.block_table(seq.seq_id)
-            token_ids = seq.token_ids[start:end]
-        seq.num_computed = end
-        request.metrics.num_computed_tokens += end - start
-        if end < len(seq.token_ids):
-            num_samples = 0
-        else:  # the prompt's last row of an unforked request samples all n
-            num_samples = 1 if len(request.seqs) == request.n else request.n
-        targets = None
-        if request.prompt_logprobs is not None:
-            targets = _prompt_logprob_targets(request, seq, start, end)
-        out.add_row(seq.seq_id, token_ids, start, table, num_samples,
-                    request.params, request.seed, targets)  # fmt: skip
-
-    def _allocate(self, request: Request, seq: Sequence, end: int) -> int:
-        """Allocate `seq` with its first `end` tokens; returns the first position to compute."""
-        start = self.kv.allocate(
-            seq.seq_id,
-            seq.token_ids[:end],
-            use_prefix_cache=_uses_prefix_cache(request),
-            salt=request.params.cache_salt,
-        )
-        seq.is_allocated = True
-        if request.metrics.num_computed_tokens == 0 and seq.index == 0:
-            request.metrics.num_cached_tokens = start
-        return start
-
-    def run_alone(
-        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
-    ) -> Sequence | None:
-        """Run what fits now of a request that is alone on the device.
-
-        Chunks that do not fit wait for its other samples to finish. If nothing fits at
-        all, the pool is smaller than the request.
+    def plan_fitting(
+        self, requests: list[Request], first: int, budget: StepBudget, free: int
+    ) -> tuple[int, list[Request], Plan, Plan | None]:
+        """Plan ``requests[first:]`` in order (each unfinished sequence's decode token or
+        next prompt chunk, charged to the budget) while their chunks surely fit `free`
+        blocks, each counted at its most: a chunk of `num` tokens takes at most
+        ``(num + B - 2) // B + 1`` new or copied blocks (1 for a decode token).
 
         Returns:
-            The newest blocked sample when nothing fit (to end with "length", so every step
-            makes progress), else None.
+            ``(num_fitting, chunk_requests, chunks, rest)``: how many requests surely fit,
+            their chunks (each beside its request in `chunk_requests`), and the plan of the
+            request after them, which may not fit or allocates (None if all fit).
         """
-        blocked: list[Sequence] = []
+        block_size = self.kv.block_size
+        chunk_requests: list[Request] = []
+        chunks: Plan = []
+        for i in range(first, len(requests)):
+            request = requests[i]
+            num_before = len(chunks)
+            for seq in request.seqs:
+                if seq.finish_reason is not None:
+                    continue
+                start = seq.num_computed
+                num_tokens = len(seq.token_ids)
+                if num_tokens - start == 1 and seq.is_allocated and num_tokens > seq.prompt_len:
+                    if budget.reserved_decodes:  # this decode is no longer reserved
+                        budget.reserved_decodes -= 1
+                    if budget.tokens < 1:
+                        continue
+                    budget.tokens -= 1
+                    free -= 1
+                    chunk = (seq, start, 1)
+                else:  # a prompt chunk, after reserving the decodes not yet visited
+                    if budget.reserved_decodes is None:
+                        after = next(j for j, s in enumerate(request.seqs) if s is seq) + 1
+                        later = (r.seqs for r in islice(requests, i + 1, None))
+                        budget.reserved_decodes = num_decodes(chain(request.seqs[after:], *later))
+                    if not seq.is_allocated:
+                        start = self._num_cached(request, seq)
+                    num = min(num_tokens - start, budget.prefill_tokens)
+                    if num <= 0:
+                        continue
+                    budget.tokens -= num
+                    if not seq.is_allocated:  # an allocation is counted exactly, alone
+                        free = -1
+                    free -= (num + block_size - 2) // block_size + 1
+                    chunk = (seq, start, num)
+                chunks.append(chunk)
+                chunk_requests.append(request)
+            if free < 0:
+                rest = chunks[num_before:]
+                del chunks[num_before:], chunk_requests[num_before:]
+                return i - first, chunk_requests, chunks, rest
+        return len(requests) - first, chunk_requests, chunks, None
+
+    def run(
+        self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget | None = None
+    ) -> Plan:
+        """Run `request`'s planned chunks in order and add their rows. A chunk whose blocks
+        are not free changes nothing; with a `budget` it gets its tokens back (it waits for
+        the next step). Returns those chunks."""
+        failed: Plan = []
         for chunk in plan:
-            if self.blocks_needed(request, [chunk]) <= self.kv.num_free_blocks:
-                self.run(request, [chunk], out, budget)
-            else:
-                budget.tokens += chunk[2]
-                blocked.append(chunk[0])
-        return blocked[-1] if blocked and len(blocked) == len(plan) else None
+            seq, start, num = chunk
+            if seq.is_allocated:
+                failed += self.run_appends([request], [chunk], out)
+                continue
+            try:  # `allocate` returns the tokens cached: the row starts after them
+                cached = self.kv.allocate(seq.seq_id, seq.token_ids[: start + num],
+                                          use_prefix_cache=_uses_prefix_cache(request),
+                                          salt=request.params.cache_salt)  # fmt: skip
+            except OutOfBlocks:
+                failed.append(chunk)
+                continue
+            seq.is_allocated = True
+            if request.metrics.num_computed_tokens == 0 and seq.index == 0:
+                request.metrics.num_cached_tokens = cached
+            tokens, table = seq.token_ids[cached : start + num], self.kv.block_table(seq.seq_id)
+            row = [(seq, cached, start + num - cached)]
+            _add_rows([request], row, [seq.seq_id], [tokens], [table], out)
+        if budget is not None:
+            budget.refund(failed)
+        return failed
+
+    def run_appends(self, requests: list[Request], chunks: Plan, out: SchedulerOutput) -> Plan:
+        """Run chunks of allocated sequences (``chunks[i]`` of ``requests[i]``) in order, in
+        one `KVCacheManager.append_many` while their blocks are free, and add their rows.
+        Returns the chunks whose blocks were not free (nothing changed for them)."""
+        seq_ids = [seq.seq_id for seq, _, _ in chunks]
+        new_tokens = [seq.token_ids[start : start + num] for seq, start, num in chunks]
+        failed: Plan = []
+        done = 0
+        while done < len(chunks):
+            tables = self.kv.append_many(seq_ids[done:], new_tokens[done:])
+            end = done + len(tables)
+            rows = slice(done, end)
+            _add_rows(requests[rows], chunks[rows], seq_ids[rows], new_tokens[rows], tables, out)
+            if end < len(chunks):
+                failed.append(chunks[end])
+            done = end + 1
+        return failed
+
+
+def _add_rows(requests: list[Request], chunks: Plan, seq_ids: list[SeqId],
+              token_ids: list[list[int]], tables: list[list[int]],
+              out: SchedulerOutput) -> None:  # fmt: skip
+    """Record computed chunks (``chunks[i]`` of ``requests[i]``: tokens ``token_ids[i]`` in
+    blocks ``tables[i]``) and add their rows."""
+    num_samples: list[int] = []
+    targets: dict[int, list[int]] = {}
+    for i, (request, (seq, start, num)) in enumerate(zip(requests, chunks, strict=True)):
+        end = seq.num_computed = start + num
+        request.metrics.num_computed_tokens += num
+        if end < len(seq.token_ids):
+            num_samples.append(0)
+        else:  # the prompt's last row of an unforked request samples all n
+            num_samples.append(1 if len(request.seqs) == request.n else request.n)
+        if request.prompt_logprobs is not None:
+            targets[i] = _prompt_logprob_targets(request, seq, start, end)
+    out.add_rows(seq_ids, token_ids,
+                 [start for _, start, _ in chunks], tables, num_samples,
+                 [r.params for r in requests], [r.seed for r in requests],
+                 {i: t for i, t in targets.items() if t})  # fmt: skip
 
 
 def _uses_prefix_cache(request: Request) -> bool:

@@ -1,32 +1,23 @@
 """Continuous batching over the paged KV cache (standard library only: no torch).
 
-One `schedule()` call decides one step:
+One `schedule()` call decides one step (docs/architecture.md, "One schedule()"):
 
-1. running requests, in `running` order (admission order, except that a request past the
-   thrash bound sits ahead of the others): each unfinished sequence gets its decode token
-   or its next prefill chunk. The decode tokens of requests not yet visited are reserved
-   out of the token budget, so a prefill chunk only takes what they leave. When the blocks
-   a request needs are not free, the last request in `running` (the newest) is preempted
-   (recompute or swap), repeatedly, until they are; if that is the request asking, it is
-   preempted itself, unless it is alone: then what fits runs, and if nothing does its
-   newest blocked sample ends with "length".
-2. if nothing was preempted: swapped-out requests come back in the order they left
-   (protected ones first) while their blocks and `max_num_seqs` allow; one that could not
-   fit even an empty pool is recomputed instead,
+1. running requests, in `running` order (a request past the thrash bound sits ahead of the
+   others), each sequence its decode token or next prefill chunk; the decodes of requests
+   not yet visited are reserved out of the token budget. While a request's blocks are not
+   free the newest running request is preempted (recompute or swap); the newest itself is
+   preempted, unless alone: then what fits runs, and if nothing does its newest blocked
+   sample ends with "length".
+2. if nothing was preempted: swapped-out requests come back in the order they left;
 3. then, once none is left swapped out, waiting requests are admitted from the head of the
-   queue (recompute-preempted ones were put back at its head) while the token budget,
-   `max_num_seqs` and the free blocks (less a 1 % watermark next to running requests)
-   allow; the first that does not fit stops admission. Admission takes only the blocks of
-   the first chunk, after the prefix cache.
+   queue while the token budget, `max_num_seqs` and the free blocks (less a 1 % watermark)
+   allow, each with the blocks of its first chunk only;
 4. the copy-on-write copies queued by the appends close the step.
 
-Invariant: preemptions are decided before appending to a sequence in a step. Running
-requests are visited in order and victims come from the end, so a victim was never
-appended to in this call. `append` makes full blocks prefix-cacheable at once; a freed
-block whose KV was never written must not stay in the prefix cache.
-
-Per-request planning and the rows it makes live in `pagedkv.engine.planning`
-(`StepBuilder`); this module owns the queues (admission, preemption, resumption).
+Invariant: preemptions are decided before appending to a sequence in a step: requests are
+visited in order and victims come from the end. `append` makes full blocks prefix-cacheable
+at once, so a freed block whose KV was never written must not stay in the prefix cache.
+Planning and rows live in `pagedkv.engine.planning` (`StepBuilder`).
 """
 
 from __future__ import annotations
@@ -38,9 +29,8 @@ from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
 from pagedkv.engine.planning import Plan, StepBudget, StepBuilder, num_decodes
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence, check_fits
-from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput, sample_ids
+from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.engine.stop import check_stop, stop_bounds
-from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput"]
@@ -176,8 +166,7 @@ class Scheduler:
         budget = StepBudget(self.config.max_num_batched_tokens)
         index = 0
         while index < len(self.running):  # some may be preempted (see the module docstring)
-            if self._schedule_running(index, out, budget):
-                index += 1
+            index = self._schedule_running(index, out, budget)
         budget.reserved_decodes = 0  # every running request has been visited
         if not out.preempted_request_ids:
             self._resume_swapped(out, budget)
@@ -198,81 +187,79 @@ class Scheduler:
         Returns:
             The request of each new token, in step order (once per sample).
         """
+        samples = output.seq_ids  # when each row is its own sample
+        if output.num_samples.count(1) != len(samples):
+            samples = self.builder.fork_samples(output, self.requests)
+        requests, detokenize = self.requests, self.detokenize
         touched: list[Request] = []
-        for seq_id, num in zip(output.seq_ids, output.num_samples, strict=True):
-            if num == 1:  # a sequence's own sample
-                self._update_sample(seq_id, sampled, touched)
-            elif num:  # the prompt's last row of n > 1: fork, then every sample
-                request = self.requests[seq_id[0]]
-                if not request.is_forked:
-                    self.builder.fork(request, request.seq(seq_id[1]))
-                for sample_id in sample_ids(seq_id, num):
-                    self._update_sample(sample_id, sampled, touched)
+        for seq_id in samples:
+            request = requests[seq_id[0]]
+            seq = request.seqs[seq_id[1]]
+            token = int(sampled[seq_id])
+            seq.token_ids.append(token)
+            text = seq.text  # before the new token's
+            if detokenize is not None:
+                seq.text += detokenize(seq)
+            bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
+            if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
+                stop = check_stop(seq, request.params, eos_token_ids=self._eos_token_ids,
+                                  max_model_len=self.max_model_len,
+                                  text_start=len(text))  # fmt: skip
+                if stop is not None:
+                    self.finish_sequence(seq, stop.reason, stop.stop_reason)
+            touched.append(request)
         return touched
 
-    def _update_sample(
-        self, seq_id: SeqId, sampled: Mapping[SeqId, int], touched: list[Request]
-    ) -> None:
-        """`update` of sample `seq_id`."""
-        request = self.requests[seq_id[0]]
-        seq = request.seqs[seq_id[1]]
-        token = int(sampled[seq_id])
-        seq.token_ids.append(token)
-        text_start = len(seq.text)
-        if self.detokenize is not None:
-            seq.text += self.detokenize(seq)
-        bounds = request.stop_bounds  # skips `check_stop` when it cannot stop
-        if bounds is None or token in bounds[0] or len(seq.token_ids) >= bounds[1]:
-            stop = check_stop(
-                seq,
-                request.params,
-                eos_token_ids=self._eos_token_ids,
-                max_model_len=self.max_model_len,
-                text_start=text_start,
-            )
-            if stop is not None:
-                self.finish_sequence(seq, stop.reason, stop.stop_reason)
-        touched.append(request)
+    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> int:
+        """Schedule running[index] and those after it whose chunks surely fit the free
+        blocks, together; returns the index of the next request to visit.
 
-    def _schedule_running(self, index: int, out: SchedulerOutput, budget: StepBudget) -> bool:
-        """Schedule running[index]; False when it left `running` (preempted or ended).
-
-        While its blocks are not free, the newest running request is preempted. A plan of
-        one chunk just tries it (the manager changes nothing when it does not fit); a plan
-        of several is counted first, so that no victim was appended to in this step.
+        While the blocks of the first that may not fit are not free, the newest running
+        request is preempted. A plan of one chunk just tries it (nothing changes when it
+        does not fit); one of several is counted first, so no victim was appended to.
         """
         running, builder = self.running, self.builder
+        num_fitting, requests, chunks, plan = builder.plan_fitting(
+            running, index, budget, self.kv.num_free_blocks
+        )
+        builder.run_appends(requests, chunks, out)  # all fit: none fails
+        index += num_fitting
+        if plan is None:
+            return index
         request = running[index]
-        plan = builder.plan(request, budget, running, index + 1)
         while plan:
-            try:
-                if len(plan) == 1:
-                    builder.run_chunk(request, plan[0], out)
-                    return True
-                if builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
-                    builder.run(request, plan, out, budget)
-                    return True
-            except OutOfBlocks:
-                pass
+            if len(plan) == 1:
+                if not builder.run(request, plan, out):
+                    return index + 1
+            elif builder.blocks_needed(request, plan) <= self.kv.num_free_blocks:
+                builder.run(request, plan, out, budget)
+                return index + 1
             victim = running[-1]
             if victim is not request:
                 self._preempt(victim, out, budget)
             elif index > 0:
                 budget.refund(plan)
                 self._preempt(request, out, budget, visited=True)
-                return False
+                return index
             else:  # alone in the pool: what does not fit now never will
-                return self._run_alone(request, plan, out, budget)
-        return True
+                return index + self._run_alone(request, plan, out, budget)
+        return index + 1
 
     def _run_alone(
         self, request: Request, plan: Plan, out: SchedulerOutput, budget: StepBudget
     ) -> bool:
-        """`StepBuilder.run_alone`, ending the sample that cannot grow; False when the
-        request ended."""
-        blocked = self.builder.run_alone(request, plan, out, budget)
-        if blocked is not None:
-            self.finish_sequence(blocked, "length")
+        """Run what fits now of a request alone on the device; the rest waits for its other
+        samples to finish. If nothing fits, the pool is smaller than the request: its newest
+        blocked sample ends with "length" (every step makes progress). False when it ended."""
+        blocked: list[Sequence] = []
+        for chunk in plan:
+            if self.builder.blocks_needed(request, [chunk]) <= self.kv.num_free_blocks:
+                self.builder.run(request, [chunk], out, budget)
+            else:
+                budget.tokens += chunk[2]
+                blocked.append(chunk[0])
+        if blocked and len(blocked) == len(plan):
+            self.finish_sequence(blocked[-1], "length")
         if request.is_finished:
             out.finished_request_ids.append(request.request_id)
             return False
@@ -314,7 +301,7 @@ class Scheduler:
         """
         self.running.remove(request)
         if not visited and budget.reserved_decodes is not None:  # else counted without it
-            budget.reserved_decodes = max(0, budget.reserved_decodes - num_decodes([request]))
+            budget.reserved_decodes = max(0, budget.reserved_decodes - num_decodes(request.seqs))
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any
 
 from pagedkv.engine.request import SeqId
@@ -104,30 +104,29 @@ class SchedulerOutput:
         for row in rows:
             self.add(row)
 
-    def add_row(
-        self,
-        seq_id: SeqId,
-        token_ids: list[int],
-        start_pos: int,
-        block_table: list[int],
-        num_samples: int,
-        params: SamplingParams | None,
-        seed: int,
-        prompt_logprob_targets: list[int] | None = None,
-    ) -> None:
-        """Append a row (the columns' meaning is in the class docstring)."""
-        if num_samples and params is None:
-            raise ValueError(f"params: expected SamplingParams for {seq_id!r}, which samples")
-        if prompt_logprob_targets:
-            self.prompt_logprob_targets[len(self.seq_ids)] = prompt_logprob_targets
-        self.seq_ids.append(seq_id)
-        self.start_pos.append(start_pos)
-        self.query_lens.append(len(token_ids))
-        self.block_tables.append(block_table)
-        self.token_ids += token_ids
-        self.num_samples.append(num_samples)
-        self.params.append(params)
-        self.seeds.append(seed)
+    def add_rows(self, seq_ids: list[SeqId], token_ids: list[list[int]], start_pos: list[int],
+                 block_tables: list[list[int]], num_samples: list[int],
+                 params: list[SamplingParams | None], seeds: list[int],
+                 prompt_logprob_targets: dict[int, list[int]] | None = None) -> None:  # fmt: skip
+        """Append rows, one per entry of each list (the columns' meaning is in the class
+        docstring; `token_ids` holds each row's tokens, `prompt_logprob_targets` the
+        non-empty targets by index in these lists)."""
+        # all(): truth tests in C (`None in params` would call each one's __eq__).
+        rows = () if all(params) else zip(seq_ids, num_samples, params, strict=True)
+        for seq_id, num, row_params in rows:  # a row without params must not sample
+            if num and row_params is None:
+                raise ValueError(f"params: expected SamplingParams for {seq_id!r}, which samples")
+        first = len(self.seq_ids)
+        for i, targets in (prompt_logprob_targets or {}).items():
+            self.prompt_logprob_targets[first + i] = targets
+        self.seq_ids += seq_ids
+        self.start_pos += start_pos
+        self.query_lens += map(len, token_ids)
+        self.block_tables += block_tables
+        self.token_ids += chain.from_iterable(token_ids)
+        self.num_samples += num_samples
+        self.params += params
+        self.seeds += seeds
 
     def add(self, row: ScheduledSequence) -> None:
         """Append a row given as a `ScheduledSequence` (its `sample_seq_ids` must be one of
@@ -137,8 +136,9 @@ class SchedulerOutput:
             raise ValueError(
                 f"sample_seq_ids: expected {row.seq_id!r}'s own, got {row.sample_seq_ids}"
             )
-        self.add_row(row.seq_id, row.token_ids, row.start_pos, row.block_table, num,
-                     row.sampling_params, row.seed, row.prompt_logprob_token_ids)  # fmt: skip
+        targets = {0: row.prompt_logprob_token_ids} if row.prompt_logprob_token_ids else None
+        self.add_rows([row.seq_id], [row.token_ids], [row.start_pos], [row.block_table], [num],
+                      [row.sampling_params], [row.seed], targets)  # fmt: skip
 
     def _token_starts(self) -> list[int]:
         """Each row's first token index in `token_ids`."""

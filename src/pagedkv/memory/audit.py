@@ -50,8 +50,7 @@ def _check_swapped(seq_id: object, seq: SeqState, num_blocks: int, holders: list
     assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
     assert seq.table is None, f"swapped-out {seq_id!r} still hands out a block table"
     assert len(seq.host_block_ids) == num_blocks, (
-        f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for "
-        f"{len(seq.token_ids)} tokens"
+        f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for {seq.num_tokens} tokens"
     )
     _count(holders, seq.host_block_ids, seq_id)
 
@@ -59,7 +58,7 @@ def _check_swapped(seq_id: object, seq: SeqState, num_blocks: int, holders: list
 def _check_resident(
     seq_id: object, seq: SeqState, block_size: int, index: PrefixIndex | None, holders: list[int]
 ) -> None:
-    num_tokens = len(seq.token_ids)
+    num_tokens = seq.num_tokens
     assert len(seq.block_ids) == -(-num_tokens // block_size), (
         f"{seq_id!r}: {len(seq.block_ids)} blocks for {num_tokens} tokens (block_size {block_size})"
     )
@@ -68,6 +67,9 @@ def _check_resident(
         f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
     )
     if index is not None:
+        assert len(seq.token_ids) == num_tokens, (
+            f"{seq_id!r}: {len(seq.token_ids)} tokens kept, {num_tokens} counted"
+        )
         assert seq.num_keyed == num_tokens // block_size, (
             f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"
         )
@@ -93,9 +95,9 @@ def check_state(
     holders = [0] * pool.num_blocks
     host_holders = [0] * host.num_blocks
     for seq_id, seq in seqs.items():
-        assert seq.token_ids, f"sequence {seq_id!r} holds no token"
+        assert seq.num_tokens > 0, f"sequence {seq_id!r} holds no token"
         if seq.host_block_ids is not None:
-            num_blocks = -(-len(seq.token_ids) // block_size)
+            num_blocks = -(-seq.num_tokens // block_size)
             _check_swapped(seq_id, seq, num_blocks, host_holders)
         else:
             _check_resident(seq_id, seq, block_size, index, holders)

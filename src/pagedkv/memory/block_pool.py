@@ -257,6 +257,11 @@ class BlockPool:
         """Whether a held block has more than one holder."""
         return self._extra[block_id] > 0
 
+    @property
+    def extra_refs(self) -> list[int]:
+        """Per block ref_count - 1 (> 0: shared), read only: `is_shared` without a call."""
+        return self._extra
+
     def free_block_ids(self) -> list[int]:
         """Free (never cached) blocks in the order the next allocations take them."""
         return self._stack[::-1].tolist() + list(range(self._next_fresh, self.num_blocks))

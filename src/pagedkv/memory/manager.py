@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
@@ -105,7 +106,7 @@ class KVCacheManager:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens the sequence holds. Raises KeyError if unknown, ValueError if swapped out."""
-        return len(self._seqs.resident(seq_id, "num_tokens").token_ids)
+        return self._seqs.resident(seq_id, "num_tokens").num_tokens
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
@@ -160,19 +161,7 @@ class KVCacheManager:
             seq = self._seqs.resident(seq_id, "num_blocks_to_append")  # raises
         if type(num_tokens) is not int or num_tokens < 0:
             positive_int("num_tokens", num_tokens, minimum=0)  # raises
-        return self._append_cost(seq, num_tokens) + self._is_cow(seq, num_tokens)
-
-    def _append_cost(self, seq: SeqState, num_tokens: int) -> int:
-        """New blocks (copy-on-write aside) `num_tokens` more tokens take."""
-        return -(-(len(seq.token_ids) + num_tokens) // self.block_size) - len(seq.block_ids)
-
-    def _is_cow(self, seq: SeqState, num_tokens: int) -> bool:
-        """Whether appending `num_tokens` copies a shared, partially filled last block."""
-        return bool(
-            num_tokens
-            and len(seq.token_ids) % self.block_size
-            and self._pool.is_shared(seq.block_ids[-1])
-        )
+        return seq.append_cost(num_tokens, self.block_size, self._pool)[0]
 
     # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
@@ -203,7 +192,9 @@ class KVCacheManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"allocate: expected a new seq_id, got {seq_id!r} already in use")
-        tokens = token_tuple(token_ids)
+        index = self._index
+        # Kept only with an index (as a tuple: the caller's list may change under it).
+        tokens = token_ids if index is None and type(token_ids) is list else token_tuple(token_ids)
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
@@ -233,65 +224,75 @@ class KVCacheManager:
             if use_prefix_cache:  # the counts of prefix lookups
                 self._counts.prefix_cache_queries += len(tokens)
                 self._counts.prefix_cache_hits += num_hits * block_size
-        self._seqs[seq_id] = SeqState(block_ids, tokens, num_keyed, chain_uid, chain_root=root)
+        kept = tokens if index is not None else ()
+        self._seqs[seq_id] = SeqState(
+            block_ids, kept, len(tokens), num_keyed, chain_uid, chain_root=root
+        )
         return num_hits * block_size
 
     def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
-        """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk).
+        """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk), as
+        `append_many` does; returns its block table after the append (see `block_table`).
+
+        Raises:
+            KeyError: unknown `seq_id`.  ValueError: swapped out.
+            OutOfBlocks: not enough free blocks; nothing changed.
+        """
+        tables = self.append_many([seq_id], [token_ids])
+        if not tables:
+            need, free = self.num_blocks_to_append(seq_id, len(token_ids)), self.num_free_blocks
+            raise OutOfBlocks(f"append {seq_id!r}: need {need} blocks, {free} free")
+        return tables[0]
+
+    def append_many(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[Any]]
+    ) -> list[list[int]]:
+        """Extend ``seq_ids[i]`` by ``token_ids[i]`` for each i in order, up to the first
+        whose blocks are not free (it and those after it unchanged).
 
         Allocates blocks on demand. If the partially filled last block is shared (after a
         fork), it is copied first: a fresh block replaces it in this sequence's table and the
         copy ``(src, dst)`` is queued for `pop_copies()`. Appending nothing is a no-op.
 
         Returns:
-            The sequence's block table after the append (see `block_table`).
+            The block tables of the sequences appended to: one per leading pair.
 
         Raises:
-            KeyError: unknown `seq_id`.  ValueError: swapped out.
-            OutOfBlocks: not enough free blocks; nothing changed.
+            KeyError, ValueError: as `append` (those before the bad one appended).
         """
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.host_block_ids is not None:
-            seq = self._seqs.resident(seq_id, "append")  # raises
-        tokens = seq.token_ids
-        if type(tokens) is not list:  # the prompt, kept as `allocate` got it
-            tokens = seq.token_ids = list(tokens)
-        if type(token_ids) is not list:
-            token_ids = list(token_tuple(token_ids))
-        # Tokens that fit an unshared partial last block (a decode step's common case) take
-        # no block; anything else asks `_grow`.
-        block_size, num_cur, num_new = self.block_size, len(tokens), len(token_ids)
-        if -(-(num_cur + num_new) // block_size) > len(seq.block_ids) or (
-            num_cur % block_size and num_new and self._pool.is_shared(seq.block_ids[-1])
-        ):
-            self._grow(seq_id, seq, num_new)
-        tokens += token_ids
-        if len(tokens) // self.block_size > seq.num_keyed:
-            seq.key_full_blocks(self._index, self.block_size)
-        return seq.table or table_of(seq)
-
-    def _grow(self, seq_id: Hashable, seq: SeqState, num_tokens: int) -> None:
-        """Take the blocks `num_tokens` more tokens need (copy-on-write of a shared partial
-        last block included), or raise OutOfBlocks with nothing changed."""
-        is_cow = self._is_cow(seq, num_tokens)
-        num_blocks = self._append_cost(seq, num_tokens) + is_cow
-        pool = self._pool
-        if num_blocks > pool.num_free_blocks:
-            raise OutOfBlocks(
-                f"append {seq_id!r}: need {num_blocks} blocks, {pool.num_free_blocks} free"
-            )
-        new_block_ids = pool.allocate(num_blocks)
-        table = seq.table
-        if is_cow:
-            src, dst = seq.block_ids[-1], new_block_ids.pop(0)
-            pool.free([src])  # shared, so it stays held by the others
-            seq.block_ids[-1] = dst
-            self._copies.append((src, dst))
-            self._counts.num_cow_copies += 1
-            table = None
-        seq.block_ids += new_block_ids
-        # A new list (a step may still read the old one), extended rather than rebuilt.
-        seq.table = None if table is None else table + new_block_ids.tolist()
+        get, index, block_size, pool = self._seqs.get, self._index, self.block_size, self._pool
+        extra_refs = pool.extra_refs
+        tables: list[list[int]] = []
+        add_table = tables.append
+        for seq_id, new in zip(seq_ids, token_ids, strict=True):
+            seq = get(seq_id)
+            if seq is None or seq.host_block_ids is not None:
+                seq = self._seqs.resident(seq_id, "append")  # raises
+            if type(new) is not list:
+                new = list(token_tuple(new))
+            # Tokens that fit an unshared partial last block (a decode step's common case)
+            # take no block; anything else asks `SeqState.grow`.
+            num_cur, num_new = seq.num_tokens, len(new)
+            num = num_cur + num_new
+            if num > len(seq.block_ids) * block_size or (
+                num_cur % block_size and num_new and extra_refs[seq.block_ids[-1]] > 0
+            ):
+                copy = seq.grow(num_new, block_size, pool)
+                if copy is None:
+                    break
+                if copy:
+                    self._copies.append(copy)
+                    self._counts.num_cow_copies += 1
+            seq.num_tokens = num
+            if index is not None:
+                tokens = seq.token_ids
+                if type(tokens) is not list:  # the prompt, kept as `allocate` got it
+                    tokens = seq.token_ids = list(tokens)
+                tokens += new
+                if num // block_size > seq.num_keyed:
+                    seq.key_full_blocks(index, block_size)
+            add_table(seq.table or table_of(seq))
+        return tables
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.
@@ -308,12 +309,9 @@ class KVCacheManager:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
         self._pool.touch(parent.block_ids)
         self._counts.num_forked_blocks += len(parent.block_ids)
-        self._seqs[child_id] = SeqState(
-            parent.block_ids[:],
-            list(parent.token_ids),
-            parent.num_keyed,
-            parent.chain_uid,
-            chain_root=parent.chain_root,
+        # The same table list: neither changes it, a new one replaces it.
+        self._seqs[child_id] = replace(
+            parent, block_ids=parent.block_ids[:], token_ids=list(parent.token_ids)
         )
 
     def free(self, seq_id: Hashable) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.prefix import ROOT_UID, ChainRoot, PrefixIndex
 
 
@@ -15,9 +16,11 @@ class SeqState:
     """One sequence's state: its blocks (device or host, ``array('i')``) and its tokens."""
 
     block_ids: array[int]
-    # The prompt stays the tuple `allocate` packed its keys from (no second copy) until
-    # the first `append` turns it into a list.
+    # The tokens, kept only for the prefix index (empty without one): the prompt stays the
+    # tuple `allocate` packed its keys from (no second copy) until the first `append`
+    # turns it into a list.
     token_ids: list[Any] | tuple[Any, ...]
+    num_tokens: int
     # Leading full blocks already offered to the prefix index, and the uid naming the
     # prefix through the last of them (the parent of the next full block's key).
     num_keyed: int
@@ -29,6 +32,37 @@ class SeqState:
     table: list[int] | None = None
     # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
     chain_root: ChainRoot = ROOT_UID
+
+    def append_cost(self, num_tokens: int, block_size: int, pool: BlockPool) -> tuple[int, bool]:
+        """Free blocks `num_tokens` more tokens take, and whether one of them replaces the
+        shared, partially filled last block (copy-on-write)."""
+        is_cow = bool(
+            num_tokens and self.num_tokens % block_size and pool.is_shared(self.block_ids[-1])
+        )
+        num = -(-(self.num_tokens + num_tokens) // block_size) - len(self.block_ids)
+        return num + is_cow, is_cow
+
+    def grow(
+        self, num_tokens: int, block_size: int, pool: BlockPool
+    ) -> tuple[int, int] | tuple[()] | None:
+        """Take the blocks `num_tokens` more tokens need from `pool`: None, with nothing
+        changed, if they are not free; else the copy ``(src, dst)`` to queue when a fresh
+        block replaced the shared, partially filled last block, or ()."""
+        num_blocks, is_cow = self.append_cost(num_tokens, block_size, pool)
+        if num_blocks > pool.num_free_blocks:
+            return None
+        # A decode step's one block as an int, not an array.
+        new = [pool.allocate_one()] if num_blocks == 1 else pool.allocate(num_blocks).tolist()
+        table, copy = self.table, ()  # type: list[int] | None, tuple[int, int] | tuple[()]
+        if is_cow:
+            copy = src, dst = self.block_ids[-1], new.pop(0)
+            pool.free([src])  # shared, so it stays held by the others
+            self.block_ids[-1] = dst
+            table = None
+        self.block_ids.extend(new)
+        # A new list (a step may still read the old one), extended rather than rebuilt.
+        self.table = None if table is None else table + new
+        return copy
 
     def key_full_blocks(self, index: PrefixIndex | None, block_size: int) -> None:
         """Offer the newly full blocks to the prefix index (chained keys)."""
@@ -75,13 +109,11 @@ class SequenceTable(dict[Hashable, SeqState]):
         """`KVCacheManager.slot_mapping`: validated, then `slots_of`."""
         seq = self.resident(seq_id, "slot_mapping")
         if not (
-            isinstance(start, int)
-            and isinstance(end, int)
-            and 0 <= start <= end <= len(seq.token_ids)
+            isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= seq.num_tokens
         ):
             raise ValueError(
                 f"slot_mapping: expected 0 <= start <= end <= "
-                f"{len(seq.token_ids)}, got start={start!r}, end={end!r}"
+                f"{seq.num_tokens}, got start={start!r}, end={end!r}"
             )
         return slots_of(seq.block_ids, block_size, start, end)
 
