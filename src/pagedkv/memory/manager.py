@@ -22,13 +22,7 @@ from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.lookups import PrefixLookups
 from pagedkv.memory.prefix import PrefixIndex, chain_root
-from pagedkv.memory.sequence import (
-    SeqState,
-    SequenceTable,
-    positive_int,
-    table_of,
-    token_tuple,
-)
+from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
 
 
 class KVCacheManager:
@@ -71,7 +65,6 @@ class KVCacheManager:
         self._counts = EventCounts()
         self._lookups = PrefixLookups(self._index, self._pool, block_size)
 
-    # ----- sizes and membership -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Device blocks an allocation can use now: free plus cached (evictable)."""
@@ -95,7 +88,6 @@ class KVCacheManager:
         """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
         return self._seqs.state(seq_id).host_block_ids is not None
 
-    # ----- one sequence ---------------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's block ids, logical block order. Raises as `num_tokens`.
 
@@ -117,7 +109,6 @@ class KVCacheManager:
         """
         return self._seqs.slot_mapping(seq_id, start, end, self.block_size)
 
-    # ----- prefix lookups -------------------------------------------------------------------
     def num_cached_tokens(self, token_ids: Sequence[Any], *, salt: str | None = None) -> int:
         """Tokens `allocate(_, token_ids, salt=salt)` would find cached now. No side effects.
 
@@ -163,7 +154,6 @@ class KVCacheManager:
             positive_int("num_tokens", num_tokens, minimum=0)  # raises
         return seq.append_cost(num_tokens, self.block_size, self._pool)[0]
 
-    # ----- sequence lifecycle ---------------------------------------------------------------
     def allocate(
         self,
         seq_id: Hashable,
@@ -200,7 +190,7 @@ class KVCacheManager:
         # One pass over the prompt: the cached blocks and the keys of the full blocks after.
         root = chain_root(salt)
         hits, chain_uid, keys = self._lookups.lookup(tokens, root, use_prefix_cache)
-        index, block_size, pool = self._index, self.block_size, self._pool
+        block_size, pool = self.block_size, self._pool
         num_hits = len(hits)
         num_fresh = -(-len(tokens) // block_size) - num_hits
         # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
@@ -329,7 +319,6 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
-    # ----- swap to the host pool ------------------------------------------------------------
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.
 
@@ -377,7 +366,6 @@ class KVCacheManager:
         resident."""
         return len(self._seqs.swapped(seq_id, "num_blocks_to_swap_in").host_block_ids or ())
 
-    # ----- cache control --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights), if no device block is held.
 
