@@ -251,7 +251,7 @@ def test_failed_step_frees_every_block(llama_dir, monkeypatch):
     expected = beam_search(engine, prompts, params)
     execute, calls = engine.runner.execute, []
 
-    def failing_execute(step):
+    def failing_execute(step, token_bitmask=None):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")

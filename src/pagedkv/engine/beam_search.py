@@ -14,7 +14,9 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from math import inf
 from typing import TYPE_CHECKING, Literal
 
 from pagedkv.engine.beam_selector import Beam, BeamSelector, EarlyStopping
@@ -25,8 +27,12 @@ from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedkv.engine.engine import LLMEngine, PromptType
     from pagedkv.engine.sampler import SampleResult
+    from pagedkv.engine.structured.manager import TokenBitmask
+    from pagedkv.engine.structured.state import BeamMatchers
 
 
 @dataclass
@@ -122,7 +128,10 @@ class BeamSearchRun:
         self.max_num_batched_tokens = engine.config.scheduler.max_num_batched_tokens
         # One row per live beam, each a sequence of the step.
         self.max_num_beams = min(engine.config.scheduler.max_num_seqs, self.max_num_batched_tokens)
-        eos = () if params.ignore_eos else tuple(sorted(engine.scheduler.eos_token_ids))
+        # A constrained beam ends where its grammar does: only EOS is allowed there.
+        self.matchers = _beam_matchers(engine, params)
+        ends = not params.ignore_eos or self.matchers is not None
+        eos = tuple(sorted(engine.scheduler.eos_token_ids)) if ends else ()
         self._searches = [self._new_search(i, p, eos) for i, p in enumerate(prompts)]
         self._serial = itertools.count()
         self.peak_num_used_blocks = 0
@@ -174,7 +183,7 @@ class BeamSearchRun:
             while waiting or active:
                 self._admit(waiting, active)
                 step = self._schedule(active)
-                results = self.engine.runner.execute(step)
+                results = self.engine.runner.execute(step, self._bitmask(step))
                 self.num_steps += 1
                 for search in [s for s in active if s.beams and s.beams[0].seq_id in results]:
                     self._advance(search, results)
@@ -210,6 +219,8 @@ class BeamSearchRun:
             active.append(search)
             reserved += search.num_reserved_blocks
             search.beams = [Beam((search.request_id, next(self._serial)))]
+            if self.matchers is not None:
+                self.matchers.start(search.beams[0].seq_id)
             prompt = search.prompt_token_ids
             search.request.seqs = [BeamSequence(search.beams[0].seq_id, list(prompt), len(prompt))]
 
@@ -225,8 +236,12 @@ class BeamSearchRun:
 
     def _advance(self, search: _PromptSearch, results: Mapping[SeqId, SampleResult]) -> None:
         """Select the next beams; fork survivors, free the old beams, append the new tokens."""
+        # A token the grammar refuses has logprob -inf in a constrained beam's top list.
         tops = [
-            sorted((results[b.seq_id].top_logprobs or {}).items(), key=lambda pair: -pair[1])
+            sorted(
+                ((t, lp) for t, lp in (results[b.seq_id].top_logprobs or {}).items() if lp > -inf),
+                key=lambda pair: -pair[1],
+            )
             for b in search.beams
         ]
         running = search.selector.step(search.beams, tops)
@@ -242,11 +257,13 @@ class BeamSearchRun:
                 candidate.cum_logprob,
             )
             self.manager.fork(parent.seq_id, child.seq_id)
+            if self.matchers is not None:
+                self.matchers.fork(parent.seq_id, child.seq_id, candidate.token_id)
             new_beams.append(child)
         # Free before the next step appends: a block only the child still holds is then
         # written in place, and only blocks shared by surviving siblings are copied.
         for beam in search.beams:
-            self.manager.free(beam.seq_id)
+            self._free(beam.seq_id)
         search.beams = new_beams
         search.request.seqs = [
             BeamSequence(
@@ -262,8 +279,26 @@ class BeamSearchRun:
     def _release(self, search: _PromptSearch) -> None:
         for beam in search.beams:
             if beam.seq_id in self.manager:
-                self.manager.free(beam.seq_id)
+                self._free(beam.seq_id)
         search.beams = []
+
+    def _free(self, seq_id: SeqId) -> None:
+        self.manager.free(seq_id)
+        if self.matchers is not None:
+            self.matchers.drop(seq_id)
+
+    def _bitmask(self, step: SchedulerOutput) -> TokenBitmask | None:
+        """The allowed tokens of each beam's row, when the search is constrained."""
+        if self.matchers is None:
+            return None
+        from pagedkv.engine.structured.manager import TokenBitmask
+
+        seq_ids = [seq_id for _, seq_id, _, _ in step.sample_rows()]
+        future: Future[torch.Tensor] = Future()
+        future.set_result(
+            self.matchers.fill(seq_ids, self.engine.structured_outputs.compiler.vocab_size)
+        )
+        return TokenBitmask(future, list(range(len(seq_ids))), ranks_allowed_only=True)
 
     def _output(self, search: _PromptSearch) -> BeamSearchOutput:
         tokenizer = self.engine.tokenizer
@@ -280,6 +315,15 @@ class BeamSearchRun:
             for h in search.selector.finished
         ]
         return BeamSearchOutput(search.prompt, search.prompt_token_ids, sequences)
+
+
+def _beam_matchers(engine: LLMEngine, params: BeamSearchParams) -> BeamMatchers | None:
+    """The beams' matchers of a constrained search (its grammar compiled now), else None."""
+    if params.structured_outputs is None:
+        return None
+    from pagedkv.engine.structured.state import BeamMatchers
+
+    return BeamMatchers(engine.structured_outputs.compiler.compile(params.structured_outputs))
 
 
 def beam_search(
@@ -302,7 +346,8 @@ def beam_search(
         `beam_width` beams, best (highest length-penalized score) first.
 
     Raises:
-        ValueError: bad prompt, busy engine, or a prompt whose beams cannot fit the pool.
+        ValueError: bad prompt, busy engine, a prompt whose beams cannot fit the pool, or
+            a constraint that does not compile.
     """
     if isinstance(prompts, (str, dict)):
         raise ValueError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")

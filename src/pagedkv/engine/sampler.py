@@ -60,7 +60,8 @@ class Sampler:
             params: per row its sampling parameters.
             generators: per row its generator (None only for greedy rows).
             token_bitmask: the tokens each constrained row may take; logprobs stay those
-                of the raw logits.
+                of the raw logits (refused tokens leave the top list only when the bitmask
+                `ranks_allowed_only`).
 
         Raises:
             ValueError: the lists do not have one entry per row.
@@ -81,6 +82,8 @@ class Sampler:
         logits = _apply_logit_bias(logits, params)
         if token_bitmask is not None:  # in place: the logprobs above were taken already
             token_bitmask.apply(logits)
+            if logprobs is not None and token_bitmask.ranks_allowed_only:
+                token_bitmask.apply(logprobs)
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:

@@ -95,13 +95,7 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_strings = stop
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
-            raise ValueError(
-                f"structured_outputs: expected StructuredOutputsParams, "
-                f"got {type(self.structured_outputs).__name__}"
-            )
+        _check_structured(self.structured_outputs)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
@@ -123,12 +117,16 @@ class BeamSearchParams:
     """Beam search: keep the `beam_width` best continuations by cumulative logprob.
 
     The final ranking divides the cumulative logprob by `length ** length_penalty`.
+    With `structured_outputs`, every beam follows the constraint: its candidates are the
+    tokens the grammar allows there (logprobs of the raw logits), and a beam ends where the
+    grammar ends, even with `ignore_eos`.
     """
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, minimum=1)
@@ -136,6 +134,14 @@ class BeamSearchParams:
         value = self.length_penalty
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"length_penalty: expected a number, got {value!r}")
+        _check_structured(self.structured_outputs)
+
+
+def _check_structured(value: object) -> None:
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError(
+            f"structured_outputs: expected StructuredOutputsParams, got {type(value).__name__}"
+        )
 
 
 def _check_logit_bias(logit_bias: object) -> dict[int, float]:

@@ -31,11 +31,16 @@ class TokenBitmask:
 
     Attributes:
         indices: the sample rows (positions in `SchedulerOutput.sample_rows()`) it masks.
+        ranks_allowed_only: the rows' top logprobs list allowed tokens only (beam search
+            ranks its candidates by them); otherwise they are the raw logits' top tokens.
     """
 
-    def __init__(self, future: Future[torch.Tensor], indices: list[int]) -> None:
+    def __init__(
+        self, future: Future[torch.Tensor], indices: list[int], *, ranks_allowed_only: bool = False
+    ) -> None:
         self._future = future
         self.indices = indices
+        self.ranks_allowed_only = ranks_allowed_only
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the refused tokens' logits to -inf, in place.

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import xgrammar as xgr
+
+from pagedkv.engine.request import SeqId
 
 
 class GrammarState:
@@ -49,3 +52,39 @@ def _extends(tokens: Sequence[int], accepted: list[int]) -> bool:
     by appending, so a replaced sequence shows at that position or in its length)."""
     n = len(accepted)
     return n <= len(tokens) and (n == 0 or tokens[n - 1] == accepted[-1])
+
+
+class BeamMatchers:
+    """The matchers of a beam search's live beams, by sequence id.
+
+    A surviving candidate forks its parent's matcher and feeds it the candidate's token, so
+    siblings never replay their common output.
+    """
+
+    def __init__(self, grammar: xgr.CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._matchers: dict[SeqId, xgr.GrammarMatcher] = {}
+
+    def start(self, seq_id: SeqId) -> None:
+        """A first beam, with no output yet."""
+        self._matchers[seq_id] = xgr.GrammarMatcher(self.grammar)
+
+    def fork(self, parent: SeqId, child: SeqId, token_id: int) -> None:
+        """`child` continues `parent` with `token_id` (a token its grammar allowed)."""
+        matcher = self._matchers[parent].fork()
+        if not matcher.accept_token(token_id):
+            raise ValueError(f"beam {child}: token {token_id} is refused by its grammar")
+        self._matchers[child] = matcher
+
+    def drop(self, seq_id: SeqId) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def fill(self, seq_ids: Sequence[SeqId], vocab_size: int) -> torch.Tensor:
+        """The bitmask [len(seq_ids), ceil(vocab_size / 32)] int32, row k for seq_ids[k]
+        (a sequence without a matcher allows every token)."""
+        bitmask = xgr.allocate_token_bitmask(len(seq_ids), vocab_size)
+        for k, seq_id in enumerate(seq_ids):
+            matcher = self._matchers.get(seq_id)
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(bitmask, k)
+        return bitmask
