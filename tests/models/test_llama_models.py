@@ -21,12 +21,16 @@ def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def models(request, tmp_path_factory):
-    import transformers
-
     arch, overrides = VARIANTS[request.param]
     model_dir = make_hf_model(tmp_path_factory.mktemp("hf"), arch, **overrides)
+    return load_model(model_dir), load_hf(model_dir)
+
+
+def load_hf(model_dir) -> torch.nn.Module:
+    import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return load_model(model_dir), hf.eval()
+    return hf.eval()
 
 
 @torch.inference_mode()
@@ -89,3 +93,25 @@ def test_cuda_mixed_batch_matches_hf(models, tmp_path, dtype):
     out_a, out_b = batch.step(model, {0: a[-1:], 1: b[3:]})
     torch.testing.assert_close(out_a[-1], hf_logits(hf, a)[-1], **tol)
     torch.testing.assert_close(out_b, hf_logits(hf, b)[3:], **tol)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4"])
+@torch.inference_mode()
+def test_longrope_long_factors_past_the_original_length(tmp_path, arch):
+    # A prompt past the original 16 positions rotates with the long factors from its first
+    # token, and so does every decode step after it, as in transformers.
+    model_dir = make_hf_model(tmp_path, arch, original_max_position_embeddings=16)
+    hf = load_hf(model_dir)
+    model = load_model(model_dir)
+    assert model.rotary_embs[0].attention_factor > 1.0
+    tokens = prompt(21, seed=7)
+    batch = PagedBatch(model)
+    (logits,) = batch.step(model, {0: tokens})
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+    short = load_model(make_hf_model(tmp_path / "short", arch, original_max_position_embeddings=64))
+    (short_logits,) = PagedBatch(short).step(short, {0: tokens})
+    assert not torch.allclose(short_logits, logits, atol=1e-3)  # the factors matter here
+    for _ in range(3):
+        tokens.append(int(logits[-1].argmax()))
+        (logits,) = batch.step(model, {0: tokens[-1:]})
+        torch.testing.assert_close(logits[-1], hf_logits(hf, tokens)[-1], **TOL)
