@@ -101,7 +101,10 @@ def family_options(config: dict[str, Any], architecture: str, num_layers: int) -
                 f"attn_logit_softcapping: expected null (Gemma 3), "
                 f"got {config['attn_logit_softcapping']!r}"
             )
+        # transformers caps the logits in Gemma3ForCausalLM only, not in the multimodal model.
         cap = config.get("final_logit_softcapping")
+        if architecture != "Gemma3ForCausalLM":
+            cap = None
         return {
             "norm_offset": 1.0,
             "sandwich_norm": True,

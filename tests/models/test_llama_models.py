@@ -115,3 +115,30 @@ def test_longrope_long_factors_past_the_original_length(tmp_path, arch):
         tokens.append(int(logits[-1].argmax()))
         (logits,) = batch.step(model, {0: tokens[-1:]})
         torch.testing.assert_close(logits[-1], hf_logits(hf, tokens)[-1], **TOL)
+
+
+@torch.inference_mode()
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    # Gemma3ForConditionalGeneration: the text model under `language_model.`, a vision tower
+    # beside it (not loaded); text-only prompts give transformers' logits (which this
+    # model, unlike Gemma3ForCausalLM, does not cap).
+    import transformers
+    from helpers.hf_models import hf_config
+
+    config = transformers.Gemma3Config(
+        text_config=hf_config("gemma3").to_dict(),
+        vision_config={
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+        },
+        mm_tokens_per_image=4, image_token_index=511, boi_token_index=509, eoi_token_index=510,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.config.architecture == "Gemma3ForConditionalGeneration"
+    tokens = prompt(21, seed=8)
+    (logits,) = PagedBatch(model).step(model, {0: tokens})
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
