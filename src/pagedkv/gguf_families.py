@@ -41,6 +41,7 @@ def _gemma3(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     # transformers' `query_pre_attn_scalar` of each released size.
     is_27b = config["num_hidden_layers"] == _GEMMA3_27B_LAYERS
     out: dict[str, Any] = {
+        "model_type": "gemma3_text",  # transformers' "gemma3" is the multimodal model
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hidden // heads if is_27b else head_dim,
         "rope_local_base_freq": meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_THETA),

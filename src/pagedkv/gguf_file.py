@@ -217,6 +217,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     config["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    # Stated even when absent: some configs default it past a small vocabulary (Phi-3's).
+    config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
     config["dtype"] = _FILE_DTYPES.get(meta.get("general.file_type", -1), "float32")
     config.update(family_config(file, arch, config))
     return config

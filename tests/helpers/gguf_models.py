@@ -76,6 +76,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype_name: str = "F32") -> dict[str, to
     _add_family_metadata(writer, arch, config, head_dim)
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if config.get("pad_token_id") is not None:
+        writer.add_pad_token_id(config["pad_token_id"])
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch_member], num_layers)
     state = load_file(str(hf_dir / "model.safetensors"))
     reference = {}

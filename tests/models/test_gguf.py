@@ -75,6 +75,23 @@ def test_gguf_matches_transformers(tmp_path, arch, qtype):
     llm.engine.kv_manager.check()
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "phi4", "smollm3"])
+def test_converted_family_loads_in_transformers(tmp_path, arch):
+    from pagedkv.cli.convert import convert_gguf
+
+    hf_dir = make_hf_model(tmp_path, arch, **GGUF_OVERRIDES.get(arch, {}))
+    path = tmp_path / f"{arch}.gguf"
+    reference = hf_reference(hf_dir, write_gguf(hf_dir, path))
+    import transformers
+
+    converted_dir = convert_gguf(path, tmp_path / "converted")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(converted_dir).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits
+        got = converted(torch.tensor([PROMPT])).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 def assert_same_shape(got: ModelConfig, expected: ModelConfig) -> None:
     """The GGUF file's config is the HF one's, but for what travels otherwise: llama3 rope
     scaling as rope_freqs divisors, and LongRoPE's factors as float32 tensors."""
