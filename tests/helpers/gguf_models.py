@@ -41,8 +41,11 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype_name: str = "F32") -> dict[str, torch.Tensor]:
-    """Write the HF model in `hf_dir` as a GGUF file, matrices in `qtype_name`.
+def write_gguf(
+    hf_dir: Path, out: Path, qtype_name: str = "F32", tokenizer_dir: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """Write the HF model in `hf_dir` as a GGUF file, matrices in `qtype_name`, with the
+    byte-level BPE tokenizer and chat template of `tokenizer_dir` (`make_tokenizer`) if given.
 
     Norms, biases and rope divisors stay F32 (as llama.cpp keeps them). A llama3
     `rope_scaling` is written as llama.cpp does: a `rope_freqs` tensor of divisors.
@@ -78,6 +81,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype_name: str = "F32") -> dict[str, to
     writer.add_eos_token_id(config["eos_token_id"])
     if config.get("pad_token_id") is not None:
         writer.add_pad_token_id(config["pad_token_id"])
+    if tokenizer_dir is not None:
+        _add_tokenizer(writer, tokenizer_dir)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch_member], num_layers)
     state = load_file(str(hf_dir / "model.safetensors"))
     reference = {}
@@ -142,3 +147,23 @@ def _add_family_metadata(writer, arch: str, config: dict, head_dim: int) -> None
         scale = config["max_position_embeddings"] / original
         factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
         writer.add_rope_scaling_attn_factors(factor)
+
+
+def _add_tokenizer(writer, tokenizer_dir: Path) -> None:
+    """What llama.cpp's converter writes for a byte-level BPE tokenizer ("gpt2")."""
+    import gguf
+
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    vocab = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = {t["content"] for t in data["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    types = gguf.TokenType
+    writer.add_token_types([types.CONTROL if t in special else types.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(config["chat_template"])

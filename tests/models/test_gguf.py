@@ -92,6 +92,28 @@ def test_converted_family_loads_in_transformers(tmp_path, arch):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
+def test_family_gguf_carries_its_tokenizer_and_chat_template(tmp_path, arch):
+    from helpers import make_tokenizer
+
+    from pagedkv.models.loader import load_tokenizer
+    from pagedkv.models.tokenizer import Tokenizer
+
+    hf_dir = make_hf_model(tmp_path, arch, **GGUF_OVERRIDES.get(arch, {}))
+    tokenizer_dir = make_tokenizer(tmp_path / "tokenizer")
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(hf_dir, path, tokenizer_dir=tokenizer_dir)
+    expected, got = Tokenizer.from_dir(tokenizer_dir), load_tokenizer(path)
+    assert got is not None and got.chat_template == expected.chat_template
+    text = "A paged KV cache, héllo wörld 🙂 <|im_end|>"
+    assert got.encode(text) == expected.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_blocks=32)
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    rendered = expected.apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt_token_ids == expected.encode(rendered, add_special_tokens=False)
+
+
 def assert_same_shape(got: ModelConfig, expected: ModelConfig) -> None:
     """The GGUF file's config is the HF one's, but for what travels otherwise: llama3 rope
     scaling as rope_freqs divisors, and LongRoPE's factors as float32 tensors."""
