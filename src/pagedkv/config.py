@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from pagedkv.families import HIDDEN_ACTS, family_options, is_gemma3, layer_types, rope_options
 from pagedkv.gguf_file import hf_config_from_gguf, is_gguf_path, read_gguf
 
 SUPPORTED_ARCHITECTURES = {
@@ -19,6 +20,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
@@ -89,6 +94,17 @@ class ModelConfig:
     qk_norm: bool = False
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...] = ()
+    # The family's layer options (`pagedkv.models.families` sets them from config.json).
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): 1 for Gemma
+    sandwich_norm: bool = False  # norms after attention and MLP too (Gemma's four per layer)
+    hidden_act: str = "silu"  # the MLP gate: "silu" or "gelu_tanh"
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    final_logit_softcapping: float | None = None
+    partial_rotary_factor: float = 1.0  # share of each head's dimensions that is rotated
+    rope_local_theta: float | None = None  # base of sliding layers' plain rotary (Gemma)
+    # One entry per layer: whether it rotates q and k (SmolLM3's layers without position).
+    rope_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -110,10 +126,26 @@ class ModelConfig:
                 f"config: expected num_attention_heads ({self.num_heads}) to be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+        for name in ("sliding_windows", "rope_layers"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_layers:
+                raise ValueError(
+                    f"config: expected {self.num_layers} entries of {name}, got {len(values)}"
+                )
+        if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(
-                f"config: expected {self.num_layers} layer types, got {len(self.sliding_windows)}"
+                f"config: expected hidden_act in {sorted(HIDDEN_ACTS)}, got {self.hidden_act!r}"
             )
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"config: expected partial_rotary_factor in (0, 1], "
+                f"got {self.partial_rotary_factor}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each q and k head that are rotated (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | Path) -> ModelConfig:
@@ -147,7 +179,7 @@ class ModelConfig:
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
         if self.attention_bias:
             attention += q_dim + 2 * kv_dim
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norm else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attention + 3 * h * self.intermediate_size + norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
@@ -190,6 +222,9 @@ def _first(config: dict[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
+    if isinstance(config.get("text_config"), dict):
+        # A multimodal checkpoint: the language model's own config, under its architecture.
+        config = {**config["text_config"], "architectures": config.get("architectures")}
     architectures = config.get("architectures") or []
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
@@ -203,13 +238,6 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
         num_heads = int(config["num_attention_heads"])
         num_layers = int(config["num_hidden_layers"])
         head_dim = int(_first(config, "head_dim", default=config["hidden_size"] // num_heads))
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_theta = float(_first(rope, "rope_theta", default=config.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope type {rope_type!r}")
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -222,16 +250,16 @@ def _model_config_from_dict(config: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(_first(config, "num_key_value_heads", default=num_heads)),
             head_dim=head_dim,
             rms_norm_eps=float(_first(config, "rms_norm_eps", default=1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
             max_position_embeddings=int(_first(config, "max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture == "Qwen3ForCausalLM" or is_gemma3(architecture),
             sliding_windows=_sliding_windows(config, architecture, num_layers),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=str(_first(config, "dtype", "torch_dtype", default="float32")),
+            **rope_options(config, architecture),
+            **family_options(config, architecture, num_layers),
         )
     except KeyError as exc:  # only the required sizes are read with []
         raise ValueError(f"config.json is missing {exc.args[0]}") from None
@@ -243,11 +271,11 @@ def _sliding_windows(
     config: dict[str, Any], architecture: str, num_layers: int
 ) -> tuple[int | None, ...]:
     window = config.get("sliding_window")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window) if window else None,) * num_layers
-    layer_types = config.get("layer_types")
-    if layer_types and window and config.get("use_sliding_window", True):
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    types = layer_types(config, num_layers, default_pattern=6 if is_gemma3(architecture) else None)
+    if types and window and config.get("use_sliding_window", True):
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
     if window and config.get("use_sliding_window"):
         # Qwen2 before layer_types: layers from max_window_layers on use the window.
         first = int(config.get("max_window_layers", num_layers))

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.gguf_families import FAMILY_ARCHITECTURES, family_config
+
 GGUF_INSTALL_HINT = 'pip install "pagedkv[gguf]"'
 # GGUF `general.architecture` -> the Hugging Face architecture it stores.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **FAMILY_ARCHITECTURES,
 }
 # `{architecture}.{key}` -> the config.json field.
 _KEYS = {
@@ -172,8 +175,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     """The `config.json` dict of the model in a GGUF file.
 
     Raises:
-        ValueError: an architecture other than llama (Llama, Mistral), qwen2 or qwen3, or
-            no token embedding.
+        ValueError: an architecture other than llama (Llama, Mistral), qwen2, qwen3, gemma3,
+            phi3 or smollm3, or no token embedding.
     """
     meta = file.metadata
     arch = meta.get("general.architecture")
@@ -214,5 +217,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     config["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    # Stated even when absent: some configs default it past a small vocabulary (Phi-3's).
+    config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
     config["dtype"] = _FILE_DTYPES.get(meta.get("general.file_type", -1), "float32")
+    config.update(family_config(file, arch, config))
     return config

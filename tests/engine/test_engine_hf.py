@@ -20,7 +20,17 @@ NEW_TOKENS = 12
 PROMPT_LENS = [1, 5, 16, 37, 130, 300]
 
 # (arch, block_size): block sizes include non-powers of two.
-CASES = [("llama", 16), ("qwen2", 5), ("qwen3", 7), ("mistral", 3)]
+CASES = [
+    ("llama", 16),
+    ("qwen2", 5),
+    ("qwen3", 7),
+    ("mistral", 3),
+    ("gemma3", 4),
+    ("phi3", 16),
+    ("phi4", 5),
+    ("smollm3", 7),
+]
+FAMILIES = ["gemma3", "phi3", "phi4", "smollm3"]
 
 
 def hf_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
@@ -119,3 +129,62 @@ def test_prefix_caching_on_and_off_agree(tmp_path) -> None:
     )
     assert hits_on >= 3 * 40 and hits_off == 0
     assert results[True][1]["prefix_cache_queries"] > 0
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(arch, HF model dir, GGUF file written from it, prompts sharing a prefix, HF's greedy
+    tokens and logits for them). Gemma 3 takes the shape llama.cpp assumes (see test_gguf)."""
+    pytest.importorskip("gguf")
+    from helpers.gguf_models import write_gguf
+
+    arch = request.param
+    overrides = (
+        {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": None}
+        if arch == "gemma3"
+        else {}
+    )
+    model_dir = make_hf_model(tmp_path_factory.mktemp(arch), arch, seed=7, **overrides)
+    gguf_path = model_dir.parent / f"{arch}.gguf"
+    write_gguf(model_dir, gguf_path)  # F32: the very weights HF runs
+    rng = random.Random(arch)
+    shared = [rng.randrange(3, 512) for _ in range(21)]
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(k)] for k in (3, 26, 11, 40, 1)]
+    return arch, model_dir, gguf_path, prompts, hf_greedy(model_dir, prompts)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_families_with_prefix_caching_and_preemption(family, source: str, mode: str) -> None:
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.config import ModelConfig
+
+    arch, model_dir, gguf_path, prompts, expected = family
+    path = model_dir if source == "safetensors" else gguf_path
+    config = ModelConfig.from_hf(path)
+    block_bytes = PagedKVCache.bytes_per_block(
+        config.num_layers, 4, config.num_kv_heads, config.head_dim, "float32"
+    )
+    # 24 blocks of 4 tokens: fewer than the batch needs, so it preempts; chunks of 16 tokens.
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        preemption_mode=mode,
+        swap_space=64 * block_bytes if mode == "swap" else 0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    # The first alone, so the others find the shared prefix cached.
+    outputs = llm.generate(prompts[:1], params, use_tqdm=False)
+    outputs += llm.generate(prompts[1:], params, use_tqdm=False)
+    compared = compare_greedy(expected, outputs)
+    assert compared >= len(prompts) * NEW_TOKENS // 2, "too few tokens compared"
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 16 and stats["num_preemptions"] > 0, stats
+    if mode == "swap":
+        assert stats["num_swapped_out"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]

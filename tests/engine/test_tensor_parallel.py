@@ -35,6 +35,10 @@ CASES = [
     ("llama", {"num_key_value_heads": 1}),
     ("qwen2", {"vocab_size": 509}),
     ("qwen3", {}),
+    # Gemma 3's scaled embeddings, sandwich norms and logit cap; Phi-4's fused checkpoint
+    # tensors and partial rotary.
+    ("gemma3", {}),
+    ("phi4", {}),
 ]
 
 

@@ -56,7 +56,7 @@ class PagedBatch:
         return list(logits.split(query_lens))
 
 
-# (arch, config overrides): the four families, plus Qwen2 with a window on layer 1 only.
+# (arch, config overrides): the families, plus Qwen2 with a window on layer 1 only.
 VARIANTS = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
@@ -66,6 +66,10 @@ VARIANTS = {
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
     ),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    "phi4": ("phi4", {}),
+    "smollm3": ("smollm3", {}),
 }
 
 

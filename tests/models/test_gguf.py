@@ -30,7 +30,17 @@ CASES = [
     ("mistral", "Q8_0"),
     ("qwen2", "Q4_0"),
     ("qwen3", "F16"),
+    ("gemma3", "F32"),
+    ("gemma3", "Q8_0"),
+    ("phi3", "Q8_0"),
+    ("phi4", "F16"),
+    ("smollm3", "Q8_0"),
 ]
+# What llama.cpp's Gemma 3 loader assumes and its files therefore cannot say otherwise:
+# a query scale of head_dim ** -0.5 and every sixth layer global.
+GGUF_OVERRIDES = {
+    "gemma3": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": None}
+}
 
 
 def hf_reference(hf_dir, state):
@@ -45,12 +55,10 @@ def hf_reference(hf_dir, state):
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q}" for a, q in CASES])
 def test_gguf_matches_transformers(tmp_path, arch, qtype):
-    hf_dir = make_hf_model(tmp_path, arch)
+    hf_dir = make_hf_model(tmp_path, arch, **GGUF_OVERRIDES.get(arch, {}))
     path = tmp_path / f"{arch}-{qtype}.gguf"
     reference = hf_reference(hf_dir, write_gguf(hf_dir, path, qtype))
-    # The same shape; llama3 rope scaling travels as rope_freqs divisors, not config.
-    expected_config = replace(ModelConfig.from_hf(hf_dir), rope_scaling=None)
-    assert ModelConfig.from_hf(path) == expected_config
+    assert_same_shape(ModelConfig.from_hf(path), ModelConfig.from_hf(hf_dir))
     llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_blocks=32)
     params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1)
     (out,) = llm.generate([PROMPT], params, use_tqdm=False)
@@ -65,6 +73,62 @@ def test_gguf_matches_transformers(tmp_path, arch, qtype):
         )[0, len(PROMPT) :]
     assert out.outputs[0].token_ids == hf_tokens.tolist()
     llm.engine.kv_manager.check()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "phi4", "smollm3"])
+def test_converted_family_loads_in_transformers(tmp_path, arch):
+    from pagedkv.cli.convert import convert_gguf
+
+    hf_dir = make_hf_model(tmp_path, arch, **GGUF_OVERRIDES.get(arch, {}))
+    path = tmp_path / f"{arch}.gguf"
+    reference = hf_reference(hf_dir, write_gguf(hf_dir, path))
+    import transformers
+
+    converted_dir = convert_gguf(path, tmp_path / "converted")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(converted_dir).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits
+        got = converted(torch.tensor([PROMPT])).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
+def test_family_gguf_carries_its_tokenizer_and_chat_template(tmp_path, arch):
+    from helpers import make_tokenizer
+
+    from pagedkv.models.loader import load_tokenizer
+    from pagedkv.models.tokenizer import Tokenizer
+
+    hf_dir = make_hf_model(tmp_path, arch, **GGUF_OVERRIDES.get(arch, {}))
+    tokenizer_dir = make_tokenizer(tmp_path / "tokenizer")
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(hf_dir, path, tokenizer_dir=tokenizer_dir)
+    expected, got = Tokenizer.from_dir(tokenizer_dir), load_tokenizer(path)
+    assert got is not None and got.chat_template == expected.chat_template
+    text = "A paged KV cache, héllo wörld 🙂 <|im_end|>"
+    assert got.encode(text) == expected.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_blocks=32)
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    rendered = expected.apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt_token_ids == expected.encode(rendered, add_special_tokens=False)
+
+
+def assert_same_shape(got: ModelConfig, expected: ModelConfig) -> None:
+    """The GGUF file's config is the HF one's, but for what travels otherwise: llama3 rope
+    scaling as rope_freqs divisors, and LongRoPE's factors as float32 tensors."""
+    if expected.rope_scaling and expected.rope_scaling["rope_type"] == "llama3":
+        expected = replace(expected, rope_scaling=None)
+    if got.rope_scaling and got.rope_scaling["rope_type"] == "longrope":
+        assert expected.rope_scaling is not None
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            assert got.rope_scaling[key] == pytest.approx(expected.rope_scaling[key], rel=1e-6)
+        got = replace(got, rope_scaling=expected.rope_scaling)
+    if expected.rope_scaling and expected.rope_scaling["rope_type"] == "linear":
+        assert got.rope_scaling is not None
+        assert got.rope_scaling["factor"] == expected.rope_scaling["factor"]
+        got = replace(got, rope_scaling=expected.rope_scaling)
+    assert got == expected
 
 
 def test_hf_tensor_names_follow_gguf_package():

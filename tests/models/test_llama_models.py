@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import make_hf_model
@@ -19,12 +21,16 @@ def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def models(request, tmp_path_factory):
-    import transformers
-
     arch, overrides = VARIANTS[request.param]
     model_dir = make_hf_model(tmp_path_factory.mktemp("hf"), arch, **overrides)
+    return load_model(model_dir), load_hf(model_dir)
+
+
+def load_hf(model_dir) -> torch.nn.Module:
+    import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return load_model(model_dir), hf.eval()
+    return hf.eval()
 
 
 @torch.inference_mode()
@@ -60,12 +66,14 @@ def test_bfloat16_load_and_forward(models, tmp_path):
     model, hf = models
     hf.save_pretrained(tmp_path)
     model16 = load_model(tmp_path, dtype="bfloat16")
-    assert model16.dtype == torch.bfloat16 and model16.rotary_emb.inv_freq.dtype == torch.float32
+    assert model16.dtype == torch.bfloat16
+    assert all(rotary.inv_freq.dtype == torch.float32 for rotary in model16.rotary_embs)
     tokens = prompt(12, seed=4)
     (logits,) = PagedBatch(model16).step(model16, {0: tokens})
     assert logits.dtype == torch.float32
-    # bf16 keeps ~3 significant digits; compare against float32 loosely.
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=0.05, rtol=0.05)
+    # bf16 keeps ~3 significant digits; compare against HF in bf16, loosely.
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    torch.testing.assert_close(logits, hf_logits(hf16, tokens), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.gpu
@@ -85,3 +93,52 @@ def test_cuda_mixed_batch_matches_hf(models, tmp_path, dtype):
     out_a, out_b = batch.step(model, {0: a[-1:], 1: b[3:]})
     torch.testing.assert_close(out_a[-1], hf_logits(hf, a)[-1], **tol)
     torch.testing.assert_close(out_b, hf_logits(hf, b)[3:], **tol)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4"])
+@torch.inference_mode()
+def test_longrope_long_factors_past_the_original_length(tmp_path, arch):
+    # A prompt past the original 16 positions rotates with the long factors from its first
+    # token, and so does every decode step after it, as in transformers.
+    model_dir = make_hf_model(tmp_path, arch, original_max_position_embeddings=16)
+    hf = load_hf(model_dir)
+    model = load_model(model_dir)
+    assert model.rotary_embs[0].attention_factor > 1.0
+    tokens = prompt(21, seed=7)
+    batch = PagedBatch(model)
+    (logits,) = batch.step(model, {0: tokens})
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)
+    short = load_model(make_hf_model(tmp_path / "short", arch, original_max_position_embeddings=64))
+    (short_logits,) = PagedBatch(short).step(short, {0: tokens})
+    assert not torch.allclose(short_logits, logits, atol=1e-3)  # the factors matter here
+    for _ in range(3):
+        tokens.append(int(logits[-1].argmax()))
+        (logits,) = batch.step(model, {0: tokens[-1:]})
+        torch.testing.assert_close(logits[-1], hf_logits(hf, tokens)[-1], **TOL)
+
+
+@torch.inference_mode()
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    # Gemma3ForConditionalGeneration: the text model under `language_model.`, a vision tower
+    # beside it (not loaded); text-only prompts give transformers' logits (which this
+    # model, unlike Gemma3ForCausalLM, does not cap).
+    import transformers
+    from helpers.hf_models import hf_config
+
+    config = transformers.Gemma3Config(
+        text_config=hf_config("gemma3").to_dict(),
+        vision_config={
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+        },
+        mm_tokens_per_image=4, image_token_index=511, boi_token_index=509, eoi_token_index=510,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.config.architecture == "Gemma3ForConditionalGeneration"
+    tokens = prompt(21, seed=8)
+    (logits,) = PagedBatch(model).step(model, {0: tokens})
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), **TOL)

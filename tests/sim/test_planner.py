@@ -32,6 +32,13 @@ PUBLISHED_PARAMETERS = {
     "qwen2.5-72b": 72.7e9,
     "qwen3-8b": 8.19e9,
     "qwen3-32b": 32.8e9,
+    "gemma-3-270m": 268e6,
+    "gemma-3-1b": 1.00e9,
+    # The language model of the 4.30B checkpoint (less its 0.42B SigLIP vision tower).
+    "gemma-3-4b": 3.88e9,
+    "phi-3-mini": 3.82e9,
+    "phi-4-mini": 3.84e9,
+    "smollm3-3b": 3.08e9,
 }
 
 
@@ -56,6 +63,9 @@ def test_parameter_count_matches_published_size(name):
         ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),  # 7 query heads per KV head: 57,344 B
         ("qwen3-32b", 2 * 64 * 8 * 128 * 2),  # head_dim 128, not 5120 / 64 = 80: 262,144 B
         ("llama-3.1-405b", 2 * 126 * 8 * 128 * 2),  # 516,096 B
+        ("gemma-3-1b", 2 * 26 * 1 * 256 * 2),  # one KV head of 256: 26,624 B
+        ("gemma-3-4b", 2 * 34 * 4 * 256 * 2),  # from text_config: 139,264 B
+        ("phi-4-mini", 2 * 32 * 8 * 128 * 2),  # 131,072 B
     ],
 )
 def test_kv_bytes_per_token_by_hand(name, expected):
@@ -193,3 +203,21 @@ def test_unknown_model_and_dtype():
         load_model("llama-9")
     with pytest.raises(ValueError, match="expected a dtype"):
         plan_memory(load_model("qwen3-8b"), GIB, dtype="fp7")
+
+
+@pytest.mark.parametrize(
+    ("name", "num_sliding", "rotary_dim", "num_unrotated"),
+    [
+        ("gemma-3-270m", 15, 256, 0),  # every sixth of 18 layers global
+        ("gemma-3-1b", 22, 256, 0),
+        ("gemma-3-4b", 29, 256, 0),
+        ("phi-3-mini", 32, 96, 0),  # a 2,047-token window on every layer
+        ("phi-4-mini", 32, 96, 0),  # 0.75 of each 128-dimension head rotated
+        ("smollm3-3b", 0, 128, 9),  # every fourth of 36 layers without rotary
+    ],
+)
+def test_new_family_layer_types(name, num_sliding, rotary_dim, num_unrotated):
+    model = load_model(name)
+    assert sum(window is not None for window in model.sliding_windows) == num_sliding
+    assert model.rotary_dim == rotary_dim
+    assert sum(not rotated for rotated in model.rope_layers) == num_unrotated

@@ -49,7 +49,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
     """Write the Hugging Face directory of a GGUF checkpoint; returns `out_dir` as a Path.
 
     Args:
-        gguf_path: a `.gguf` file of a supported architecture (Llama, Mistral, Qwen2, Qwen3).
+        gguf_path: a `.gguf` file of a supported architecture (Llama, Mistral, Qwen2, Qwen3,
+            Gemma 3, Phi-3, SmolLM3).
         out_dir: created if needed; existing files of the same names are replaced.
         dtype: of the saved weights: "auto" (float32 for a quantized file, which holds every
             dequantized value exactly; else the file's), "float32", "bfloat16", "float16".
@@ -62,6 +63,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
     from safetensors.torch import save_file
 
     from pagedkv.gguf_file import hf_config_from_gguf, read_gguf
+    from pagedkv.models.checkpoint_layout import canonical_tensors
     from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
     from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
     from pagedkv.models.loader import checked_tensors, resolve_dtype
@@ -78,9 +80,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "au
         config.setdefault("sliding_window", None)
     config["dtype"] = config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     tensors = {
-        name: tensor.to(torch_dtype).contiguous()
-        for name, tensor in checked_tensors(iter_gguf_tensors(file, model), model)
+        name: tensor.to(torch_dtype).contiguous() for name, tensor in iter_gguf_tensors(file, model)
     }
+    # Checked in the loader's layout, written in the family's own (Phi-3's fused projections).
+    for _ in checked_tensors(canonical_tensors(tensors.items(), model), model):
+        pass
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -110,7 +114,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "convert",
         help="write a GGUF checkpoint as a Hugging Face model directory",
-        description="Dequantize a .gguf file (Llama, Mistral, Qwen2, Qwen3) and write "
+        description="Dequantize a .gguf file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, "
+        "SmolLM3) and write "
         "config.json, model.safetensors, tokenizer.json and tokenizer_config.json (with "
         'the chat template) to OUT_DIR. Needs: pip install "pagedkv[gguf]".',
     )

@@ -7,6 +7,7 @@ and under tensor parallelism holds its rank's share (`pagedkv.models.parallel`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from pagedkv.ops import AttentionMetadata
 
 _Device = torch.device | str | None
+Rope = Sequence[tuple[Tensor, Tensor]]
+"""A step's rotary tables: per rotary kind, (cos, sin), each [T, rotary_dim // 2]."""
 
 
 class Attention(nn.Module):
@@ -34,10 +37,12 @@ class Attention(nn.Module):
         config: ModelConfig,
         layer_idx: int,
         *,
+        rope_index: int | None,
         dtype: torch.dtype,
         device: _Device,
         tp: TensorParallel = NO_PARALLEL,
     ) -> None:
+        """`rope_index`: which of the step's rotary tables rotates this layer (None: none)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
@@ -46,9 +51,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         windows = config.sliding_windows
         self.sliding_window = windows[layer_idx] if windows else None
+        self.rope_index = rope_index
+        self.rotary_dim = config.rotary_dim
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = Linear(
             config.hidden_size,
@@ -58,18 +65,18 @@ class Attention(nn.Module):
         )
         # Row-parallel: each rank's product is a partial sum over its heads.
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, **factory)
+        norm = {"offset": config.norm_offset, **factory}
         self.q_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+            RMSNorm(self.head_dim, config.rms_norm_eps, **norm) if config.qk_norm else None
         )
         self.k_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if config.qk_norm else None
+            RMSNorm(self.head_dim, config.rms_norm_eps, **norm) if config.qk_norm else None
         )
 
     def forward(
         self,
         hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
@@ -81,14 +88,17 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
-        if self.q_norm is None or self.k_norm is None:
-            # q and k heads sit side by side in each row: rotate all of them in one pass.
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-            apply_rotary_(qk, cos, sin)
-        else:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-            apply_rotary_(q, cos, sin)
-            apply_rotary_(k, cos, sin)
+        if self.rope_index is not None:
+            cos, sin, rot = *rope[self.rope_index], self.rotary_dim
+            if self.q_norm is None:
+                # q and k heads sit side by side in each row: rotate all of them in one pass.
+                qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+                apply_rotary_(qk[..., :rot], cos, sin)
+            else:
+                apply_rotary_(q[..., :rot], cos, sin)
+                apply_rotary_(k[..., :rot], cos, sin)
         key_cache = kv_cache.key_caches[self.layer_idx]
         value_cache = kv_cache.value_caches[self.layer_idx]
         # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
@@ -110,7 +120,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP with gate and up projections fused into one matmul."""
+    """Gated MLP (SiLU, or tanh GELU for GeGLU) with gate and up projections fused into
+    one matmul."""
 
     def __init__(
         self,
@@ -126,46 +137,77 @@ class MLP(nn.Module):
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=False, **factory)
         self.down_proj = Linear(size, config.hidden_size, bias=False, **factory)
+        self.hidden_act = config.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden_size] -> [T, hidden_size]."""
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj.forward(F.silu(gate).mul_(up)))
+        if self.hidden_act == "gelu_tanh":
+            gated = F.gelu(gate, approximate="tanh")
+        else:
+            gated = F.silu(gate)
+        return self.tp.all_reduce(self.down_proj.forward(gated.mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With `config.sandwich_norm` (Gemma) each block's output is normed too:
+    x + norm(attn(norm(x))), then x + norm(mlp(norm(x))). The names are the checkpoint's:
+    Llama's `post_attention_layernorm` is the norm before the MLP, Gemma's the one after
+    attention (its norm before the MLP is `pre_feedforward_layernorm`).
+    """
 
     def __init__(
         self,
         config: ModelConfig,
         layer_idx: int,
         *,
+        rope_index: int | None,
         dtype: torch.dtype,
         device: _Device,
         tp: TensorParallel = NO_PARALLEL,
     ) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, device=device, tp=tp)
+        self.self_attn = Attention(
+            config, layer_idx, rope_index=rope_index, dtype=dtype, device=device, tp=tp
+        )
         self.mlp = MLP(config, dtype=dtype, device=device, tp=tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.input_layernorm = create_norm(config, dtype=dtype, device=device)
+        self.post_attention_layernorm = create_norm(config, dtype=dtype, device=device)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norm:
+            self.pre_feedforward_layernorm = create_norm(config, dtype=dtype, device=device)
+            self.post_feedforward_layernorm = create_norm(config, dtype=dtype, device=device)
 
     def forward(
         self,
         hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size], updated in place (residual adds)."""
         # `.forward` directly: these modules never carry hooks (see `Attention.forward`).
         normed = self.input_layernorm.forward(hidden)
-        hidden += self.self_attn.forward(normed, cos, sin, kv_cache, attn_metadata)
-        hidden += self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+        attended = self.self_attn.forward(normed, rope, kv_cache, attn_metadata)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden += attended
+            hidden += self.mlp.forward(self.post_attention_layernorm.forward(hidden))
+            return hidden
+        hidden += self.post_attention_layernorm.forward(attended)
+        out = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
+        hidden += self.post_feedforward_layernorm.forward(out)
         return hidden
+
+
+def create_norm(config: ModelConfig, *, dtype: torch.dtype, device: _Device) -> RMSNorm:
+    """An RMSNorm over the hidden size, in the family's style (`config.norm_offset`)."""
+    return RMSNorm(
+        config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
+        dtype=dtype, device=device,
+    )  # fmt: skip
 
 
 class DecoderModel(nn.Module):
@@ -174,11 +216,13 @@ class DecoderModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        rope_indices: Sequence[int | None],
         *,
         dtype: torch.dtype,
         device: _Device,
         tp: TensorParallel = NO_PARALLEL,
     ) -> None:
+        """`rope_indices`: per layer, its rotary table in the step's `Rope` (None: none)."""
         super().__init__()
         # Vocabulary-parallel: this rank's rows of the table (all of it with one rank). The
         # table is given, not initialized: the checkpoint fills it, and `reset_parameters`
@@ -189,7 +233,7 @@ class DecoderModel(nn.Module):
             _weight=torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
         )  # fmt: skip
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype=dtype, device=device, tp=tp)
-            for i in range(config.num_layers)
+            DecoderLayer(config, i, rope_index=index, dtype=dtype, device=device, tp=tp)
+            for i, index in enumerate(rope_indices)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = create_norm(config, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from pagedkv.models.decoder import DecoderLayer
+from pagedkv.models.decoder import DecoderLayer, Rope
 from pagedkv.models.layers import RMSNorm
 
 if TYPE_CHECKING:
@@ -41,15 +41,14 @@ class Executor(Protocol):
     def run(
         self,
         hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
         logit_rows: Sequence[int] | None,
     ) -> ModelOutput:
         """hidden: [T, hidden_size] embedded tokens (the residual stream, updated in place);
-        cos, sin: [T, head_dim // 2]; logit_rows: the rows whose logits are returned (None:
-        every row)."""
+        rope: the step's rotary tables (`decoder.Rope`); logit_rows: the rows whose logits
+        are returned (None: every row)."""
 
 
 class LayerExecutor:
@@ -61,15 +60,14 @@ class LayerExecutor:
     def run(
         self,
         hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
         logit_rows: Sequence[int] | None,
     ) -> ModelOutput:
         """See `Executor.run`."""
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
+            hidden = layer.forward(hidden, rope, kv_cache, attn_metadata)
         hidden = self.norm.forward(hidden)
         return ModelOutput(hidden, self.logits(hidden, logit_rows))
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from pagedkv.models.decoder import DecoderLayer
+from pagedkv.models.decoder import DecoderLayer, Rope
 from pagedkv.models.executor import LayerExecutor, LogitsFn, ModelOutput, select_rows
 from pagedkv.ops import step_plan
 from pagedkv.ops.cpu import CpuPlan
@@ -66,8 +66,7 @@ class FusedDecodeExecutor:
     def run(
         self,
         hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         kv_cache: PagedKVCache,
         attn_metadata: AttentionMetadata,
         logit_rows: Sequence[int] | None,
@@ -81,6 +80,7 @@ class FusedDecodeExecutor:
             ).state  # fmt: skip
             if isinstance(plan, CpuPlan) and plan.is_decode_only(num_real):
                 with_head = rows <= self.head_rows
+                ((cos, sin),) = rope  # one rotary kind over whole heads (`fused_decode_applies`)
                 final, logits = decode_layers(
                     hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.weights,
                     kv_cache.key_pool, kv_cache.value_pool, plan, self.scale, with_head,
@@ -89,7 +89,7 @@ class FusedDecodeExecutor:
                 if logits is None:
                     return ModelOutput(final, self.logits(final, logit_rows))
                 return ModelOutput(final, select_rows(logits, logit_rows))
-        return self.layers.run(hidden, cos, sin, kv_cache, attn_metadata, logit_rows)
+        return self.layers.run(hidden, rope, kv_cache, attn_metadata, logit_rows)
 
 
 def _layer_weights(layer: DecoderLayer) -> dict[str, Tensor | None]:

@@ -3,8 +3,8 @@
 The tensor table comes from `pagedkv.gguf_file`; the bytes of each tensor are dequantized by
 the `gguf` package (llama.cpp's own Python tooling: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants,
 the IQ types, F16, BF16, F32) to float32, renamed to the Hugging Face layout the loader
-validates, and for the "llama" architecture (Llama, Mistral) the rows of the q and k
-projections are put back in Hugging Face's order (llama.cpp's converter interleaves them for
+validates, and for the "llama" (Llama, Mistral) and "smollm3" architectures the rows of the
+q and k projections are put back in Hugging Face's order (llama.cpp's converter interleaves them for
 its rotary kernel; transformers' GGUF loader undoes it the same way).
 """
 
@@ -38,19 +38,37 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's layer names differ from Llama's (Gemma 3's four norms: its
+# `ffn_norm` is the one before the MLP; Phi-3's fused projections, split by the loader).
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# Architectures whose q and k rows llama.cpp's converter interleaves (see `_unpermute_rotary`).
+_INTERLEAVED = ("llama", "smollm3")
+# llama.cpp stores Gemma's norm weights with its `1 +` added (the loader wants the raw ones).
+_NORM_SHIFTS = {"gemma3": 1.0}
+# Tensors that are no weights: rotary factors, read with the config (`gguf_families`).
+_NOT_WEIGHTS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Per-dimension rotary divisors (llama3 rope scaling), applied to inv_freq, not a weight.
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_tensor_name(name: str) -> str:
-    """The Hugging Face name of GGUF tensor `name` (`blk.3.attn_q.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`); unknown names come back unchanged."""
+def hf_tensor_name(name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of GGUF tensor `name` of architecture `arch`
+    (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`); unknown names come
+    back unchanged."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return name
 
 
@@ -116,12 +134,15 @@ def iter_gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
         ValueError: a tensor of an unsupported quantization type.
     """
     data = np.memmap(file.path, dtype=np.uint8, mode="r")
-    interleaved = file.metadata.get("general.architecture") == "llama"
+    arch = str(file.metadata.get("general.architecture"))
+    interleaved = arch in _INTERLEAVED
     for info in file.tensors.values():
-        if info.name == ROPE_FREQS:
+        if info.name == ROPE_FREQS or info.name in _NOT_WEIGHTS:
             continue
         tensor = dequantize(file, info, data)
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, arch)
+        if arch in _NORM_SHIFTS and name.endswith("norm.weight"):
+            tensor -= _NORM_SHIFTS[arch]
         if interleaved and ".self_attn.q_proj." in name:
             tensor = _unpermute_rotary(tensor, config.num_heads)
         elif interleaved and ".self_attn.k_proj." in name:

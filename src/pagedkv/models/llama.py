@@ -1,4 +1,5 @@
-"""Llama, Mistral, Qwen2 and Qwen3 in one implementation, switched by `ModelConfig` flags.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3 and SmolLM3 in one implementation, switched
+by `ModelConfig` flags.
 
 Every forward is one flat batch: the new tokens of all sequences of a step (prefill chunks
 and decode tokens alike) concatenated into `[num_tokens, hidden]`, no padding. Each layer
@@ -10,6 +11,11 @@ Differences within the family, all from the config:
     head_dim         may differ from hidden_size // num_heads (Qwen3)
     sliding_windows  per-layer attention window (Mistral; Qwen2 layer_types)
     tie_word_embeddings  the LM head reuses the embedding matrix (no `lm_head` weight)
+    norm_offset, sandwich_norm, hidden_act, attention_scale, embedding_scale,
+    final_logit_softcapping  Gemma 3's layer options (`pagedkv.families`)
+    partial_rotary_factor, rope_local_theta, rope_layers, rope_scaling
+                     which dimensions of which layers rotate, by which table (Phi-3,
+                     Gemma 3, SmolLM3; `rotary_kinds`)
 
 Under tensor parallelism (`tp`, see `pagedkv.models.parallel`) every module holds its rank's
 share and the sizes (`num_heads`, `q_size`, ...) are that share's. The decoder blocks are in
@@ -20,7 +26,7 @@ them, which picks its executor and products once (`use_cpu_runtime`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +35,7 @@ from torch import Tensor, nn
 from pagedkv.config import ModelConfig
 from pagedkv.models.decoder import DecoderLayer, DecoderModel
 from pagedkv.models.executor import Executor, LayerExecutor, ModelOutput, select_rows
-from pagedkv.models.layers import RotaryEmbedding, compute_inv_freq
+from pagedkv.models.layers import RotaryEmbedding, create_rotary
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.runtime.linear import Linear
 from pagedkv.runtime.tuning import CpuTuning
@@ -66,11 +72,19 @@ class CausalLM(nn.Module):
         check_split(config, tp.size)
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, dtype=dtype, device=device, tp=tp)
-        inv_freq = compute_inv_freq(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        kinds, rope_indices = rotary_kinds(config)
+        self.model = DecoderModel(config, rope_indices, dtype=dtype, device=device, tp=tp)
+        self.rotary_embs = nn.ModuleList(
+            create_rotary(
+                config.rotary_dim, theta, scaling, config.max_position_embeddings, device=device
+            )
+            for theta, scaling in kinds
         )
-        self.rotary_emb = RotaryEmbedding(inv_freq, device=device)
+        self.embedding_scale: float | None = None
+        if config.embedding_scale is not None:
+            # HF multiplies by the scale rounded to the model dtype.
+            rounded = torch.tensor(config.embedding_scale, device="cpu").to(dtype)
+            self.embedding_scale = float(rounded)
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             vocab = tp.vocab_part(config.vocab_size)
@@ -129,8 +143,22 @@ class CausalLM(nn.Module):
                 f"{attn_metadata.num_tokens} rows, got {input_ids.shape[0]}"
             )
         hidden = self._embed(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        return self.executor.run(hidden, cos, sin, kv_cache, attn_metadata, logit_rows)
+        if self.embedding_scale is not None:
+            hidden.mul_(self.embedding_scale)
+        return self.executor.run(
+            hidden, self._rope(positions, hidden.dtype, attn_metadata), kv_cache, attn_metadata,
+            logit_rows,
+        )  # fmt: skip
+
+    def _rope(
+        self, positions: Tensor, dtype: torch.dtype, attn_metadata: AttentionMetadata
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The step's rotary tables, one (cos, sin) per kind (`decoder.Rope`)."""
+        embeddings = cast("Sequence[RotaryEmbedding]", self.rotary_embs)
+        seq_lens = None
+        if any(embedding.needs_seq_lens for embedding in embeddings):
+            seq_lens = token_seq_lens(attn_metadata, positions.shape[0])
+        return [embedding(positions, dtype, seq_lens) for embedding in embeddings]
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         """[T] -> [T, hidden_size]; under tensor parallelism each rank looks up the ids in
@@ -162,6 +190,9 @@ class CausalLM(nn.Module):
             logits = head.forward(hidden)
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # in the model dtype, as HF does
         return logits.float()
 
     def use_cpu_runtime(
@@ -180,8 +211,8 @@ class CausalLM(nn.Module):
             matvec: products of a few rows (`tuning.matvec_rows`) in the matrix-vector
                 kernel, on one thread or on all.
             fused_decode: decode steps of at most `tuning.fused_decode_rows` rows through
-                every layer, the final norm and the LM head in one compiled call (one rank,
-                one sliding window or none for every layer).
+                every layer, the final norm and the LM head in one compiled call, where
+                `fused_decode_applies` (one rank, and Llama's layer in every layer).
             onednn: every other product through oneDNN (`runtime.linear.Linear`).
             tuning: the knobs (default: `CpuTuning()`).
 
@@ -190,8 +221,7 @@ class CausalLM(nn.Module):
         """
         tuning = tuning or CpuTuning()
         kernels = self.device.type == "cpu" and self.dtype in _KERNEL_DTYPES
-        windows = {layer.self_attn.sliding_window for layer in self._layers()}
-        fused = fused_decode and kernels and self.tp.size == 1 and len(windows) == 1
+        fused = fused_decode and kernels and self.tp.size == 1 and fused_decode_applies(self.config)
         dtype_name = str(self.dtype).removeprefix("torch.")
         few_rows = tuning.matvec_rows(dtype_name) if matvec and kernels else 0
         if self.lm_head is None and (few_rows or onednn):
@@ -218,3 +248,54 @@ class CausalLM(nn.Module):
     def _layers(self) -> Sequence[DecoderLayer]:
         """The decoder layers, typed (an `nn.ModuleList` yields plain modules)."""
         return cast("Sequence[DecoderLayer]", self.model.layers)
+
+
+def fused_decode_applies(config: ModelConfig) -> bool:
+    """Whether the compiled decode step (`pagedkv.runtime.decode`) computes what the layers
+    do: it has Llama's layer only (plain RMSNorm, two norms, SiLU, no logit cap), one
+    rotary table over whole heads for every layer, and one window or none for all."""
+    kinds, indices = rotary_kinds(config)
+    return (
+        config.norm_offset == 0.0
+        and not config.sandwich_norm
+        and config.hidden_act == "silu"
+        and config.final_logit_softcapping is None
+        and config.rotary_dim == config.head_dim
+        and len(kinds) == 1
+        and None not in indices
+        and len(set(config.sliding_windows or (None,))) == 1
+    )
+
+
+RotaryKind = tuple[float, "dict[str, Any] | None"]
+"""A rotary table's (base, scaling)."""
+
+
+def rotary_kinds(config: ModelConfig) -> tuple[list[RotaryKind], list[int | None]]:
+    """The distinct rotary tables of `config` and, per layer, the index of its own (None for
+    a layer without rotary: SmolLM3's `rope_layers`). Gemma 3's sliding layers rotate with
+    `rope_local_theta`, unscaled; every other layer with `rope_theta` and `rope_scaling`."""
+    kinds: list[RotaryKind] = []
+    indices: list[int | None] = []
+    windows = config.sliding_windows or (None,) * config.num_layers
+    rotated = config.rope_layers or (True,) * config.num_layers
+    for window, is_rotated in zip(windows, rotated, strict=True):
+        if not is_rotated:
+            indices.append(None)
+            continue
+        kind: RotaryKind = (config.rope_theta, config.rope_scaling)
+        if window is not None and config.rope_local_theta is not None:
+            kind = (config.rope_local_theta, None)
+        if kind not in kinds:
+            kinds.append(kind)
+        indices.append(kinds.index(kind))
+    return kinds, indices
+
+
+def token_seq_lens(attn_metadata: AttentionMetadata, num_rows: int) -> Tensor:
+    """[num_rows] int64: each token's sequence length at the end of the step (0 for the
+    padding rows past `attn_metadata.num_tokens`)."""
+    query_lens = attn_metadata.query_start_loc.diff()
+    num_real = attn_metadata.num_tokens
+    lens = attn_metadata.seq_lens.long().repeat_interleave(query_lens, output_size=num_real)
+    return F.pad(lens, (0, num_rows - num_real))

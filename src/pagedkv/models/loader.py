@@ -21,9 +21,11 @@ from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.cache.kv_cache import DTYPES_BY_NAME
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import is_gguf_path, read_gguf
+from pagedkv.models.checkpoint_layout import canonical_tensors
 from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
 from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
+from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.models.llama import CausalLM
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, shard_of
 from pagedkv.models.tokenizer import Tokenizer
@@ -84,8 +86,9 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
         shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
-        shapes[f"{p}input_layernorm.weight"] = (h,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        norms = ("input", "post_attention", "pre_feedforward", "post_feedforward")
+        for norm in norms[: 4 if config.sandwich_norm else 2]:
+            shapes[f"{p}{norm}_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -186,18 +189,20 @@ def load_model(
         tensors = _iter_tensors(_checkpoint_files(model_dir))
     else:
         tensors = iter_gguf_tensors(gguf_file, config)
+    tensors = canonical_tensors(tensors, config)
     # Parameters start on the meta device: no time spent on a random init that the
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
         model = CausalLM(config, dtype=torch_dtype, tp=tp)
-    # The rotary buffer, no checkpoint tensor, is computed on the CPU even here: the huge
-    # pages placement keeps it, `to_empty` leaves it uninitialized.
-    inv_freq = model.rotary_emb.inv_freq
+    # The rotary buffers, no checkpoint tensors, are computed on the CPU even here: the huge
+    # pages placement keeps them, `to_empty` leaves them uninitialized.
+    rotary = {name: b.clone() for name, b in model.rotary_embs.named_buffers()}
     if torch.device(device).type == "cpu":
         _place_on_huge_pages(model)
     else:
         model.to_empty(device=device)
-        model.rotary_emb.inv_freq.copy_(inv_freq)
+        for name, buffer in model.rotary_embs.named_buffers():
+            buffer.copy_(rotary[name])
     if tp.vocab_part(config.vocab_size) * tp.size != config.vocab_size:
         # The last rank's vocabulary rows past the real vocabulary: never looked up, and
         # their logits are cut off, but they must not hold NaN from uninitialized memory.
@@ -206,7 +211,9 @@ def load_model(
             model.lm_head.weight.data.zero_()
     divisors = rope_divisors(gguf_file) if gguf_file is not None else None
     if divisors is not None:
-        model.rotary_emb.inv_freq.div_(divisors.to(model.rotary_emb.inv_freq.device))
+        for embedding in model.rotary_embs.modules():
+            if isinstance(embedding, RotaryEmbedding):
+                embedding.inv_freq.div_(divisors.to(embedding.inv_freq.device))
     with torch.no_grad():
         for name, source in checked_tensors(tensors, config):
             tensor = _read(source, shard_of(name, config, tp))
