@@ -32,6 +32,14 @@ loads: spinning OpenMP waits stall every 2-thread system whenever another proces
 
 With `--tensor-parallel-size N` each workload also runs on pagedkv split over N processes
 (gloo), the machine's threads shared between them, beside the one-process run.
+
+With `--gguf FILE` the model is that file (pagedkv loads it in each dtype; transformers,
+which needs a Hugging Face directory, is skipped), and with `--llama-cpp-bin DIR` (a llama.cpp
+build's bin/) each workload also runs on llama.cpp's `llama-server` on the same file with the
+same threads: one slot per request (`-np`), every request sent at once over HTTP, greedy,
+EOS ignored (`llamacpp_runner.server`).
+
+    python benchmarks/bench_engine.py --gguf model.Q4_1.gguf --llama-cpp-bin ~/llama.cpp/build/bin
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import llamacpp_runner  # noqa: E402 (benchmarks/ is on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import print_table, write_results  # noqa: E402 (benchmarks/ is on sys.path)
+from _common import print_table, write_results  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import ModelConfig  # noqa: E402
@@ -441,6 +450,8 @@ def bench_throughput(
             f"{floor / mm_alone:.2f} with nothing but matmuls",
             flush=True,
         )
+        if args.llama_cpp is not None:
+            runs["llama.cpp server"] = run_llamacpp_server(args, workload)
         if hf_model is not None:
             runs["hf_static"] = run_hf_static(hf_model, workload)
             runs["hf_continuous"] = run_hf_continuous(hf_model, workload, args.hf_max_batch_tokens)
@@ -461,6 +472,23 @@ def bench_throughput(
             rows.append(row)
             print(_format_row(row), flush=True)
     return rows
+
+
+def run_llamacpp_server(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """The workload on `llama-server` (one slot per request, all sent at once), timed from
+    the first request sent to the last answer, after one untimed request."""
+    slot_context = max(
+        len(p) + m for p, m in zip(workload.prompts, workload.max_tokens, strict=True)
+    )
+    slots = len(workload.prompts)
+    with llamacpp_runner.server(
+        args.llama_cpp, args.gguf, args.threads, slots, slot_context + 16
+    ) as url:
+        llamacpp_runner.complete(url, workload.prompts[0][:8], 2)
+        seconds, tokens = llamacpp_runner.serve_concurrently(
+            url, workload.prompts, workload.max_tokens
+        )
+    return {"seconds": seconds, "tokens": [[t] for t in tokens]}
 
 
 def _agreement(ours: Tokens, theirs: Tokens) -> float:
@@ -541,8 +569,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="reuse this random checkpoint (written there if missing)",
     )
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="this GGUF file as the model (no transformers)"
+    )
+    parser.add_argument(
+        "--llama-cpp-bin",
+        dest="llama_cpp",
+        type=Path,
+        default=None,
+        metavar="BIN_DIR",
+        help="llama.cpp's build/bin: its llama-server runs the --gguf file alongside",
+    )
     parser.add_argument("--output", type=Path, default=None, help="JSON path")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.llama_cpp is not None and args.gguf is None:
+        parser.error("--llama-cpp-bin: expected --gguf FILE too (llama.cpp runs that file)")
+    args.skip_hf |= args.gguf is not None
+    return args
 
 
 def _set_threads(threads: int) -> None:
@@ -559,8 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = QUICK_MODEL if args.quick else FULL_MODEL
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or Path(tmp) / "model"
-        if not (model_dir / "config.json").exists():
+        model_dir = args.gguf or args.model_dir or Path(tmp) / "model"
+        if args.gguf is None and not (model_dir / "config.json").exists():
             save_random_checkpoint(model_dir, hf_config, seed=0)
         config = ModelConfig.from_hf(model_dir)
         workloads = make_workloads(config.vocab_size, quick=args.quick)
@@ -605,7 +648,8 @@ def _write(
     ]:
         run.pop("tokens", None)
     config = {
-        "model": hf_config,
+        "model": str(args.gguf) if args.gguf is not None else hf_config,
+        "llama_cpp_bin": None if args.llama_cpp is None else str(args.llama_cpp),
         "quick": args.quick,
         "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

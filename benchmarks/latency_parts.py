@@ -6,7 +6,7 @@ Per-step parts come from a real decode run, each entry point wrapped with a time
 and plan, the forward (with the sampled rows' LM head), the prompt rows' LM head, the
 sampler; "engine, other" is the rest of `LLMEngine.step` (outputs, metrics). Per-layer parts
 are timed alone on the model's own weights and the step's own metadata, all layers in a row
-as the forward runs them: the four matmuls (packed or plain, as the model holds them), the
+as the forward runs them: the four matmuls (through the products the model chose), the
 two norms, the rotary embedding, `write_kv`, attention, the SiLU gate and residual adds;
 "Python and dispatch" is the forward less their sum. Where the model runs its decoder stack
 in one compiled call (`FusedDecodeExecutor`), the parts are the matmuls (the same kernels,

@@ -1,15 +1,24 @@
-"""llama.cpp as the anchor of `bench_latency.py`: GGUFs from the same Hugging Face directory
-by its own converter, timed by its own `llama-batched-bench`. Nothing of llama.cpp lives in
-this repository; pass the directory of a build's binaries. The converter needs the `gguf`
-and `sentencepiece` packages.
+"""llama.cpp as the anchor of `bench_latency.py` and `bench_engine.py`: a GGUF given, or
+written from the same Hugging Face directory by its own converter; latency timed by its own
+`llama-batched-bench`, throughput by its `llama-server` answering concurrent HTTP requests.
+Nothing of llama.cpp lives in this repository; pass the directory of a build's binaries. The
+converter needs the `gguf` and `sentencepiece` packages.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +80,7 @@ def batched_bench(
         "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads),
         "-fa", "off", "--output-format", "jsonl",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in _WAIT_POLICY_VARIABLES}
-    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=_env())
     runs = []
     # Its log goes to stdout or stderr depending on the build's logger settings: read both.
     for line in (done.stdout + done.stderr).splitlines():
@@ -87,3 +95,83 @@ def batched_bench(
         raise RuntimeError(f"llama-batched-bench: expected {len(batches)} results, got:\n"
                            f"{done.stdout}\n{done.stderr[-2000:]}")  # fmt: skip
     return runs
+
+
+def _env() -> dict[str, str]:
+    """This environment less the wait-policy variables (see `batched_bench`)."""
+    return {k: v for k, v in os.environ.items() if k not in _WAIT_POLICY_VARIABLES}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def server(bin_dir: Path, gguf: Path, threads: int, slots: int, slot_context: int) -> Iterator[str]:
+    """A `llama-server` on `gguf` for the block: its base URL once it answers /health.
+
+    `slots` sequences decode together (`-np`), each with `slot_context` tokens of KV
+    (`-c` is their sum); flash attention off, the threads and thread policy as in
+    `batched_bench`.
+
+    Raises:
+        RuntimeError: the server exited or did not come up within five minutes.
+    """
+    port = _free_port()
+    command = [
+        str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+        "--port", str(port), "-np", str(slots), "-c", str(slots * slot_context),
+        "-t", str(threads), "-tb", str(threads), "-b", "2048", "-ub", "512", "-fa", "off",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=_env())  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, deadline=time.monotonic() + 300)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited:\n{process.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("llama-server: no answer on /health within five minutes")
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy `/completion` of token ids, EOS ignored, no prompt cache: its token ids."""
+    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+            "ignore_eos": True, "cache_prompt": False, "return_tokens": True}  # fmt: skip
+    request = urllib.request.Request(f"{url}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        reply = json.load(response)
+    if reply.get("tokens_predicted") != max_tokens:
+        raise RuntimeError(f"llama-server: expected {max_tokens} tokens, got {reply!r:.500}")
+    return list(reply.get("tokens") or [])
+
+
+def serve_concurrently(
+    url: str, prompts: list[list[int]], max_tokens: list[int]
+) -> tuple[float, list[list[int]]]:
+    """Send every request at once (one connection each): seconds until the last answer,
+    and each request's token ids."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        start = time.perf_counter()
+        tokens = list(pool.map(partial(complete, url), prompts, max_tokens))
+        return time.perf_counter() - start, tokens

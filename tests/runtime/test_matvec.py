@@ -128,20 +128,20 @@ def test_a_layer_uses_the_kernel_up_to_its_rows_only(monkeypatch):
 
     monkeypatch.setattr(products, "linear_rows", kernel)
     limit = CpuTuning().matvec_rows("float32")
-    layer.use_products(limit, onednn=False, keep_plain=False)
+    layer.use_products(limit, onednn=False)
     for rows in (1, limit, limit + 1):
         layer.forward(torch.randn(rows, 24))
     assert calls == [1, limit]
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16")
-def test_the_kernel_reads_the_plain_copy_and_onednn_a_packed_one(tmp_path):
+def test_the_kernel_and_onednn_read_the_same_plain_weight(tmp_path):
     model_dir = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
     plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
     both = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
     both.use_cpu_runtime(matvec=True, fused_decode=False, onednn=True)
     layer, reference = both.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
-    assert layer.onednn and not layer.weight.is_mkldnn and layer.packed.is_mkldnn
+    assert layer.onednn and not layer.weight.is_mkldnn
     limit = CpuTuning().matvec_rows("bfloat16")
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, plain.config.hidden_size).to(torch.bfloat16)

@@ -29,6 +29,7 @@ from pagedkv.sim.planner import (
 )
 from pagedkv.sim.policies import POLICIES, StepCost, create_policy
 from pagedkv.sim.simulator import PolicyResult, simulate
+from pagedkv.sim.weight_formats import QUANTIZATIONS
 from pagedkv.sim.workload import (
     DEPRECATED_WORKLOADS,
     WORKLOAD_MIXES,
@@ -55,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
     plan.add_argument("--kv-dtype", help="KV cache dtype (default: --dtype)")
+    plan.add_argument(
+        "--quantization",
+        default="none",
+        help=f"weights' storage: {', '.join(QUANTIZATIONS)} (GGUF block formats, mixed as "
+        "llama-quantize mixes them; default none: every weight in --dtype)",
+    )
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     plan.add_argument(
@@ -159,6 +166,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tp=args.tp,
         block_size=args.block_size,
         activation_margin=args.activation_margin,
+        quantization=args.quantization,
     )
     print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
     return 0

@@ -118,8 +118,8 @@ def matvec_rows(dtype: Any, repeats: int) -> int:
     layers = [Linear(_HIDDEN, 2 * _INTERMEDIATE, False, dtype=dtype) for _ in range(2)]
     for layer in layers:
         layer.weight.data.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
-    layers[0].use_products(max(MATVEC_CANDIDATES), onednn=True, keep_plain=True)
-    layers[1].use_products(0, onednn=True, keep_plain=True)
+    layers[0].use_products(max(MATVEC_CANDIDATES), onednn=True)
+    layers[1].use_products(0, onednn=True)
 
     def wins(rows: int) -> bool:
         x = torch.randn(rows, _HIDDEN).to(dtype)

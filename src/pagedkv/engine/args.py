@@ -91,9 +91,8 @@ class EngineArgs:
     )
     pack_weights: bool = _option(
         True,
-        "multiply with oneDNN on the CPU: float32 weights as they are, bfloat16 ones packed in "
-        "its blocked layout (beside the plain copy where the few-row kernels read it, so such "
-        "bfloat16 weights are held twice; off: each weight held once, slower past the few rows)",
+        "multiply past the few rows with oneDNN on the CPU, on the weights as loaded (each "
+        "held once; off: torch's matmul, MKL's in float32)",
     )
     cpu_matvec: bool = _option(
         True,

@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
             self.tied_head = Linear(hidden, vocab, bias=False, weight=embedding)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_products(few_rows, onednn, keep_plain=fused, tuning=tuning)
+                module.use_products(few_rows, onednn, tuning=tuning)
         if fused:
             from pagedkv.models.fused_executor import FusedDecodeExecutor  # Numba
 

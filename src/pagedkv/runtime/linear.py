@@ -3,15 +3,14 @@ machine (`Linear.use_products`), one call per product on the step path.
 
     rows <= few_rows   the matrix-vector kernel (`products.linear_rows`): each weight
                        row read once, on the calling thread or on every one
-    otherwise          oneDNN (`onednn=True`): a plain float32 weight, or a bfloat16 one
-                       packed in oneDNN's blocked layout; else torch's `F.linear`
+    otherwise          oneDNN (`onednn=True`) on the plain float32 or bfloat16 weight;
+                       else torch's `F.linear`
 
-The matrix-vector kernel and the compiled decoder stack read the plain weight in place. A
-bfloat16 weight that they read and oneDNN multiplies is therefore held twice, plain and
-packed: oneDNN reorders a plain bfloat16 weight on every call, which costs most where a
-product is bound by reading the weight (an LM head at a decode step past the few rows).
-Where nothing reads the plain copy it is released, and with `onednn=False` every weight is
-held once (docs/benchmarks.md has what each choice costs).
+Every weight is held once, plain, where the loader put it: the matrix-vector kernel, the
+compiled decoder stack and oneDNN all read that one tensor. oneDNN reorders a plain
+bfloat16 weight into its blocked layout on each call (a buffer freed after the call); a
+packed copy kept for it would sit beside the plain one, since the kernels read the plain
+one and the loader's single mapping of every weight keeps a replaced weight's pages.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T (+ bias)` through oneDNN; `weight` plain (float32 or bfloat16) or
-    packed bfloat16 (the same bits)."""
+    """`x @ weight.T (+ bias)` through oneDNN; `weight` [out, in], float32 or bfloat16."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -73,41 +71,24 @@ class Linear(nn.Module):
         self.few_rows = 0  # products of at most this many rows go to `matvec`
         self.matvec: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
-        self.packed: Tensor | None = None  # the oneDNN copy beside a plain weight still read
 
-    def use_products(
-        self, few_rows: int, onednn: bool, keep_plain: bool, tuning: CpuTuning | None = None
-    ) -> None:
+    def use_products(self, few_rows: int, onednn: bool, tuning: CpuTuning | None = None) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
-        never; its knobs from `tuning`), oneDNN past them (else torch). `keep_plain`:
-        another reader (the compiled decoder stack) needs the plain weight, so a packed
-        bfloat16 copy is held beside it."""
+        never; its knobs from `tuning`), oneDNN past them (else torch); all read `weight`."""
         weight = self.weight.detach()
         if few_rows:
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
 
             self.few_rows, self.matvec = few_rows, linear_rows(weight, self.bias, tuning)
-        is_bf16 = weight.dtype == torch.bfloat16
         # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not:
         # the bits could differ, so biased bfloat16 layers stay with torch.
         self.onednn = onednn and can_pack(weight.dtype, weight.device)
-        self.onednn &= not (is_bf16 and self.bias is not None)
-        if not (self.onednn and is_bf16):
-            return
-        # The batch-size hint picks the blocking; decode-sized batches are the ones bound by
-        # reading the weight, and every other size gives the same bits.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        if few_rows or keep_plain:
-            self.packed = packed
-        else:
-            del self.weight
-            self.register_buffer("weight", packed)
+        self.onednn &= not (weight.dtype == torch.bfloat16 and self.bias is not None)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features]."""
         if x.shape[0] <= self.few_rows:
             return self.matvec(x)  # type: ignore[misc]
         if self.onednn:
-            weight = self.weight if self.packed is None else self.packed
-            return onednn_linear(x, weight, self.bias)
+            return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -2,7 +2,8 @@
 
 Standard library only. The arithmetic, per GPU under tensor parallelism `tp`:
 
-    weight_bytes       = ceil(num_parameters x dtype_bytes / tp)
+    weight_bytes       = ceil(num_parameters x dtype_bytes / tp), or with a quantization
+                         ceil(bytes of every matrix in its block format / tp) (weight_formats.py)
     kv_heads_per_gpu   = num_kv_heads / tp, or 1 when tp > num_kv_heads (heads replicated)
     kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu x head_dim x kv_dtype_bytes
     kv_bytes_per_block = kv_bytes_per_token x block_size
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import DTYPE_BYTES, ModelConfig
+from pagedkv.sim.weight_formats import weight_bytes_by_format
 
 ACTIVATION_MARGIN = 0.10
 """Share of each GPU's memory held back from the KV cache for what the plan does not count
@@ -95,6 +97,8 @@ class Plan:
     num_parameters: int
     dtype: str
     kv_dtype: str
+    quantization: str
+    weight_formats: tuple[tuple[str, int], ...]  # (format, bytes per GPU), largest first
     tp: int
     block_size: int
     context: int
@@ -130,6 +134,7 @@ def plan_memory(
     tp: int = 1,
     block_size: int = 16,
     activation_margin: float = ACTIVATION_MARGIN,
+    quantization: str = "none",
 ) -> Plan:
     """Split one GPU's memory into weights and KV cache for `model`.
 
@@ -142,6 +147,8 @@ def plan_memory(
         block_size: tokens per KV block.
         activation_margin: share of `memory_bytes` kept from the KV cache (see
             `ACTIVATION_MARGIN`).
+        quantization: the weights' storage (`weight_formats.QUANTIZATIONS`, e.g. "q4_k_m"
+            as llama.cpp mixes it); "none": every weight in `dtype`.
 
     Returns:
         The plan: `weights_fit` is False when the weights and the margin exceed the memory,
@@ -149,8 +156,8 @@ def plan_memory(
         `warnings` says when `context` is beyond the model's positions.
 
     Raises:
-        ValueError: a non-positive size, a margin outside [0, 1), an unknown dtype or an
-            impossible `tp`.
+        ValueError: a non-positive size, a margin outside [0, 1), an unknown dtype or
+            quantization, or an impossible `tp`.
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory: expected > 0 bytes, got {memory_bytes}")
@@ -164,8 +171,10 @@ def plan_memory(
         raise ValueError(f"activation_margin: expected in [0, 1), got {activation_margin}")
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     heads = kv_heads_per_gpu(model, tp)
-    params = model.num_parameters()
-    weight_bytes = math.ceil(params * dtype_bytes(dtype) / tp)
+    dtype_bytes(dtype)  # an unknown dtype's error names the choices
+    by_format = weight_bytes_by_format(model, quantization, dtype)
+    per_format = sorted(by_format.items(), key=lambda item: -item[1])
+    weight_bytes = math.ceil(sum(by_format.values()) / tp)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_block = per_token * block_size
     margin_bytes = math.ceil(memory_bytes * activation_margin)
@@ -180,9 +189,11 @@ def plan_memory(
         )
     return Plan(
         model=name,
-        num_parameters=params,
+        num_parameters=model.num_parameters(),
         dtype=dtype,
         kv_dtype=kv_dtype,
+        quantization=quantization.lower(),
+        weight_formats=tuple((name, math.ceil(size / tp)) for name, size in per_format),
         tp=tp,
         block_size=block_size,
         context=context,
@@ -225,6 +236,12 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.2f} GiB"
 
 
+def _formats(plan: Plan) -> str:
+    parts = ", ".join(f"{name} {_gib(size)}" for name, size in plan.weight_formats)
+    bits = plan.weight_bytes * plan.tp * 8 / plan.num_parameters
+    return f"{plan.quantization}: {parts} ({bits:.2f} bits per weight)"
+
+
 def format_plan(plan: Plan) -> str:
     """A two-column table of the plan, then its warnings and notes, for the terminal."""
     sequence_bytes = plan.blocks_per_sequence * plan.kv_bytes_per_block
@@ -234,6 +251,7 @@ def format_plan(plan: Plan) -> str:
         ("tensor parallel", f"{plan.tp} (KV heads per GPU: {plan.kv_heads_per_gpu})"),
         ("memory per GPU", _gib(plan.memory_bytes)),
         ("weights per GPU", _gib(plan.weight_bytes)),
+        ("weight formats", _formats(plan)),
         (
             "activation margin",
             f"{_gib(plan.activation_margin_bytes)} ({plan.activation_margin:.0%} of memory: "

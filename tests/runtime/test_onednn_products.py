@@ -1,7 +1,7 @@
-"""Products through oneDNN (`runtime.linear.Linear`): packed (blocked) bfloat16 weights give
-the same logits bit for bit, plain float32 ones the same logits up to rounding, both the same
-tokens; the loaded weights stay in place (bfloat16 ones that a few-row kernel reads gain a
-packed copy for oneDNN), and no module gains an attribute."""
+"""Products through oneDNN (`runtime.linear.Linear`): bfloat16 weights give torch's logits
+bit for bit, float32 ones the same logits up to rounding, both the same tokens; the loaded
+weights stay in place, each held once whichever kernels read it, and no module gains an
+attribute."""
 
 from __future__ import annotations
 
@@ -33,26 +33,41 @@ def _layer(bias: bool, seed: int = 0) -> Linear:
 @needs_bf16
 def test_a_biased_bfloat16_linear_stays_with_torch():
     layer = _layer(bias=True)
-    layer.use_products(0, onednn=True, keep_plain=False)
-    assert not layer.weight.is_mkldnn and not layer.onednn
+    layer.use_products(0, onednn=True)
+    assert not layer.onednn
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 64, 512])
-@pytest.mark.parametrize("keep_plain", [False, True])
-def test_onednn_linear_gives_the_same_bits_packed_or_plain(rows, keep_plain):
+def test_onednn_linear_gives_torchs_bits_on_the_weight_in_place(rows):
     layer = _layer(bias=False, seed=rows)
     x = torch.randn(rows, 96).to(torch.bfloat16)
     expected = torch.nn.functional.linear(x, layer.weight)
-    layer.use_products(0, onednn=True, keep_plain=keep_plain)
-    assert layer.onednn and layer.weight.is_mkldnn != keep_plain
-    assert ("weight" in dict(layer.named_parameters())) == keep_plain  # packed: released
-    assert (layer.packed is not None) == keep_plain and (not keep_plain or layer.packed.is_mkldnn)
+    plain = layer.weight.detach()
+    layer.use_products(0, onednn=True)
+    assert layer.onednn and layer.weight.data_ptr() == plain.data_ptr()
+    assert _held_bytes(layer) == plain.nbytes
     assert torch.equal(layer.forward(x), expected)
 
 
 def _attribute_names(module: torch.nn.Module) -> set[str]:
     return {*vars(module), *module._parameters, *module._buffers, *module._modules}
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct buffers behind every tensor a module holds: its parameters,
+    buffers and tensor attributes (a oneDNN-packed tensor would have a buffer of its own)."""
+    buffers: dict[object, int] = {}
+    for module in model.modules():
+        tensors = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_mkldnn:
+                buffers[id(t)] = torch.ops.mkldnn._nbytes(t)
+            else:
+                buffers[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(buffers.values())
 
 
 def _storages(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
@@ -64,9 +79,8 @@ def _storages(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
 def test_the_runtime_reads_the_loaded_weights_in_place_and_tags_no_module(tmp_path, arch, dtype):
-    """With every CPU product on, the kernels read the loaded tensors in place (none is
-    copied; a bfloat16 layer holds a packed copy for oneDNN beside it, a float32 one none);
-    every module keeps the attributes it was built with."""
+    """With every CPU product on, the kernels and oneDNN read the loaded tensors in place
+    (none is copied, none packed); every module keeps the attributes it was built with."""
     model = load_model(make_hf_model(tmp_path, arch), dtype=dtype, device="cpu")
     names = {name: _attribute_names(m) for name, m in model.named_modules()}
     weights = _storages(model)
@@ -75,10 +89,22 @@ def test_the_runtime_reads_the_loaded_weights_in_place_and_tags_no_module(tmp_pa
     after = {name: _attribute_names(m) for name, m in model.named_modules()}
     assert after == {**names, **({"tied_head": after["tied_head"]} if arch == "qwen2" else {})}
     assert _storages(model) == weights
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.onednn]
-    assert layers and all((m.packed is not None) == (dtype == torch.bfloat16) for m in layers)
+    assert any(isinstance(m, Linear) and m.onednn for m in model.modules())
     if arch == "qwen2":  # the tied head is the embedding table itself
         assert model.tied_head.weight is model.model.embed_tokens.weight
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
+@pytest.mark.parametrize("matvec, fused", [(True, True), (True, False), (False, False)])
+def test_every_weight_is_held_once(tmp_path, arch, dtype, matvec, fused):
+    """Whichever kernels read the weights, the model holds the bytes it loaded, no more."""
+    model = load_model(make_hf_model(tmp_path, arch), dtype=dtype, device="cpu")
+    loaded = _held_bytes(model)
+    model.use_cpu_runtime(matvec=matvec, fused_decode=fused, onednn=True)
+    assert _held_bytes(model) == loaded
+    assert any(isinstance(m, Linear) and m.onednn for m in model.modules())
 
 
 @needs_onednn
@@ -100,18 +126,14 @@ def test_float32_weights_stay_in_place_and_the_logits_move_only_by_rounding(tmp_
 
 @needs_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with q/k/v bias
-def test_packed_weights_keep_the_logits(tmp_path, arch):
-    """Where no few-row kernel reads them, bfloat16 weights are packed and the plain copies
-    released."""
+def test_onednn_keeps_the_bfloat16_logits(tmp_path, arch):
     model_dir = make_hf_model(tmp_path, arch, dtype=torch.bfloat16)
     plain = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    packed = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    packed.use_cpu_runtime(matvec=False, fused_decode=False, onednn=True)
-    assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    onednn = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    onednn.use_cpu_runtime(matvec=False, fused_decode=False, onednn=True)
+    assert onednn.model.layers[0].mlp.down_proj.onednn
     hidden = torch.randn(5, plain.config.hidden_size).to(torch.bfloat16)
-    assert torch.equal(packed.compute_logits(hidden), plain.compute_logits(hidden))
-    # The tied embedding stays a plain table for lookups (and the tied head reads it).
-    assert not packed.model.embed_tokens.weight.is_mkldnn
+    assert torch.equal(onednn.compute_logits(hidden), plain.compute_logits(hidden))
 
 
 @pytest.mark.parametrize(
