@@ -162,7 +162,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the order)."""
-        out = SchedulerOutput(self.kv.block_size)
+        out = SchedulerOutput(self.kv.block_size, num_groups=self.kv.num_groups)
         budget = StepBudget(self.config.max_num_batched_tokens)
         index = 0
         while index < len(self.running):  # some may be preempted (see the module docstring)
