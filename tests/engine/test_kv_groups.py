@@ -115,3 +115,67 @@ def test_greedy_tokens_equal_transformers(model_dir) -> None:
             torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40
         )[0, len(prompt) :].tolist()
         assert list(output.outputs[0].token_ids) == expected
+
+
+def generated(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    """Prompts past the window (half of them sharing a prefix of six blocks), and their
+    tokens from the model in one group and a roomy pool."""
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 512) for _ in range(96)]
+    prompts = [
+        (shared if i % 2 else []) + [rng.randrange(3, 512) for _ in range(rng.randint(20, 90))]
+        for i in range(6)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with make_llm(model_dir, num_blocks=2048, kv_cache_groups=False) as llm:
+        return prompts, params, generated(llm, prompts, params)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_the_tokens(model_dir, batch, mode: str) -> None:
+    prompts, params, expected = batch
+    swap = 512 * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4 if mode == "swap" else 0  # 512 blocks
+    with make_llm(model_dir, num_blocks=90, max_num_batched_tokens=64, preemption_mode=mode,
+                  swap_space=swap) as llm:  # fmt: skip
+        assert generated(llm, prompts, params) == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0
+        if mode == "swap":
+            assert stats["num_swapped_in_blocks"] > 0
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_prefix_hits_and_parallel_samples_keep_the_tokens(model_dir, batch) -> None:
+    prompts, params, expected = batch
+    with make_llm(model_dir, num_blocks=400, max_num_batched_tokens=128) as llm:
+        assert generated(llm, prompts, params) == expected
+        assert llm.stats()["prefix_cache_hits"] > 0  # the shared prefix, within one run
+        hits = llm.stats()["prefix_cache_hits"]
+        assert generated(llm, prompts, params) == expected
+        assert llm.stats()["prefix_cache_hits"] > hits
+    sampled = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for grouped in (True, False):
+        with make_llm(model_dir, num_blocks=1024, kv_cache_groups=grouped) as llm:
+            runs[grouped] = generated(llm, prompts[:3], sampled)
+            assert llm.stats()["num_cow_copies"] > 0
+    assert runs[True] == runs[False]
+
+
+def test_beam_search_keeps_the_beams(model_dir, batch) -> None:
+    from pagedkv import BeamSearchParams
+
+    prompts, _, _ = batch
+    params = BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True)
+    beams = {}
+    for grouped in (True, False):
+        with make_llm(model_dir, num_blocks=1024, kv_cache_groups=grouped) as llm:
+            outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], params)
+            beams[grouped] = [[s.tokens for s in o.sequences] for o in outputs]
+    assert beams[True] == beams[False]
