@@ -203,6 +203,11 @@ def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
         figures["kv_heads_per_gpu"], figures["kv_bytes_per_token"],
         figures["kv_bytes_per_block"], figures["kv_cache_bytes"] / 2**20,
     )  # fmt: skip
+    groups = kv_cache.groups
+    logger.info(
+        "KV cache groups: %d of %d layers (a block covers one group's layers), windows %s",
+        groups.num_groups, groups.layers_per_group, list(groups.windows),
+    )  # fmt: skip
 
 
 def _num_device_blocks(
