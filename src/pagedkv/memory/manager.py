@@ -297,7 +297,10 @@ class KVCacheManager:
                 if num_new and (
                     num > len(blocks) * block_size
                     or (num_cur % block_size and extra_refs[blocks[-1]] > 0)
-                    or first_needed_block(window, num_cur, block_size) > group.num_dropped
+                    or (
+                        window is not None
+                        and first_needed_block(window, num_cur, block_size) > group.num_dropped
+                    )
                 ):
                     break
             else:
