@@ -298,6 +298,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     swap_space: int = 0  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
+    # Sliding-window layers keep their own blocks (KV cache groups); False: one block table
+    # holds every layer's KV, the whole context of each.
+    kv_cache_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

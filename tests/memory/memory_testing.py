@@ -12,12 +12,19 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
     pool, index = manager._pool, manager._index
     seqs = {
         seq_id: (
-            list(s.block_ids),
+            [
+                (
+                    list(g.block_ids),
+                    g.num_keyed,
+                    g.chain_uid,
+                    g.num_dropped,
+                    None if g.host_block_ids is None else list(g.host_block_ids),
+                )
+                for g in s.groups
+            ],
             list(s.token_ids),
-            s.num_keyed,
-            s.chain_uid,
             s.chain_root,
-            None if s.host_block_ids is None else list(s.host_block_ids),
+            s.is_swapped,
         )
         for seq_id, s in manager._seqs.items()
     }

@@ -16,8 +16,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from memory_testing import snapshot
 
 from pagedkv.memory import BlockPool, KVCacheManager, OutOfBlocks
+from pagedkv.memory.groups import first_needed_block
 
 PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # small vocab: many shared prefixes
+# KV cache groups: one full-attention group, or a full and a sliding-window group, or two
+# sliding groups of different windows.
+WINDOWS = st.sampled_from([(None,), (None, 1), (None, 3), (5, None), (2, 6)])
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -27,11 +31,12 @@ class ManagerMachine(RuleBasedStateMachine):
         num_host_blocks=st.integers(0, 10),
         caching=st.booleans(),
         span_blocks=st.integers(2, 3),
+        windows=WINDOWS,
     )
-    def setup(self, num_blocks: int, block_size: int, num_host_blocks: int,
-              caching: bool, span_blocks: int) -> None:  # fmt: skip
+    def setup(self, num_blocks: int, block_size: int, num_host_blocks: int, caching: bool,
+              span_blocks: int, windows: tuple[int | None, ...]) -> None:  # fmt: skip
         self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
-                                num_host_blocks=num_host_blocks)  # fmt: skip
+                                num_host_blocks=num_host_blocks, windows=windows)  # fmt: skip
         if self.m._index is not None:  # short spans, so that these short prompts use them
             self.m._index.span_blocks = span_blocks
         self.bs = block_size
@@ -39,6 +44,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.host: list[Any] = [None] * (num_host_blocks * block_size)
         self.tokens: dict[Any, list[int]] = {}  # the engine's own record of each sequence
         self.host_tables: dict[Any, list[int]] = {}  # swapped-out sequences' host blocks
+        self.host_values: dict[Any, list[Any]] = {}  # what those host blocks must hold
         self.next_id = 0
         # Block tables `append` handed out, with their contents then: never mutated.
         self.handed: list[tuple[list[int], list[int]]] = []
@@ -57,9 +63,24 @@ class ManagerMachine(RuleBasedStateMachine):
         """Write the KV of positions start.. of `seq_id` (after pending copies, as the engine)."""
         self._apply_copies()
         toks = self.tokens[seq_id]
-        for pos, slot in zip(range(start, len(toks)), self.m.slot_mapping(seq_id, start, len(toks)),
-                             strict=True):  # fmt: skip
-            self.device[slot] = tuple(toks[: pos + 1])
+        for g in range(self.m.num_groups):
+            for pos, slot in zip(range(start, len(toks)),
+                                 self.m.slot_mapping(seq_id, start, len(toks), g),
+                                 strict=True):  # fmt: skip
+                self.device[slot] = tuple(toks[: pos + 1])
+
+    def _readable(self, seq_id: Any, end: int, position: int) -> dict[int, list[Any]]:
+        """Per group, the values at the positions before `end` that a token at `position`
+        can attend to (all of them in a full-attention group)."""
+        out = {}
+        for g, window in enumerate(self.m.windows):
+            start = first_needed_block(window, position, self.bs) * self.bs
+            if window is not None:
+                start = max(start, position - window + 1)
+            start = min(start, end)
+            slots = self.m.slot_mapping(seq_id, start, end, g)
+            out[g] = [None] * start + [self.device[s] for s in slots]
+        return out
 
     def _resident(self) -> list[Any]:
         return [s for s in self.tokens if s not in self.host_tables]
@@ -84,9 +105,10 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert need <= free and m.num_free_blocks == free - need
         self.tokens[seq_id] = list(prompt)
-        # Every prefix hit points at blocks holding this prompt's values.
-        for pos, slot in enumerate(m.slot_mapping(seq_id, 0, num_cached)):
-            assert self.device[slot] == tuple(prompt[: pos + 1]), f"wrong KV served at {pos}"
+        # Every prefix hit the next token can see points at blocks holding this prompt's values.
+        for values in self._readable(seq_id, num_cached, num_cached).values():
+            for pos, value in enumerate(values):
+                assert value in (None, tuple(prompt[: pos + 1])), f"wrong KV served at {pos}"
         self._compute(seq_id, num_cached)
 
     @precondition(lambda self: self._resident())
@@ -134,6 +156,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.free(seq_id)
         del self.tokens[seq_id]
         self.host_tables.pop(seq_id, None)
+        self.host_values.pop(seq_id, None)
 
     @precondition(lambda self: self._resident())
     @rule(data=st.data())
@@ -146,6 +169,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for dev, hst in pairs:
                 self.host[hst * bs : (hst + 1) * bs] = self.device[dev * bs : (dev + 1) * bs]
             self.host_tables[seq_id] = [hst for _, hst in pairs]
+            self.host_values[seq_id] = [self.host[h * bs : (h + 1) * bs] for _, h in pairs]
 
     @precondition(lambda self: self.host_tables)
     @rule(data=st.data())
@@ -155,6 +179,7 @@ class ManagerMachine(RuleBasedStateMachine):
         pairs: list[tuple[int, int]] = []
         if self._expect_unchanged(lambda: pairs.extend(self.m.swap_in(seq_id))):
             assert [hst for hst, _ in pairs] == self.host_tables.pop(seq_id)
+            del self.host_values[seq_id]
             bs = self.bs
             for hst, dev in pairs:
                 self.device[dev * bs : (dev + 1) * bs] = self.host[hst * bs : (hst + 1) * bs]
@@ -175,16 +200,18 @@ class ManagerMachine(RuleBasedStateMachine):
         for table, contents in self.handed:
             assert table == contents, "a block table handed out was mutated"
         self._apply_copies()
+        bs = self.bs
         for seq_id, toks in self.tokens.items():
             if seq_id in self.host_tables:
-                bs, table = self.bs, self.host_tables[seq_id]
-                values = [self.host[table[p // bs] * bs + p % bs] for p in range(len(toks))]
-            else:
-                assert self.m.num_tokens(seq_id) == len(toks)
-                values = [self.device[s] for s in self.m.slot_mapping(seq_id, 0, len(toks))]
-            assert values == [tuple(toks[: p + 1]) for p in range(len(toks))], (
-                f"{seq_id!r} reads back another sequence's KV"
-            )
+                values = [self.host[h * bs : (h + 1) * bs] for h in self.host_tables[seq_id]]
+                assert values == self.host_values[seq_id], f"{seq_id!r}'s host blocks changed"
+                continue
+            assert self.m.num_tokens(seq_id) == len(toks)
+            # The next token sits at len(toks): everything it can attend to must be intact.
+            for values in self._readable(seq_id, len(toks), len(toks)).values():
+                assert values[: len(toks)] == [
+                    tuple(toks[: p + 1]) if v is not None else None for p, v in enumerate(values)
+                ], f"{seq_id!r} reads back another sequence's KV"
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):

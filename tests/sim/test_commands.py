@@ -290,3 +290,17 @@ def test_simulate_bad_engine_flags_name_the_flag(capsys, flags, message):
     assert main([*argv, "--num-requests", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_simulate_keeps_only_the_window_of_sliding_layers(tmp_path, capsys):
+    # Mistral-7B's layers all slide over 4,096 tokens: one sliding group. 64 requests of
+    # 6,000 + 200 tokens in 8 GiB (4,096 blocks of 2 MiB): with every block kept (388 a
+    # request) 10 fit at a time; with only the window's (257 between steps) 15 or more.
+    trace = tmp_path / "t.jsonl"
+    lines = [{"arrival": 0, "prompt_len": 6000, "output_len": 200}] * 64
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    argv = ["simulate", "--model", "mistral-7b", "--kv-memory", "8GiB", "--trace", str(trace)]
+    out = cli_json(capsys, *argv, "--policies", "paged", "--json")
+    assert out["num_blocks"] == 4096 and out["kv_group_windows"] == [4096]
+    (paged,) = out["policies"]
+    assert paged["admitted"] == 64 and paged["peak_concurrency"] >= 15

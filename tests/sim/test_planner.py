@@ -221,3 +221,31 @@ def test_new_family_layer_types(name, num_sliding, rotary_dim, num_unrotated):
     assert sum(window is not None for window in model.sliding_windows) == num_sliding
     assert model.rotary_dim == rotary_dim
     assert sum(not rotated for rotated in model.rope_layers) == num_unrotated
+
+
+def test_sliding_layers_are_planned_per_group(tmp_path):
+    layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": True,
+        "sliding_window": 512,
+        "layer_types": layer_types,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path)
+    plan = plan_memory(model, GIB, context=32768, dtype="fp32", block_size=16)
+    # Groups of 2 layers: five sliding ones (at most 512 / 16 + 1 blocks) and one full one.
+    assert plan.kv_groups == ((512, 2, 33),) * 5 + ((None, 2, 2048),)
+    assert plan.kv_bytes_per_block == 2 * 2 * 2 * 64 * 4 * 16
+    assert plan.blocks_per_sequence == 5 * 33 + 2048
+    assert plan.max_sequences_at_context == plan.num_blocks // (5 * 33 + 2048)
+    # One block table for every layer would keep 6 x 2048 blocks of this size per sequence.
+    assert plan.blocks_per_sequence < 0.2 * 6 * 2048
+    assert "KV group 5" in format_plan(plan) and "window 512, 2 layers" in format_plan(plan)

@@ -3,10 +3,15 @@
 Memory layout (one allocation per pool, so that a copy or swap of many blocks across all
 layers is one indexed copy)::
 
-    device pool  [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-                  K/V  layer     block_id    row (slot % block_size)
-    key_caches[l]   = pool[0, l]   contiguous [num_blocks, block_size, num_kv_heads, head_dim]
-    value_caches[l] = pool[1, l]
+    device pool  [2, layers_per_group, num_blocks, block_size, num_kv_heads, head_dim]
+                  K/V  slot            block_id    row (slot % block_size)
+    key_caches[l]   = pool[0, slot(l)]   contiguous [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches[l] = pool[1, slot(l)]
+
+Layers form KV cache groups (`pagedkv.memory.groups`): a block id belongs to one group and
+covers its layers only, layer l being row `slot(l)` of its group's blocks and reading them
+through its group's block tables (`group_of[l]`). A model with one kind of layer is one
+group of every layer (slot(l) = l). This class is where layers map to storage.
 
 The host pool has the same layout with `num_host_blocks` blocks (pinned memory on CUDA).
 
@@ -18,10 +23,12 @@ block misses the TLB; on 2 MiB pages blocks of 16 rows read about as fast as blo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from pagedkv.cache.huge_pages import empty_on_huge_pages
+from pagedkv.memory.groups import KVGroups, group_layers
 from pagedkv.memory.sequence import positive_int
 
 # The supported dtypes by name (the model loader's too).
@@ -48,6 +55,7 @@ class PagedKVCache:
     Attributes:
         key_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim] views.
         value_caches: per layer, same shape.
+        groups: the layers' KV cache groups (`KVGroups`); `group_of[l]` is layer l's.
         num_layers, num_blocks, block_size, num_kv_heads, head_dim, num_host_blocks, dtype, device.
     """
 
@@ -62,13 +70,23 @@ class PagedKVCache:
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         num_host_blocks: int = 0,
+        sliding_windows: Sequence[int | None] = (),
     ) -> None:
         """Allocate the pools (zero-filled).
 
+        Args:
+            sliding_windows: per layer its window (None: full attention), which groups the
+                layers (`group_layers`); empty: one group of every layer.
+
         Raises:
-            ValueError: a size is not a positive int, or the dtype is unsupported.
+            ValueError: a size is not a positive int, the dtype is unsupported, or
+                `sliding_windows` is neither empty nor one entry per layer.
         """
         self.num_layers = positive_int("num_layers", num_layers)
+        self.groups: KVGroups = group_layers(sliding_windows, num_layers)
+        self.group_of = [self.groups.slot_of(layer)[0] for layer in range(num_layers)]
+        slots = [self.groups.slot_of(layer)[1] for layer in range(num_layers)]
+        num_slots = self.groups.layers_per_group
         self.num_blocks = positive_int("num_blocks", num_blocks)
         self.block_size = positive_int("block_size", block_size)
         self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
@@ -77,17 +95,18 @@ class PagedKVCache:
         self.dtype = _as_dtype(dtype)
         self.device = torch.device(device)
         block_shape = (block_size, num_kv_heads, head_dim)
-        pool_shape = (2, num_layers, num_blocks, *block_shape)
+        pool_shape = (2, num_slots, num_blocks, *block_shape)
         if self.device.type == "cpu":
             # Written once here so that its pages are committed up front, as by `torch.zeros`.
             memory = empty_on_huge_pages(math.prod(pool_shape) * self.dtype.itemsize)
             self._pool = memory.view(self.dtype).view(pool_shape).zero_()
         else:
             self._pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
-        self.key_caches: list[torch.Tensor] = list(self._pool[0].unbind(0))
-        self.value_caches: list[torch.Tensor] = list(self._pool[1].unbind(0))
+        keys, values = self._pool[0].unbind(0), self._pool[1].unbind(0)
+        self.key_caches: list[torch.Tensor] = [keys[slot] for slot in slots]
+        self.value_caches: list[torch.Tensor] = [values[slot] for slot in slots]
         self._host_pool = torch.zeros(
-            (2, num_layers, num_host_blocks, *block_shape),
+            (2, num_slots, num_host_blocks, *block_shape),
             dtype=self.dtype,
             device="cpu",
             pin_memory=self.device.type == "cuda" and num_host_blocks > 0,
@@ -101,7 +120,8 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype | str,
     ) -> int:
-        """Bytes of one block, all layers: 2 (K, V) x layers x block_size x heads x dim x elem."""
+        """Bytes of one block: 2 (K, V) x layers (those of one group: `layers_per_group`) x
+        block_size x heads x dim x elem."""
         return 2 * num_layers * block_size * num_kv_heads * head_dim * _as_dtype(dtype).itemsize
 
     @classmethod
@@ -126,8 +146,8 @@ class PagedKVCache:
 
     @property
     def key_pool(self) -> torch.Tensor:
-        """Every layer's key blocks: [num_layers, num_blocks, block_size, num_kv_heads,
-        head_dim], contiguous (`key_caches[l]` is its row l)."""
+        """Every slot's key blocks: [layers_per_group, num_blocks, block_size, num_kv_heads,
+        head_dim], contiguous (`key_caches[l]` is its row slot(l); with one group, row l)."""
         return self._pool[0]
 
     @property
@@ -141,8 +161,8 @@ class PagedKVCache:
         return self._pool.numel() * self._pool.element_size()
 
     def _flat(self, pool: torch.Tensor) -> torch.Tensor:
-        # (2, L, N, bs, H, D) -> (2 * L, N, bs * H * D): a block is one row per (K/V, layer)
-        return pool.view(2 * self.num_layers, pool.shape[2], -1)
+        # (2, S, N, bs, H, D) -> (2 * S, N, bs * H * D): a block is one row per (K/V, slot)
+        return pool.view(2 * pool.shape[1], pool.shape[2], -1)
 
     def _indices(
         self, pairs: list[tuple[int, int]], src_limit: int, dst_limit: int, what: str
@@ -213,5 +233,5 @@ class PagedKVCache:
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
             f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
-            f"num_host_blocks={self.num_host_blocks})"
+            f"num_host_blocks={self.num_host_blocks}, groups={self.groups.num_groups})"
         )

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import SchedulerConfig, parse_count, parse_size
+from pagedkv.memory.groups import group_layers
 from pagedkv.sim.planner import (
     ACTIVATION_MARGIN,
     builtin_models,
     dtype_bytes,
     format_plan,
+    kv_bytes_per_block,
     kv_bytes_per_token,
     load_model,
     plan_memory,
@@ -219,7 +221,9 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Request]]:
         "block_size": args.block_size,
         "tp": args.tp,
         "capacity_tokens": capacity,
-        "num_blocks": kv_memory // (per_token * args.block_size),
+        "num_blocks": kv_memory
+        // kv_bytes_per_block(model, args.kv_dtype, args.tp, args.block_size),
+        "kv_group_windows": group_layers(model.sliding_windows, model.num_layers).windows,
         "max_model_len": longest if args.max_model_len is None else parse_count(args.max_model_len),
     }
     return header, requests
@@ -238,6 +242,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         "step_cost": StepCost(1.0, args.token_cost),
+        "windows": header["kv_group_windows"],
     }
     results = []
     for name in names:

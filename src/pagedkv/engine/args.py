@@ -69,6 +69,9 @@ class EngineArgs:
         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     enable_prefix_caching: bool = _option(True, "reuse the KV of identical leading prompt blocks")
+    kv_cache_groups: bool = _option(
+        True, "give sliding-window layers their own blocks, freed as they leave the window"
+    )
     preemption_mode: str = _option(
         "recompute",
         "what a preempted sequence does when the pool runs out",
@@ -135,6 +138,7 @@ class EngineArgs:
             kv_cache_memory=typing.cast("int | None", self.kv_cache_memory),
             swap_space=typing.cast(int, self.swap_space),
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_groups=self.kv_cache_groups,
         )
 
     def create_scheduler_config(self) -> SchedulerConfig:

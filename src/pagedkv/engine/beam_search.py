@@ -149,8 +149,9 @@ class BeamSearchRun:
                 f"got {len(token_ids)} + {num_new}"
             )
         # Full prompt blocks are shared by every beam; past them each beam may own blocks.
-        reserved = len(token_ids) // self.block_size + k * -(
-            -(len(token_ids) % self.block_size + num_new) // self.block_size
+        reserved = self.manager.num_groups * (
+            len(token_ids) // self.block_size
+            + k * -(-(len(token_ids) % self.block_size + num_new) // self.block_size)
         )
         if reserved > self.manager.num_blocks:
             raise ValueError(
@@ -226,7 +227,7 @@ class BeamSearchRun:
 
     def _schedule(self, active: list[_PromptSearch]) -> SchedulerOutput:
         """Decode tokens of every live beam first, then prompt chunks under the budget."""
-        out = SchedulerOutput(self.block_size)
+        out = SchedulerOutput(self.block_size, num_groups=self.manager.num_groups)
         budget = StepBudget(self.max_num_batched_tokens, reserved_decodes=0)
         for search in sorted(active, key=lambda s: s.is_prefilling):  # stable: decodes first
             request = search.request

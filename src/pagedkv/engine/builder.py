@@ -32,6 +32,7 @@ from pagedkv.engine.workers import (
     share_cpu_threads,
     start_workers,
 )
+from pagedkv.memory.groups import group_layers
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.loader import load_tokenizer
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
@@ -116,8 +117,10 @@ def build_rank_runner(
         share_cpu_threads(tp.size)
     network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
+    windows = model_config.sliding_windows if config.cache.kv_cache_groups else ()
+    groups = group_layers(windows, model_config.num_layers)
     shape = (
-        model_config.num_layers,
+        groups.layers_per_group,
         args.block_size,
         num_kv_heads,
         model_config.head_dim,
@@ -127,7 +130,13 @@ def build_rank_runner(
     if tp.rank == 0:
         sizes = (
             _num_device_blocks(
-                config.cache, config.scheduler, shape, config.max_model_len, device, tp.size
+                config.cache,
+                config.scheduler,
+                shape,
+                config.max_model_len,
+                device,
+                tp.size,
+                groups.num_groups,
             ),
             PagedKVCache.num_blocks_for_memory(config.cache.swap_space, *shape),
         )
@@ -141,6 +150,7 @@ def build_rank_runner(
         dtype=torch_dtype,
         device=device,
         num_host_blocks=num_host_blocks,
+        sliding_windows=windows,
     )
     _log_allocation(network, kv_cache)
     network.use_cpu_runtime(
@@ -193,6 +203,11 @@ def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
         figures["kv_heads_per_gpu"], figures["kv_bytes_per_token"],
         figures["kv_bytes_per_block"], figures["kv_cache_bytes"] / 2**20,
     )  # fmt: skip
+    groups = kv_cache.groups
+    logger.info(
+        "KV cache groups: %d of %d layers (a block covers one group's layers), windows %s",
+        groups.num_groups, groups.layers_per_group, list(groups.windows),
+    )  # fmt: skip
 
 
 def _num_device_blocks(
@@ -202,11 +217,12 @@ def _num_device_blocks(
     max_model_len: int,
     device: str,
     num_ranks: int = 1,
+    num_groups: int = 1,
 ) -> int:
     """num_blocks if given, else what kv_cache_memory holds (per device), else a share of
     free memory (on the CPU at most `CPU_KV_MEMORY_CAP`) capped by what `max_num_seqs`
-    sequences of `max_model_len` tokens could ever use. On the CPU the ranks of one
-    machine split that memory between them."""
+    sequences of `max_model_len` tokens could ever use in `num_groups` KV cache groups. On
+    the CPU the ranks of one machine split that memory between them."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
@@ -223,7 +239,7 @@ def _num_device_blocks(
         budget = free * _GPU_MEMORY_SHARE
     else:
         budget = min(free * _CPU_MEMORY_SHARE, CPU_KV_MEMORY_CAP) / num_ranks
-    cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size)
+    cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size) * num_groups
     blocks = min(PagedKVCache.num_blocks_for_memory(int(budget), *shape), cap)
     if blocks <= 0:
         raise ValueError(

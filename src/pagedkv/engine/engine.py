@@ -53,6 +53,7 @@ class LLMEngine:
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_host_blocks=runner.kv_cache.num_host_blocks,
+            windows=runner.kv_cache.groups.windows,
         )
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len

@@ -118,14 +118,15 @@ class StepBuilder:
         """Plan ``requests[first:]`` in order (each unfinished sequence's decode token or
         next prompt chunk, charged to the budget) while their chunks surely fit `free`
         blocks, each counted at its most: a chunk of `num` tokens takes at most
-        ``(num + B - 2) // B + 1`` new or copied blocks (1 for a decode token).
+        ``(num + B - 2) // B + 1`` new or copied blocks (1 for a decode token) in each of the
+        manager's KV cache groups.
 
         Returns:
             ``(num_fitting, chunk_requests, chunks, rest)``: how many requests surely fit,
             their chunks (each beside its request in `chunk_requests`), and the plan of the
             request after them, which may not fit or allocates (None if all fit).
         """
-        block_size = self.kv.block_size
+        block_size, num_groups = self.kv.block_size, self.kv.num_groups
         chunk_requests: list[Request] = []
         chunks: Plan = []
         for i in range(first, len(requests)):
@@ -142,7 +143,7 @@ class StepBuilder:
                     if budget.tokens < 1:
                         continue
                     budget.tokens -= 1
-                    free -= 1
+                    free -= num_groups
                     chunk = (seq, start, 1)
                 else:  # a prompt chunk, after reserving the decodes not yet visited
                     if budget.reserved_decodes is None:
@@ -157,7 +158,7 @@ class StepBuilder:
                     budget.tokens -= num
                     if not seq.is_allocated:  # an allocation is counted exactly, alone
                         free = -1
-                    free -= (num + block_size - 2) // block_size + 1
+                    free -= ((num + block_size - 2) // block_size + 1) * num_groups
                     chunk = (seq, start, num)
                 chunks.append(chunk)
                 chunk_requests.append(request)

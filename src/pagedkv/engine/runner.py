@@ -73,8 +73,6 @@ class ModelRunner:
         self._generators: dict[str, dict[int, torch.Generator]] = {}
         # The last step's prompt logprobs, until `pop_prompt_logprobs`.
         self._prompt_logprobs: dict[SeqId, tuple[int, list[dict[int, float]]]] = {}
-        # Each distinct window of the model's layers gets its own attention plan per step.
-        self._windows = sorted(set(model.config.sliding_windows) or {None}, key=lambda w: w or 0)
         # Compile the attention kernels now, not in the middle of serving a request.
         warmup(
             kv_cache.key_caches[0],
@@ -112,22 +110,7 @@ class ModelRunner:
         num_padding = self._num_rows(len(input_ids)) - len(input_ids)
         input_ids.extend([0] * num_padding)
         positions.extend([0] * num_padding)
-        metadata = AttentionMetadata.build(
-            tables,
-            seq_lens,
-            query_lens,
-            slots,
-            device=self.device,
-            backend=self.attention_backend,
-        )
-        for window in self._windows:
-            plan_attention(
-                metadata,
-                self.kv_cache.key_caches[0],
-                self.kv_cache.value_caches[0],
-                self.num_heads,
-                window,
-            )
+        metadata = self._metadata(step, tables, seq_lens, query_lens, slots)
         samples = step.sample_rows()  # (row, seq_id, params, seed) per sample
         rows = [sample[0] for sample in samples]
         output = self.model(
@@ -143,6 +126,23 @@ class ModelRunner:
             if seq.prompt_logprob_token_ids
         }
         return self._sample(samples, output.logits[: len(rows)], token_bitmask)
+
+    def _metadata(self, step: SchedulerOutput, tables: list[list[int]], seq_lens: list[int],
+                  query_lens: list[int], slots: list[int]) -> AttentionMetadata:  # fmt: skip
+        """The step's attention metadata, one per KV cache group (the first group's with the
+        others' in `other_groups`), each planned for its group's window."""
+        groups = self.kv_cache.groups
+        inputs = [(slots, tables)] + [step.group_inputs(g) for g in range(1, groups.num_groups)]
+        made = [
+            AttentionMetadata.build(group_tables, seq_lens, query_lens, group_slots,
+                                    device=self.device, backend=self.attention_backend)
+            for group_slots, group_tables in inputs
+        ]  # fmt: skip
+        for metadata, window in zip(made, groups.windows, strict=True):
+            plan_attention(metadata, self.kv_cache.key_caches[0], self.kv_cache.value_caches[0],
+                           self.num_heads, window)  # fmt: skip
+        made[0].other_groups = tuple(made[1:])
+        return made[0]
 
     def pop_prompt_logprobs(self) -> dict[SeqId, tuple[int, list[dict[int, float]]]]:
         """The prompt logprobs of the last `execute`, then forgotten.

@@ -162,7 +162,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the order)."""
-        out = SchedulerOutput(self.kv.block_size)
+        out = SchedulerOutput(self.kv.block_size, num_groups=self.kv.num_groups)
         budget = StepBudget(self.config.max_num_batched_tokens)
         index = 0
         while index < len(self.running):  # some may be preempted (see the module docstring)
@@ -329,8 +329,8 @@ class Scheduler:
         while self.swapped:
             request = self.swapped[0]
             seqs = [s for s in request.seqs if s.is_swapped]
-            # Room for the blocks plus each sequence's next token.
-            margin = len(request.unfinished_seqs()) if self.running else 0
+            # Room for the blocks plus each sequence's next token (a block in every group).
+            margin = len(request.unfinished_seqs()) * self.kv.num_groups if self.running else 0
             need = sum(self.kv.num_blocks_to_swap_in(s.seq_id) for s in seqs) + margin
             if need > self.kv.num_free_blocks and (not self.running or need > self.kv.num_blocks):
                 # Swapped siblings come back unshared: if they cannot fit even in an empty

@@ -40,6 +40,8 @@ class ScheduledSequence:
     sampling_params: SamplingParams | None = None
     seed: int = 0
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    # KV cache groups whose blocks `block_table` interleaves (`KVCacheManager.block_table`).
+    num_groups: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -48,7 +50,10 @@ class ScheduledSequence:
 
     @property
     def slot_mapping(self) -> list[int]:
-        return slots_of(self.block_table, self.block_size, self.start_pos, self.seq_len)
+        """The first KV cache group's slots of the row's tokens."""
+        return slots_of(
+            self.block_table, self.block_size, self.start_pos, self.seq_len, self.num_groups
+        )
 
 
 def sample_ids(seq_id: SeqId, num_samples: int) -> list[SeqId]:
@@ -69,10 +74,12 @@ class SchedulerOutput:
     `params`, `seeds`; `token_ids` holds every row's tokens back to back; rows asking for
     prompt logprobs have their targets in `prompt_logprob_targets` (row -> tokens). A block
     table may be the very list a later step hands out again (replaced, not changed, when the
-    blocks change): read it, never mutate it. Slots are computed from the tables.
+    blocks change): read it, never mutate it. Slots are computed from the tables. With
+    `num_groups` KV cache groups a table interleaves their blocks (entry ``i * G + g`` is
+    group g's block i).
     """
 
-    __slots__ = ("block_size", "seq_ids", "start_pos", "query_lens", "block_tables",
+    __slots__ = ("block_size", "num_groups", "seq_ids", "start_pos", "query_lens", "block_tables",
                  "token_ids", "num_samples", "params", "seeds", "prompt_logprob_targets",
                  "copies", "swap_out", "swap_in", "preempted_request_ids",
                  "finished_request_ids")  # fmt: skip
@@ -82,8 +89,9 @@ class SchedulerOutput:
     ) -> None:
         """Args: `block_size` of the tables; `rows` added in order (see `add`); keywords
         `copies`, `swap_out`, `swap_in`, `preempted_request_ids`, `finished_request_ids`
-        (default empty)."""
+        (default empty), `num_groups` (default 1)."""
         self.block_size = block_size
+        self.num_groups: int = lists.pop("num_groups", 1)
         self.seq_ids: list[SeqId] = []
         self.start_pos: list[int] = []
         self.query_lens: list[int] = []
@@ -157,6 +165,7 @@ class SchedulerOutput:
             self.params[index],
             self.seeds[index],
             self.prompt_logprob_targets.get(index, []),
+            self.num_groups,
         )
 
     def rows(self) -> list[ScheduledSequence]:
@@ -175,27 +184,33 @@ class SchedulerOutput:
 
         Returns:
             ``(token_ids, positions, slot_mapping)``, one entry per token, and
-            ``(block_tables, seq_lens, query_lens)``, one per row.
+            ``(block_tables, seq_lens, query_lens)``, one per row; the slots and tables are
+            the first KV cache group's (`group_inputs` gives the others').
         """
-        bs, positions, slots, seq_lens = self.block_size, [], [], []
+        positions, seq_lens = [], []
+        for start, num in zip(self.start_pos, self.query_lens, strict=True):
+            if num == 1:
+                positions.append(start)
+            else:
+                positions += range(start, start + num)
+            seq_lens.append(start + num)
+        slots, tables = self.group_inputs(0)
+        return list(self.token_ids), positions, slots, tables, seq_lens, list(self.query_lens)
+
+    def group_inputs(self, group: int) -> tuple[list[int], list[list[int]]]:
+        """KV cache group `group`'s ``slot_mapping`` (one per token) and block tables (one
+        per row)."""
+        bs, num_groups, slots = self.block_size, self.num_groups, []
         for start, num, table in zip(
             self.start_pos, self.query_lens, self.block_tables, strict=True
         ):
             if num == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                slots.append(table[start // bs * num_groups + group] * bs + start % bs)
             else:
-                positions += range(start, start + num)
-                slots += slots_of(table, bs, start, start + num)
-            seq_lens.append(start + num)
-        return (
-            list(self.token_ids),
-            positions,
-            slots,
-            list(self.block_tables),
-            seq_lens,
-            list(self.query_lens),
-        )
+                slots += slots_of(table, bs, start, start + num, num_groups, group)
+        if num_groups == 1:
+            return slots, list(self.block_tables)
+        return slots, [table[group::num_groups] for table in self.block_tables]
 
     def sample_rows(self) -> list[tuple[int, SeqId, SamplingParams, int]]:
         """Per sample, in step order: ``(token index of the row it samples, seq id,
@@ -226,8 +241,9 @@ class SchedulerOutput:
         return not self.seq_ids and not self.swap_out and not self.swap_in
 
     def _fields(self) -> dict[str, object]:
-        return dict(rows=self.rows(), copies=self.copies, swap_out=self.swap_out,
-                    swap_in=self.swap_in, preempted_request_ids=self.preempted_request_ids,
+        return dict(rows=self.rows(), num_groups=self.num_groups, copies=self.copies,
+                    swap_out=self.swap_out, swap_in=self.swap_in,
+                    preempted_request_ids=self.preempted_request_ids,
                     finished_request_ids=self.finished_request_ids)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:

@@ -5,11 +5,12 @@ forgotten decrement or a leak cannot hide; O(num_blocks + tokens held)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ChainRoot, PrefixIndex
-from pagedkv.memory.sequence import SeqState
+from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex, group_root
+from pagedkv.memory.sequence import SeqState, table_of
 
 
 def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None:
@@ -21,12 +22,13 @@ def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None
         holders[b] += 1
 
 
-def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState) -> None:
-    """Each indexed block of the sequence holds exactly its key's tokens and parent."""
-    tokens = seq.token_ids
-    parent_uid: ChainRoot | None = seq.chain_root
-    for i, b in enumerate(seq.block_ids):
-        entry = index.block_entries[b]
+def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState, g: int) -> None:
+    """Each indexed block of the sequence's group `g` holds exactly its key's tokens and
+    parent (the group's chain root for the first block)."""
+    tokens, group = seq.token_ids, seq.groups[g]
+    parent_uid: ChainRoot | None = group_root(seq.chain_root, g)
+    for i, b in enumerate(group.block_ids):
+        entry = index.block_entries[b] if b != NULL_BLOCK else None
         if entry is None:
             parent_uid = None
             continue
@@ -45,35 +47,64 @@ def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqSta
         parent_uid = uid
 
 
-def _check_swapped(seq_id: object, seq: SeqState, num_blocks: int, holders: list[int]) -> None:
-    assert seq.host_block_ids is not None, f"{seq_id!r} is resident"
-    assert not seq.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
+def _check_swapped(seq_id: object, seq: SeqState, block_size: int, holders: list[int]) -> None:
     assert seq.table is None, f"swapped-out {seq_id!r} still hands out a block table"
-    assert len(seq.host_block_ids) == num_blocks, (
-        f"swapped-out {seq_id!r}: {len(seq.host_block_ids)} host blocks for {seq.num_tokens} tokens"
+    for group in seq.groups:
+        host = group.host_block_ids
+        assert host is not None, f"swapped-out {seq_id!r} has no host blocks"
+        assert not group.block_ids, f"swapped-out {seq_id!r} still holds device blocks"
+        num_blocks = -(-seq.num_tokens // block_size) - group.num_dropped
+        assert len(host) == num_blocks, (
+            f"swapped-out {seq_id!r}: {len(host)} host blocks for {seq.num_tokens} tokens"
+        )
+        _count(holders, host, seq_id)
+
+
+def _check_group(
+    seq_id: object, seq: SeqState, group: GroupBlocks, window: int | None, block_size: int
+) -> None:
+    """The group's table covers the tokens, with NULL_BLOCK exactly at the blocks that slid
+    out, all before the window of the last token."""
+    num_tokens = seq.num_tokens
+    assert group.host_block_ids is None, f"resident {seq_id!r} still holds host blocks"
+    assert len(group.block_ids) == -(-num_tokens // block_size), (
+        f"{seq_id!r}: {len(group.block_ids)} blocks for {num_tokens} tokens "
+        f"(block_size {block_size})"
     )
-    _count(holders, seq.host_block_ids, seq_id)
+    dropped = group.num_dropped
+    assert all(b == NULL_BLOCK for b in group.block_ids[:dropped]), (
+        f"{seq_id!r}: a block before the window is still in its table"
+    )
+    assert NULL_BLOCK not in group.held, f"{seq_id!r}: a block inside the window is missing"
+    limit = 0 if window is None else max(0, num_tokens - window) // block_size
+    assert dropped <= limit, (
+        f"{seq_id!r}: {dropped} blocks slid out, the window of {window} reaches block {limit}"
+    )
 
 
 def _check_resident(
-    seq_id: object, seq: SeqState, block_size: int, index: PrefixIndex | None, holders: list[int]
+    seq_id: object,
+    seq: SeqState,
+    block_size: int,
+    index: PrefixIndex | None,
+    holders: list[int],
+    windows: Sequence[int | None],
 ) -> None:
-    num_tokens = seq.num_tokens
-    assert len(seq.block_ids) == -(-num_tokens // block_size), (
-        f"{seq_id!r}: {len(seq.block_ids)} blocks for {num_tokens} tokens (block_size {block_size})"
-    )
-    _count(holders, seq.block_ids, seq_id)
-    assert seq.table is None or seq.table == seq.block_ids.tolist(), (
+    for g, (group, window) in enumerate(zip(seq.groups, windows, strict=True)):
+        _check_group(seq_id, seq, group, window, block_size)
+        _count(holders, group.held, seq_id)
+        if index is not None:
+            assert group.num_keyed == seq.num_tokens // block_size, (
+                f"{seq_id!r}: {group.num_keyed} blocks keyed, {seq.num_tokens // block_size} full"
+            )
+            _check_keys(index, block_size, seq_id, seq, g)
+    assert seq.table is None or seq.table == table_of(replace(seq, table=None)), (
         f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
     )
     if index is not None:
-        assert len(seq.token_ids) == num_tokens, (
-            f"{seq_id!r}: {len(seq.token_ids)} tokens kept, {num_tokens} counted"
+        assert len(seq.token_ids) == seq.num_tokens, (
+            f"{seq_id!r}: {len(seq.token_ids)} tokens kept, {seq.num_tokens} counted"
         )
-        assert seq.num_keyed == num_tokens // block_size, (
-            f"{seq_id!r}: {seq.num_keyed} blocks keyed, {num_tokens // block_size} full"
-        )
-        _check_keys(index, block_size, seq_id, seq)
 
 
 def check_state(
@@ -83,24 +114,29 @@ def check_state(
     seqs: Mapping[Hashable, SeqState],
     copies: Sequence[tuple[int, int]],
     block_size: int,
+    windows: Sequence[int | None] = (None,),
 ) -> None:
     """Prove a manager's state consistent, or raise AssertionError naming the first thing
     wrong.
 
-    Every block's count equals its number of holders; no block is both free and held;
-    free + cached + held = num_blocks (device and host); every indexed block held by a
-    sequence holds exactly its key's tokens after its key's parent (the first after the
-    sequence's chain root: ``ROOT_UID`` or its salt); queued copies name device blocks.
+    Every block's count equals its number of holders over every KV cache group; no block is
+    both free and held; free + cached + held = num_blocks (device and host); each group's
+    table covers the tokens, without the blocks that slid out of its `windows` entry; every
+    indexed block held by a sequence holds exactly its key's tokens after its key's parent
+    (the first after the group's chain root: ``ROOT_UID`` or its salt); queued copies name
+    device blocks.
     """
     holders = [0] * pool.num_blocks
     host_holders = [0] * host.num_blocks
     for seq_id, seq in seqs.items():
         assert seq.num_tokens > 0, f"sequence {seq_id!r} holds no token"
-        if seq.host_block_ids is not None:
-            num_blocks = -(-seq.num_tokens // block_size)
-            _check_swapped(seq_id, seq, num_blocks, host_holders)
+        assert len(seq.groups) == len(windows), (
+            f"{seq_id!r}: {len(seq.groups)} groups, the manager has {len(windows)}"
+        )
+        if seq.is_swapped:
+            _check_swapped(seq_id, seq, block_size, host_holders)
         else:
-            _check_resident(seq_id, seq, block_size, index, holders)
+            _check_resident(seq_id, seq, block_size, index, holders, windows)
     pool.check(holders)
     host.check(host_holders)
     if index is not None:
@@ -129,9 +165,11 @@ class EventCounts:
         index: PrefixIndex | None,
         seqs: Mapping[Hashable, SeqState],
         copies: Sequence[tuple[int, int]],
+        num_groups: int = 1,
     ) -> dict[str, int]:
         """These counts with the pools' sizes (see `KVCacheManager.stats`)."""
         return {
+            **_group_stats(seqs, num_groups),
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "num_used_blocks": pool.num_blocks - pool.num_free_blocks,
@@ -140,8 +178,23 @@ class EventCounts:
             "num_host_blocks": host.num_blocks,
             "num_free_host_blocks": host.num_free_blocks,
             "num_seqs": len(seqs),
-            "num_swapped_seqs": sum(s.host_block_ids is not None for s in seqs.values()),
+            "num_swapped_seqs": sum(s.is_swapped for s in seqs.values()),
             **asdict(self),
             "num_evictions": pool.num_evictions,
             "num_pending_copies": len(copies),
         }
+
+
+def _group_stats(seqs: Mapping[Hashable, SeqState], num_groups: int) -> dict[str, int]:
+    """Per KV cache group g: group_<g>_num_held_blocks, group_<g>_max_seq_blocks."""
+    held: list[set[int]] = [set() for _ in range(num_groups)]
+    most = [0] * num_groups
+    for seq in seqs.values():
+        for g, group in enumerate(seq.groups):
+            group_held = group.held
+            held[g].update(group_held)
+            most[g] = max(most[g], len(group_held))
+    out: dict[str, int] = {}
+    for g, (blocks, num) in enumerate(zip(held, most, strict=True)):
+        out[f"group_{g}_num_held_blocks"], out[f"group_{g}_max_seq_blocks"] = len(blocks), num
+    return out

@@ -8,22 +8,25 @@ from operator import itemgetter
 from typing import Any
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex, chain_root
+from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex, chain_root, group_root
 
 
 class PrefixLookups:
     """Prompt lookups in `index` (None: no prefix caching, never a hit) over `pool`, the
     device pool whose evictions change what the index holds."""
 
-    def __init__(self, index: PrefixIndex | None, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self, index: PrefixIndex | None, pool: BlockPool, block_size: int, group: int = 0
+    ) -> None:
         self.index = index
+        self.group = group  # the KV cache group whose chains it walks
         self.pool = pool
         self.block_size = block_size
         self._num_resets = 0
         # (token list, (its length, resets, evictions), chain root, hits, uid of the last hit,
         # a getter of their entries, the entries then, the list packed).
         self._memo: tuple[Any, ...] | None = None
-        self._evictable: tuple[list[int], tuple[int, int], int] | None = None
+        self._evictable: tuple[list[int], tuple[int, int, int], int] | None = None
 
     def lookup(
         self, token_ids: Sequence[Any], root: ChainRoot, use_prefix_cache: bool = True
@@ -48,7 +51,7 @@ class PrefixLookups:
         index = self.index
         if index is None:
             return []
-        memo, root = self._memo, chain_root(salt)
+        memo, root = self._memo, group_root(chain_root(salt), self.group)
         state = (len(token_ids), self._num_resets, self.pool.num_evictions)
         if memo is not None and memo[0] is token_ids and memo[1][0] == state[0]:
             # Another salt's answer names another chain's blocks: walked again, never reused.
@@ -80,14 +83,14 @@ class PrefixLookups:
         tokens = index.block_tokens(token_ids[num * block_size : (num + 1) * block_size])
         return not index.match_keys([tokens], 1, uid)[0]
 
-    def num_evictable(self, hits: list[int], num: int) -> int:
-        """`BlockPool.num_evictable(hits[:num])`, remembered for the same `hits` list while no
-        block was freed or touched (a hit block evicted means new hits, a new list)."""
-        state = (num, self.pool.num_moves)
+    def num_evictable(self, hits: list[int], start: int, num: int) -> int:
+        """`BlockPool.num_evictable(hits[start:num])`, remembered for the same `hits` list
+        while no block was freed or touched (a hit block evicted means new hits, a new list)."""
+        state = (start, num, self.pool.num_moves)
         memo = self._evictable
         if memo is not None and memo[0] is hits and memo[1] == state:
             return memo[2]
-        count = self.pool.num_evictable(hits[:num])
+        count = self.pool.num_evictable(hits[start:num])
         self._evictable = (hits, state, count)
         return count
 

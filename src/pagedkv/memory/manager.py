@@ -3,7 +3,8 @@
 Prefix sharing, copy-on-write, swap to a host pool, all-or-nothing allocation and a
 consistency check. Standard library only: no tensors here.
 
-A sequence's blocks::
+A sequence's blocks (one KV cache group; with G groups the table interleaves them, entry
+``i * G + g`` being group g's block i, see `pagedkv.memory.groups`)::
 
     block_table   [ b0 | b1 | b2 | b3 ]       slot(p) = block_table[p // B] * B + p % B
     tokens        |0..B-1|B..2B-1|...|  n-1|  (B = block_size; the last block may be partial)
@@ -12,16 +13,25 @@ A sequence's blocks::
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
+from pagedkv.memory.allocation import (
+    append_costs,
+    check_free,
+    grow,
+    move_to_device,
+    move_to_host,
+    new_group,
+    used_hits,
+)
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.groups import first_needed_block
 from pagedkv.memory.lookups import PrefixLookups
-from pagedkv.memory.prefix import PrefixIndex, chain_root
+from pagedkv.memory.prefix import PrefixIndex, chain_root, group_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
 
 
@@ -34,8 +44,12 @@ class KVCacheManager:
         enable_prefix_caching: keep full blocks findable by their token prefix, so a new
             prompt reuses them; freed ones stay cached until the space is needed.
         num_host_blocks: blocks of the host pool for `swap_out` (>= 0).
+        windows: per KV cache group, its layers' sliding window in tokens (None: full
+            attention). A sliding group holds only the blocks its window reaches, at most
+            ``ceil(window / block_size) + 1`` per sequence between steps of one token.
 
-    Raises ValueError for a non-positive size (or a negative `num_host_blocks`). Sequence
+    Raises ValueError for a non-positive size (or a negative `num_host_blocks`, or a window
+    that is not None or a positive int). Sequence
     ids are any hashable. Token ids are compared, never interpreted. Running out of blocks
     raises `OutOfBlocks` and leaves every piece of state unchanged.
 
@@ -52,8 +66,12 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.num_blocks = positive_int("num_blocks", num_blocks)
+        if not windows:
+            raise ValueError("windows: expected one entry per KV cache group, got none")
+        self.windows = tuple(w if w is None else positive_int("windows", w) for w in windows)
         self.block_size = positive_int("block_size", block_size)
         self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks, minimum=0)
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,7 +81,9 @@ class KVCacheManager:
         self._seqs = SequenceTable()
         self._copies: list[tuple[int, int]] = []
         self._counts = EventCounts()
-        self._lookups = PrefixLookups(self._index, self._pool, block_size)
+        self._lookups = [
+            PrefixLookups(self._index, self._pool, block_size, g) for g in range(len(windows))
+        ]
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,12 +104,19 @@ class KVCacheManager:
         """Ids of the live sequences (resident or swapped out), oldest first."""
         return list(self._seqs)
 
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: block tables interleave this many groups' blocks."""
+        return len(self.windows)
+
     def is_swapped(self, seq_id: Hashable) -> bool:
         """Whether `seq_id` is swapped out. Raises KeyError if unknown."""
-        return self._seqs.state(seq_id).host_block_ids is not None
+        return self._seqs.state(seq_id).is_swapped
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """The sequence's block ids, logical block order. Raises as `num_tokens`.
+        """The sequence's block ids, logical block order (groups interleaved: entry ``i * G +
+        g`` is group g's block i; NULL_BLOCK (-1) where it slid out of the group's window).
+        Raises as `num_tokens`.
 
         The same list comes back until the blocks change, then a new one (so a list handed
         out earlier still describes the step it was handed to): never mutate it.
@@ -100,14 +127,15 @@ class KVCacheManager:
         """Tokens the sequence holds. Raises KeyError if unknown, ValueError if swapped out."""
         return self._seqs.resident(seq_id, "num_tokens").num_tokens
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
-        """Slots of positions ``start <= p < end``: ``block_table[p // B] * B + p % B``.
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> list[int]:
+        """Slots of positions ``start <= p < end`` in `group`: ``block_table[p // B * G +
+        group] * B + p % B``.
 
         Raises:
             KeyError: unknown `seq_id`.
-            ValueError: swapped out, or not ``0 <= start <= end <= num_tokens``.
+            ValueError: swapped out, not ``0 <= start <= end <= num_tokens``, or no such group.
         """
-        return self._seqs.slot_mapping(seq_id, start, end, self.block_size)
+        return self._seqs.slot_mapping(seq_id, start, end, self.block_size, group)
 
     def num_cached_tokens(self, token_ids: Sequence[Any], *, salt: str | None = None) -> int:
         """Tokens `allocate(_, token_ids, salt=salt)` would find cached now. No side effects.
@@ -115,7 +143,8 @@ class KVCacheManager:
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._lookups.hits(token_ids, salt)) * self.block_size
+        num_hits = min(len(lookups.hits(token_ids, salt)) for lookups in self._lookups)
+        return num_hits * self.block_size
 
     def num_blocks_to_allocate(
         self,
@@ -132,27 +161,33 @@ class KVCacheManager:
         when the result is <= `num_free_blocks`.
         """
         end = len(token_ids) if num_tokens is None else num_tokens
+        num_blocks = -(-end // self.block_size)
         if not use_prefix_cache:
-            return -(-end // self.block_size)
+            return num_blocks * len(self.windows)
         # Hits are matched block by block from the start: those of a prefix are a prefix.
-        hits = self._lookups.hits(token_ids, salt)
-        num = min(len(hits), (end - 1) // self.block_size)
-        return -(-end // self.block_size) - num + self._lookups.num_evictable(hits, num)
+        hits = [lookups.hits(token_ids, salt) for lookups in self._lookups]
+        num = min(min(map(len, hits)), (end - 1) // self.block_size)
+        total = 0
+        for window, lookups, group_hits in zip(self.windows, self._lookups, hits, strict=True):
+            first = first_needed_block(window, num * self.block_size, self.block_size)
+            total += num_blocks - num + lookups.num_evictable(group_hits, first, num)
+        return total
 
     def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
-        """Free blocks `append(seq_id, <num_tokens tokens>)` would take now.
-
-        New blocks, plus one copy-on-write block if the partially filled last block is shared.
+        """Free blocks `append(seq_id, <num_tokens tokens>)` would take now: new blocks, plus
+        one copy-on-write block if the partially filled last block is shared, less the
+        blocks that slide out of a window and are held by no other sequence (so it may be
+        negative).
 
         Raises:
             KeyError: unknown `seq_id`.  ValueError: swapped out, or `num_tokens` < 0.
         """
         seq = self._seqs.get(seq_id)
-        if seq is None or seq.host_block_ids is not None:
+        if seq is None or seq.is_swapped:
             seq = self._seqs.resident(seq_id, "num_blocks_to_append")  # raises
         if type(num_tokens) is not int or num_tokens < 0:
             positive_int("num_tokens", num_tokens, minimum=0)  # raises
-        return seq.append_cost(num_tokens, self.block_size, self._pool)[0]
+        return sum(append_costs(seq, self.windows, num_tokens, self.block_size, self._pool))
 
     def allocate(
         self,
@@ -187,38 +222,31 @@ class KVCacheManager:
         tokens = token_ids if index is None and type(token_ids) is list else token_tuple(token_ids)
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
-        # One pass over the prompt: the cached blocks and the keys of the full blocks after.
+        # One pass over the prompt per group: its cached blocks and the keys after them.
         root = chain_root(salt)
-        hits, chain_uid, keys = self._lookups.lookup(tokens, root, use_prefix_cache)
-        block_size, pool = self.block_size, self._pool
-        num_hits = len(hits)
-        num_fresh = -(-len(tokens) // block_size) - num_hits
-        # Hits on cached-but-free blocks take free blocks too; count them only when it matters.
-        if num_fresh + num_hits > pool.num_free_blocks - pool.num_cached_blocks and (
-            num_fresh + pool.num_evictable(hits) > pool.num_free_blocks
-        ):
-            raise OutOfBlocks(
-                f"allocate {seq_id!r}: need {num_fresh} new blocks after {num_hits} cached, "
-                f"{pool.num_free_blocks} free"
-            )
-        # Take the hits first (cached ones become held) so the fresh blocks cannot evict them.
-        pool.touch(hits)
-        block_ids = array("i", hits)
-        block_ids += pool.allocate(num_fresh)
-        num_keyed = 0
-        if index is not None:  # `keys` holds the full blocks after the hits
-            chain_uid = index.insert_keys(
-                chain_uid, keys, block_ids[num_hits : num_hits + len(keys)]
-            )
-            num_keyed = len(tokens) // block_size
-            if use_prefix_cache:  # the counts of prefix lookups
-                self._counts.prefix_cache_queries += len(tokens)
-                self._counts.prefix_cache_hits += num_hits * block_size
+        found = [
+            lookups.lookup(tokens, group_root(root, g), use_prefix_cache)
+            for g, lookups in enumerate(self._lookups)
+        ]
+        num_hits = min(len(hits) for hits, _, _ in found)
+        num_fresh = -(-len(tokens) // self.block_size) - num_hits
+        hits = [group_hits[:num_hits] for group_hits, _, _ in found]
+        used = used_hits(self.windows, hits, num_hits, self.block_size)
+        check_free(self._pool, seq_id, num_fresh * len(used), used, num_hits)
+        # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
+        for group_hits in used:
+            self._pool.touch(group_hits)
+        groups = [
+            new_group(self._pool, index, tokens, used[g], num_hits, num_fresh, found[g],
+                      group_root(root, g), self.block_size)
+            for g in range(len(used))
+        ]  # fmt: skip
+        if index is not None and use_prefix_cache:  # the counts of prefix lookups
+            self._counts.prefix_cache_queries += len(tokens)
+            self._counts.prefix_cache_hits += num_hits * self.block_size
         kept = tokens if index is not None else ()
-        self._seqs[seq_id] = SeqState(
-            block_ids, kept, len(tokens), num_keyed, chain_uid, chain_root=root
-        )
-        return num_hits * block_size
+        self._seqs[seq_id] = SeqState(groups, kept, len(tokens), chain_root=root)
+        return num_hits * self.block_size
 
     def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
         """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk), as
@@ -250,36 +278,46 @@ class KVCacheManager:
         Raises:
             KeyError, ValueError: as `append` (those before the bad one appended).
         """
-        get, index, block_size, pool = self._seqs.get, self._index, self.block_size, self._pool
-        extra_refs = pool.extra_refs
+        get, index, block_size = self._seqs.get, self._index, self.block_size
+        extra_refs, windows = self._pool.extra_refs, self.windows
         tables: list[list[int]] = []
         add_table = tables.append
         for seq_id, new in zip(seq_ids, token_ids, strict=True):
             seq = get(seq_id)
-            if seq is None or seq.host_block_ids is not None:
+            if seq is None or seq.is_swapped:
                 seq = self._seqs.resident(seq_id, "append")  # raises
             if type(new) is not list:
                 new = list(token_tuple(new))
-            # Tokens that fit an unshared partial last block (a decode step's common case)
-            # take no block; anything else asks `SeqState.grow`.
+            # Tokens that fit an unshared partial last block of every group (a decode step's
+            # common case) take no block and slide no block out; anything else asks `_grow`.
             num_cur, num_new = seq.num_tokens, len(new)
             num = num_cur + num_new
-            if num > len(seq.block_ids) * block_size or (
-                num_cur % block_size and num_new and extra_refs[seq.block_ids[-1]] > 0
-            ):
-                copy = seq.grow(num_new, block_size, pool)
-                if copy is None:
+            for group, window in zip(seq.groups, windows, strict=True):
+                blocks = group.block_ids
+                if num_new and (
+                    num > len(blocks) * block_size
+                    or (num_cur % block_size and extra_refs[blocks[-1]] > 0)
+                    or (
+                        window is not None
+                        and first_needed_block(window, num_cur, block_size) > group.num_dropped
+                    )
+                ):
                     break
-                if copy:
-                    self._copies.append(copy)
-                    self._counts.num_cow_copies += 1
+            else:
+                group = None
+            if group is not None:
+                copies = grow(seq, windows, num_new, block_size, self._pool)
+                if copies is None:
+                    break
+                self._copies += copies
+                self._counts.num_cow_copies += len(copies)
             seq.num_tokens = num
             if index is not None:
                 tokens = seq.token_ids
                 if type(tokens) is not list:  # the prompt, kept as `allocate` got it
                     tokens = seq.token_ids = list(tokens)
                 tokens += new
-                if num // block_size > seq.num_keyed:
+                if num // block_size > num_cur // block_size:
                     seq.key_full_blocks(index, block_size)
             add_table(seq.table or table_of(seq))
         return tables
@@ -297,21 +335,26 @@ class KVCacheManager:
         parent = self._seqs.resident(parent_id, "fork")
         if child_id in self._seqs:
             raise ValueError(f"fork: expected a new child_id, got {child_id!r} already in use")
-        self._pool.touch(parent.block_ids)
-        self._counts.num_forked_blocks += len(parent.block_ids)
+        for group in parent.groups:
+            held = group.held
+            self._pool.touch(held)
+            self._counts.num_forked_blocks += len(held)
         # The same table list: neither changes it, a new one replaces it.
         self._seqs[child_id] = replace(
-            parent, block_ids=parent.block_ids[:], token_ids=list(parent.token_ids)
+            parent,
+            groups=[replace(group, block_ids=group.block_ids[:]) for group in parent.groups],
+            token_ids=list(parent.token_ids),
         )
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence's references (its host blocks if swapped out). Its indexed full
         blocks stay cached, its last blocks evicted before its first. KeyError if unknown."""
         seq = self._seqs.pop(seq_id, None) or self._seqs.state(seq_id)  # KeyError if unknown
-        if seq.host_block_ids is not None:
-            self._host.free(seq.host_block_ids)
-        else:
-            self._pool.free(seq.block_ids)
+        for group in seq.groups:
+            if group.host_block_ids is not None:
+                self._host.free(group.host_block_ids)
+            else:
+                self._pool.free(group.held if group.num_dropped else group.block_ids)
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies ``(src, dst)`` queued since the last call, in order: the
@@ -331,11 +374,7 @@ class KVCacheManager:
             KeyError: unknown `seq_id`.  ValueError: already swapped out.
             OutOfBlocks: not enough free host blocks; nothing changed.
         """
-        seq = self._seqs.resident(seq_id, "swap_out")
-        host_block_ids = self._host.allocate(len(seq.block_ids))
-        pairs = list(zip(seq.block_ids, host_block_ids, strict=True))
-        self._pool.free(seq.block_ids)
-        seq.block_ids, seq.host_block_ids, seq.table = array("i"), host_block_ids, None
+        pairs = move_to_host(self._seqs.resident(seq_id, "swap_out"), self._pool, self._host)
         self._counts.num_swapped_out_blocks += len(pairs)
         return pairs
 
@@ -351,11 +390,7 @@ class KVCacheManager:
             OutOfBlocks: not enough free device blocks; nothing changed.
         """
         seq = self._seqs.swapped(seq_id, "swap_in")
-        assert seq.host_block_ids is not None, "checked by swapped()"
-        block_ids = self._pool.allocate(len(seq.host_block_ids))
-        pairs = list(zip(seq.host_block_ids, block_ids, strict=True))
-        self._host.free(seq.host_block_ids)
-        seq.block_ids, seq.host_block_ids, seq.table = block_ids, None, None
+        pairs = move_to_device(seq, self._pool, self._host)
         seq.unkey()
         seq.key_full_blocks(self._index, self.block_size)
         self._counts.num_swapped_in_blocks += len(pairs)
@@ -364,7 +399,8 @@ class KVCacheManager:
     def num_blocks_to_swap_in(self, seq_id: Hashable) -> int:
         """Device blocks `swap_in(seq_id)` needs. Raises KeyError if unknown, ValueError if
         resident."""
-        return len(self._seqs.swapped(seq_id, "num_blocks_to_swap_in").host_block_ids or ())
+        seq = self._seqs.swapped(seq_id, "num_blocks_to_swap_in")
+        return sum(len(group.host_block_ids or ()) for group in seq.groups)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after new weights), if no device block is held.
@@ -376,7 +412,8 @@ class KVCacheManager:
         if pool.num_free_blocks != pool.num_blocks:
             return False
         pool.reset_cache()
-        self._lookups.forget()
+        for lookups in self._lookups:
+            lookups.forget()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
             seq.unkey()
         return True
@@ -384,7 +421,15 @@ class KVCacheManager:
     def check(self) -> None:
         """Prove the state consistent, or raise AssertionError naming the first thing wrong
         (see `pagedkv.memory.audit.check_state`)."""
-        check_state(self._pool, self._host, self._index, self._seqs, self._copies, self.block_size)
+        check_state(
+            self._pool,
+            self._host,
+            self._index,
+            self._seqs,
+            self._copies,
+            self.block_size,
+            self.windows,
+        )
 
     def stats(self) -> dict[str, int]:
         """Counts of blocks and events since construction (prefix counts in tokens).
@@ -393,6 +438,10 @@ class KVCacheManager:
         evictable), num_indexed_blocks, num_host_blocks, num_free_host_blocks, num_seqs,
         num_swapped_seqs, prefix_cache_queries, prefix_cache_hits, num_forked_blocks
         (block references `fork` shared instead of copying), num_cow_copies, num_evictions,
-        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies.
+        num_swapped_out_blocks, num_swapped_in_blocks, num_pending_copies; and per KV cache
+        group g: group_<g>_num_held_blocks (distinct device blocks its tables hold) and
+        group_<g>_max_seq_blocks (the most any one sequence holds).
         """
-        return self._counts.stats(self._pool, self._host, self._index, self._seqs, self._copies)
+        return self._counts.stats(
+            self._pool, self._host, self._index, self._seqs, self._copies, len(self.windows)
+        )

@@ -41,8 +41,9 @@ from typing import Any
 # The uid a sequence's first block chains from; entries get uids 1, 2, 3, ...
 ROOT_UID = 0
 
-# The parent of a chain's first block: ROOT_UID, or a salt.
-ChainRoot = int | str
+# The parent of a chain's first block: ROOT_UID, or a salt; ``(group, either)`` in a KV
+# cache group after the first.
+ChainRoot = int | str | tuple[int, int | str]
 BlockTokens = bytes | tuple[Any, ...]
 BlockKey = tuple[ChainRoot, BlockTokens]
 # (block_id, uid, key): one tuple per indexed block, never reused (its uid is fresh).
@@ -59,6 +60,12 @@ def chain_root(salt: str | None) -> ChainRoot:
     """The parent of a prompt's first block: ``ROOT_UID`` without a salt, else the salt
     itself (a str never equals an int uid, nor another salt)."""
     return ROOT_UID if salt is None else salt
+
+
+def group_root(root: ChainRoot, group: int) -> ChainRoot:
+    """The chain root in KV cache group `group` of a prompt whose root is `root`: the same
+    in the first group, paired with the group after it, so groups never share a chain."""
+    return root if group == 0 else (group, root)  # type: ignore[return-value]
 
 
 def iter_full_blocks(
@@ -325,6 +332,12 @@ class PrefixIndex:
             entries[key] = block_entries[block_id] = (block_id, uid, key)
         return uid
 
+    def fresh_uid(self) -> int:
+        """A uid no entry has: blocks chained from it are unreachable (a chain with a gap)."""
+        uid = self._next_uid
+        self._next_uid = uid + 1
+        return uid
+
     def remove(self, block_id: int) -> None:
         """Forget the entry held by `block_id` (eviction); its children become unreachable."""
         entry = self.block_entries[block_id]
@@ -353,7 +366,7 @@ class PrefixIndex:
             )
             assert uid not in uids, f"prefix index: uid {uid} is used twice"
             parent = key[0]
-            assert isinstance(parent, str) or ROOT_UID <= parent < uid, (
+            assert not isinstance(parent, int) or ROOT_UID <= parent < uid, (
                 f"prefix index: block {block_id} chains from uid {parent}, not an older entry"
             )
             uids.add(uid)

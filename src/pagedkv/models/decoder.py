@@ -101,6 +101,8 @@ class Attention(nn.Module):
                 apply_rotary_(k[..., :rot], cos, sin)
         key_cache = kv_cache.key_caches[self.layer_idx]
         value_cache = kv_cache.value_caches[self.layer_idx]
+        # This layer's KV cache group: its block tables and slots.
+        attn_metadata = attn_metadata.group(kv_cache.group_of[self.layer_idx])
         # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
         num_real = attn_metadata.num_tokens
         write_kv(k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping)

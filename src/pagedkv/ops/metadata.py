@@ -53,6 +53,8 @@ class AttentionMetadata:
         backend: backend name for `paged_attention` ("auto", "cpu", "reference", "triton").
         plans: per sliding window (None included), the `AttentionPlan` that
             `pagedkv.ops.plan` made for this step, reused by every layer.
+        other_groups: the metadata of KV cache groups 1, 2, ... (this one is group 0's):
+            the same lengths, their own `block_tables` and `slot_mapping`.
     """
 
     slot_mapping: torch.Tensor
@@ -63,6 +65,11 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     backend: str = "auto"
     plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
+    other_groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata of KV cache group `index` (0: this one)."""
+        return self.other_groups[index - 1] if index else self
 
     @property
     def num_seqs(self) -> int:

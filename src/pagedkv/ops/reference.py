@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.memory.groups import first_needed_block
 from pagedkv.ops import checks
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -87,14 +88,18 @@ def paged_attention(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        # (H, q, D) queries against (H, L, D) keys: KV heads repeated for GQA
+        # (H, q, D) queries against (H, L, D) keys: KV heads repeated for GQA; blocks wholly
+        # before the first query's window are never read (they may have been freed).
+        start = first_needed_block(sliding_window, seq_len - (hi - lo), key_cache.shape[1])
+        start *= key_cache.shape[1]
+        table = block_tables[s][start // key_cache.shape[1] :]
         q = query[lo:hi].to(compute_dtype).transpose(0, 1)
-        k = gather_kv(key_cache, block_tables[s], seq_len).to(compute_dtype)
-        v = gather_kv(value_cache, block_tables[s], seq_len).to(compute_dtype)
+        k = gather_kv(key_cache, table, seq_len - start).to(compute_dtype)
+        v = gather_kv(value_cache, table, seq_len - start).to(compute_dtype)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale  # (H, q, L)
-        mask = attention_mask(hi - lo, seq_len, sliding_window, query.device)
+        mask = attention_mask(hi - lo, seq_len, sliding_window, query.device)[:, start:]
         scores = scores.masked_fill(~mask, float("-inf"))
         out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
     return out
@@ -113,7 +118,9 @@ def plan(
         starts = metadata.query_start_loc.numpy()
         checks.check_lengths(starts, lens, metadata.num_tokens, tables.shape[1] * block_size)
         for s, seq_len in enumerate(lens.tolist()):
-            used = tables[s, : -(-seq_len // block_size)]
+            query_len = int(starts[s + 1] - starts[s])
+            first = first_needed_block(sliding_window, seq_len - query_len, block_size)
+            used = tables[s, first : -(-seq_len // block_size)]
             if ((used < 0) | (used >= num_blocks)).any():
                 raise checks.bad_block(tables, lens, s, num_blocks, block_size)
     return metadata, sliding_window

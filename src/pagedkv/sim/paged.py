@@ -147,7 +147,7 @@ class _Replay(Replay):
         free = self.manager.num_free_blocks * bs
         reserved = self.policy.capacity - free
         # Only a sequence's last block can be partly filled: shared prefix blocks are full.
-        empty = sum(-seq.num_computed % bs for seq in self._resident_seqs())
+        empty = self.manager.num_groups * sum(-s.num_computed % bs for s in self._resident_seqs())
         running = self.scheduler.num_running
         if self.timeline is not None:
             totals = (reserved, reserved - empty, running)
@@ -160,10 +160,13 @@ class _Replay(Replay):
     def memory_map(self) -> tuple[Regions, int]:
         """Per resident sequence its blocks as (address, block_size, tokens held); a shared
         block appears once per holder. No need: any free block serves any sequence."""
-        bs, regions = self.policy.block_size, []
+        bs, regions, num_groups = self.policy.block_size, [], self.manager.num_groups
         for seq in self._resident_seqs():
             for i, block in enumerate(self.manager.block_table(seq.seq_id)):
-                regions.append((block * bs, bs, max(0, min(bs, seq.num_computed - i * bs))))
+                if block < 0:  # slid out of its group's window: back in the pool
+                    continue
+                held = seq.num_computed - i // num_groups * bs
+                regions.append((block * bs, bs, max(0, min(bs, held))))
         return regions, 0
 
     def result(self) -> PolicyResult:

@@ -6,10 +6,16 @@ Standard library only. The arithmetic, per GPU under tensor parallelism `tp`:
                          ceil(bytes of every matrix in its block format / tp) (weight_formats.py)
     kv_heads_per_gpu   = num_kv_heads / tp, or 1 when tp > num_kv_heads (heads replicated)
     kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu x head_dim x kv_dtype_bytes
-    kv_bytes_per_block = kv_bytes_per_token x block_size
+    kv_bytes_per_block = 2 x layers_per_group x kv_heads_per_gpu x head_dim x bytes x block_size
     margin_bytes       = memory x activation_margin      (ACTIVATION_MARGIN by default)
     kv_budget_bytes    = memory - weight_bytes - margin_bytes
-    max_kv_tokens      = (kv_budget_bytes // kv_bytes_per_block) x block_size
+    num_blocks         = kv_budget_bytes // kv_bytes_per_block
+    max_kv_tokens      = (num_blocks // num_groups) x block_size
+    blocks_per_sequence = sum over KV cache groups of ceil(context / block_size), at most
+                          ceil(window / block_size) + 1 in a sliding-window group
+
+The layers form KV cache groups as the engine forms them (`pagedkv.memory.groups`): a block
+covers the layers of one group, and a sliding-window group keeps only its window's blocks.
 
 "Weights fit" and "a full-context sequence fits" are separate answers: 70B weights can fit
 on a GPU that then holds no 128K-token sequence. A context beyond the model's
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import DTYPE_BYTES, ModelConfig
+from pagedkv.memory.groups import group_layers
 from pagedkv.sim.weight_formats import weight_bytes_by_format
 
 ACTIVATION_MARGIN = 0.10
@@ -89,6 +96,16 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) 
     return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(kv_dtype)
 
 
+def kv_bytes_per_block(model: ModelConfig, kv_dtype: str, tp: int, block_size: int) -> int:
+    """KV bytes of one block on each GPU: a block covers the layers of one KV cache group.
+
+    Raises:
+        ValueError: an unknown dtype or an impossible `tp`.
+    """
+    layers = group_layers(model.sliding_windows, model.num_layers).layers_per_group
+    return kv_bytes_per_token(model, kv_dtype, tp) // model.num_layers * layers * block_size
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-GPU memory plan; every byte figure is for one GPU."""
@@ -121,6 +138,8 @@ class Plan:
     full_context_sequence_fits: bool
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # Per KV cache group: (window or None, layers, blocks of one full-context sequence).
+    kv_groups: tuple[tuple[int | None, int, int], ...] = ()
 
 
 def plan_memory(
@@ -176,11 +195,12 @@ def plan_memory(
     per_format = sorted(by_format.items(), key=lambda item: -item[1])
     weight_bytes = math.ceil(sum(by_format.values()) / tp)
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
-    per_block = per_token * block_size
+    groups = kv_groups(model, context, block_size)
+    per_block = kv_bytes_per_block(model, kv_dtype, tp, block_size)
     margin_bytes = math.ceil(memory_bytes * activation_margin)
     budget = max(0, memory_bytes - weight_bytes - margin_bytes)
     num_blocks = budget // per_block
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = sum(blocks for _, _, blocks in groups)
     warnings = []
     if context > max_positions:
         warnings.append(
@@ -209,13 +229,31 @@ def plan_memory(
         kv_bytes_per_block=per_block,
         kv_budget_bytes=budget,
         num_blocks=num_blocks,
-        max_kv_tokens=num_blocks * block_size,
+        max_kv_tokens=num_blocks // len(groups) * block_size,
         blocks_per_sequence=blocks_per_seq,
         max_sequences_at_context=num_blocks // blocks_per_seq,
         weights_fit=weight_bytes + margin_bytes <= memory_bytes,
         full_context_sequence_fits=num_blocks >= blocks_per_seq,
         warnings=tuple(warnings),
         notes=_notes(model, tp, heads),
+        kv_groups=groups,
+    )
+
+
+def kv_groups(
+    model: ModelConfig, context: int, block_size: int
+) -> tuple[tuple[int | None, int, int], ...]:
+    """Per KV cache group of `model`: its window (None: full attention), its layers, and the
+    blocks one sequence of `context` tokens holds in it (at most the window's)."""
+    groups = group_layers(model.sliding_windows, model.num_layers)
+    blocks = -(-context // block_size)
+    return tuple(
+        (
+            window,
+            len(layers),
+            blocks if window is None else min(blocks, -(-window // block_size) + 1),
+        )
+        for window, layers in zip(groups.windows, groups.layers, strict=True)
     )
 
 
@@ -228,7 +266,10 @@ def _notes(model: ModelConfig, tp: int, heads: int) -> tuple[str, ...]:
         )
     windows = {w for w in model.sliding_windows if w is not None}
     if windows:
-        notes.append(f"sliding window {min(windows)} ignored: the KV of every token is kept")
+        notes.append(
+            f"sliding window {min(windows)}: its layers keep only the blocks their window "
+            "reaches (a KV cache group of their own)"
+        )
     return tuple(notes)
 
 
@@ -270,6 +311,15 @@ def format_plan(plan: Plan) -> str:
             f"{plan.context:,} tokens (model maximum {plan.max_position_embeddings:,}); "
             f"KV {_gib(sequence_bytes)} per sequence",
         ),
+        *[
+            (
+                f"KV group {g}",
+                f"{'full attention' if window is None else f'window {window:,}'}, {layers} "
+                f"layers: {blocks:,} blocks ({_gib(blocks * plan.kv_bytes_per_block)}) "
+                "per sequence",
+            )
+            for g, (window, layers, blocks) in enumerate(plan.kv_groups)
+        ],
         (f"sequences of {plan.context:,}", f"{plan.max_sequences_at_context:,}"),
         (
             "weights fit",

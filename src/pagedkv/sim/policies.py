@@ -131,7 +131,9 @@ class StepCost:
 class PagedPolicy:
     """The engine's own `Scheduler` over pagedkv's `KVCacheManager` (see `sim/paged.py`).
 
-    With `prefix_caching`, prompts of one prefix group share their full blocks.
+    With `prefix_caching`, prompts of one prefix group share their full blocks. `windows`:
+    the model's KV cache groups (`pagedkv.memory.groups`), one block table each; a block
+    covers the layers of one group.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class PagedPolicy:
         prefix_caching: bool,
         scheduler: SchedulerConfig | None = None,
         step_cost: StepCost | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         from pagedkv.memory import KVCacheManager
 
@@ -151,11 +154,15 @@ class PagedPolicy:
         self.capacity = num_blocks * block_size
         self.scheduler_config = scheduler if scheduler is not None else SchedulerConfig()
         self.step_cost = step_cost if step_cost is not None else StepCost()
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=windows
+        )
+        self.windows = windows
 
     def never_fits(self, request: Request) -> bool:
-        """Whether the request cannot complete even alone in the pool."""
-        return -(-request.total_len // self.block_size) > self.num_blocks
+        """Whether the request cannot complete even alone in the pool (every group's blocks:
+        all of them, at most the window's and one chunk's in a sliding group)."""
+        return -(-request.total_len // self.block_size) * len(self.windows) > self.num_blocks
 
 
 Policy = ContiguousPolicy | PagedPolicy
@@ -170,6 +177,7 @@ def create_policy(
     max_len: int,
     scheduler: SchedulerConfig | None = None,
     step_cost: StepCost | None = None,
+    windows: tuple[int | None, ...] = (None,),
 ) -> Policy:
     """Build a policy by name.
 
@@ -179,6 +187,7 @@ def create_policy(
         max_len: tokens `contiguous-max` reserves per request.
         scheduler: the paged policies' batch limits (default `SchedulerConfig()`).
         step_cost: the paged policies' time per step (default one clock unit).
+        windows: the paged policies' KV cache groups (their windows).
 
     Raises:
         ValueError: an unknown policy name.
@@ -191,6 +200,6 @@ def create_policy(
         if num_blocks <= 0:
             raise ValueError(f"KV memory: expected room for at least one block, got {num_blocks}")
         return PagedPolicy(
-            name, num_blocks, block_size, name == "paged-prefix", scheduler, step_cost
+            name, num_blocks, block_size, name == "paged-prefix", scheduler, step_cost, windows
         )
     raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {name!r}")

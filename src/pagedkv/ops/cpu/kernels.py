@@ -83,7 +83,9 @@ def plan_items(
             return _failed(BAD_QUERY_LEN, s)
         if seq_lens[s] < q_len or seq_lens[s] > max_context:
             return _failed(BAD_SEQ_LEN, s)
-        for b in range((seq_lens[s] + block_size - 1) // block_size):
+        # Blocks wholly before the first new token's window are never read (maybe freed).
+        first = 0 if window <= 0 else max(0, seq_lens[s] - q_len - window + 1) // block_size
+        for b in range(first, (seq_lens[s] + block_size - 1) // block_size):
             if block_tables[s, b] < 0 or block_tables[s, b] >= num_blocks:
                 return _failed(BAD_BLOCK, s)
         if q_len <= max_decode_query:

@@ -1,0 +1,149 @@
+"""How a sequence's KV cache groups take blocks on `allocate` and move them on swap
+(standard library only): the manager's steps that loop over groups."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from pagedkv.errors import OutOfBlocks
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks, first_needed_block
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex
+from pagedkv.memory.sequence import SeqState
+
+
+def used_hits(
+    windows: Sequence[int | None], hits: list[list[int]], num_hits: int, block_size: int
+) -> list[list[int]]:
+    """Per group, the hit blocks a prompt continued after `num_hits` cached blocks reads:
+    all of them, or those its window reaches."""
+    position = num_hits * block_size
+    return [
+        group_hits[first_needed_block(window, position, block_size) :]
+        for window, group_hits in zip(windows, hits, strict=True)
+    ]
+
+
+def check_free(
+    pool: BlockPool, seq_id: Hashable, num_fresh: int, used: list[list[int]], num_hits: int
+) -> None:
+    """Raise OutOfBlocks unless `num_fresh` blocks and the `used` hits' cached ones are free
+    (cached hits are counted only when it matters)."""
+    num_used = sum(map(len, used))
+    if num_fresh + num_used > pool.num_free_blocks - pool.num_cached_blocks and (
+        num_fresh + sum(map(pool.num_evictable, used)) > pool.num_free_blocks
+    ):
+        raise OutOfBlocks(
+            f"allocate {seq_id!r}: need {num_fresh} new blocks after {num_hits} cached, "
+            f"{pool.num_free_blocks} free"
+        )
+
+
+def new_group(
+    pool: BlockPool,
+    index: PrefixIndex | None,
+    tokens: Sequence[Any],
+    used: list[int],
+    num_hits: int,
+    num_fresh: int,
+    found: tuple[list[int], ChainRoot, Sequence[Any]],
+    root: ChainRoot,
+    block_size: int,
+) -> GroupBlocks:
+    """A new sequence's blocks in one group: NULL_BLOCK before the `used` hits, then
+    `num_fresh` fresh blocks, its full blocks after the hits keyed.
+
+    Args:
+        found: the group's `PrefixLookups.lookup` (hits, chain uid after them, keys of the
+            full blocks after them); it may hold more than the `num_hits` every group has.
+        root: the group's chain root.
+    """
+    num_null = num_hits - len(used)
+    block_ids = array("i", [NULL_BLOCK]) * num_null + array("i", used)
+    block_ids += pool.allocate(num_fresh)
+    hits, chain_uid, keys = found
+    if index is None:
+        return GroupBlocks(block_ids, 0, chain_uid, num_null)
+    if len(hits) > num_hits:  # another group hit fewer: the chain goes on from there
+        chain_uid = root
+        if num_hits:
+            entry = index.block_entries[hits[num_hits - 1]]
+            assert entry is not None, "a hit is indexed"
+            chain_uid = entry[1]
+        keys = index.keys_of(tokens, block_size, num_hits)
+    chain_uid = index.insert_keys(chain_uid, keys, block_ids[num_hits : num_hits + len(keys)])
+    return GroupBlocks(block_ids, len(tokens) // block_size, chain_uid, num_null)
+
+
+def append_costs(
+    seq: SeqState, windows: Sequence[int | None], num_new: int, block_size: int, pool: BlockPool
+) -> list[int]:
+    """Per group, the free blocks `num_new` more tokens take, less the blocks sliding out of
+    its window that no other sequence holds."""
+    num_cur, costs = seq.num_tokens, []
+    for group, window in zip(seq.groups, windows, strict=True):
+        cost = group.append_cost(num_cur, num_new, block_size, pool)[0]
+        if window is not None and num_new:
+            cost -= group.num_released(first_needed_block(window, num_cur, block_size), pool)
+        costs.append(cost)
+    return costs
+
+
+def grow(
+    seq: SeqState, windows: Sequence[int | None], num_new: int, block_size: int, pool: BlockPool
+) -> list[tuple[int, int]] | None:
+    """Give each group of `seq` the blocks `num_new` more tokens need, after returning the
+    blocks that slid out of its window: None, with nothing changed, if they are not free;
+    else the copies ``(src, dst)`` to queue, one per fresh block that replaced a shared,
+    partially filled last block."""
+    num_cur = seq.num_tokens
+    if sum(append_costs(seq, windows, num_new, block_size, pool)) > pool.num_free_blocks:
+        return None
+    costs = [group.append_cost(num_cur, num_new, block_size, pool) for group in seq.groups]
+    # Every group returns its slid-out blocks before any takes one: they may be needed.
+    for group, window in zip(seq.groups, windows, strict=True):
+        group.drop(first_needed_block(window, num_cur, block_size), pool)
+    copies = []
+    for group, (num, is_cow) in zip(seq.groups, costs, strict=True):
+        if num:
+            copy = group.take(num, is_cow, pool)
+            if copy:
+                copies.append(copy)
+    seq.table = None
+    return copies
+
+
+def move_to_host(seq: SeqState, pool: BlockPool, host: BlockPool) -> list[tuple[int, int]]:
+    """`KVCacheManager.swap_out` of `seq`: its held blocks, every group's in table order,
+    to fresh host blocks (raises OutOfBlocks, nothing changed, if too few are free)."""
+    held = [group.held for group in seq.groups]
+    host_block_ids = host.allocate(sum(map(len, held)))
+    pairs = list(zip((b for blocks in held for b in blocks), host_block_ids, strict=True))
+    start = 0
+    for group, blocks in zip(seq.groups, held, strict=True):
+        pool.free(blocks)
+        group.host_block_ids = host_block_ids[start : start + len(blocks)]
+        group.block_ids = array("i")
+        start += len(blocks)
+    seq.is_swapped, seq.table = True, None
+    return pairs
+
+
+def move_to_device(seq: SeqState, pool: BlockPool, host: BlockPool) -> list[tuple[int, int]]:
+    """`KVCacheManager.swap_in` of `seq` without re-keying: its host blocks to fresh device
+    blocks, the slid-out ones NULL_BLOCK again (raises OutOfBlocks, nothing changed)."""
+    hosts = [group.host_block_ids or array("i") for group in seq.groups]
+    block_ids = pool.allocate(sum(map(len, hosts)))
+    pairs: list[tuple[int, int]] = []
+    start = 0
+    for group, host_ids in zip(seq.groups, hosts, strict=True):
+        device = block_ids[start : start + len(host_ids)]
+        pairs += zip(host_ids, device, strict=True)
+        host.free(host_ids)
+        group.block_ids = array("i", [NULL_BLOCK]) * group.num_dropped + device
+        group.host_block_ids = None
+        start += len(host_ids)
+    seq.is_swapped, seq.table = False, None
+    return pairs

@@ -1,0 +1,160 @@
+"""KV cache groups: layers that share an attention kind keep their own block tables in one
+pool (standard library only).
+
+A block id covers the layers of one group only, so a sliding-window group can hand back
+the blocks that slid out of its window while a full-attention group keeps every block.
+Groups hold equally many layers (the fewest layers of any kind; the last group of a kind
+may hold fewer), so a block is the same bytes whichever group holds it: the cache tensor
+is ``[2, layers_per_group, num_blocks, block_size, num_kv_heads, head_dim]`` and layer l
+reads row ``slot(l)`` of its group's blocks.
+
+One group's blocks of a sequence (``window`` W, block size B)::
+
+    block_ids  [ -1 | -1 | b2 | b3 | b4 ]     -1: slid out, never read, back in the pool
+                           '- the block holding position (first new token - W + 1)
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex
+
+# A block table entry of a block that slid out of its group's window.
+NULL_BLOCK = -1
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The model's layers split into groups.
+
+    Attributes:
+        windows: per group, its layers' sliding window (None: full attention).
+        layers: per group, its layer indices in slot order.
+        layers_per_group: layers a block covers (the slots of the cache tensor).
+    """
+
+    windows: tuple[int | None, ...]
+    layers: tuple[tuple[int, ...], ...]
+    layers_per_group: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def slot_of(self, layer: int) -> tuple[int, int]:
+        """``(group, slot)`` of `layer`. Raises ValueError for a layer in no group."""
+        for group, layers in enumerate(self.layers):
+            if layer in layers:
+                return group, layers.index(layer)
+        raise ValueError(f"layer: expected one of the model's layers, got {layer!r}")
+
+
+def group_layers(sliding_windows: Sequence[int | None], num_layers: int) -> KVGroups:
+    """Split `num_layers` layers into groups by attention kind.
+
+    Args:
+        sliding_windows: per layer its window (None: full attention); empty: every layer
+            attends fully.
+        num_layers: the model's layers (> 0).
+
+    Returns:
+        One group per kind when there is one kind; else each kind cut into groups of the
+        fewest layers any kind has, in order of the kinds' first layers.
+
+    Raises:
+        ValueError: `sliding_windows` is neither empty nor one entry per layer.
+    """
+    windows = tuple(sliding_windows) or (None,) * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"sliding_windows: expected {num_layers} entries, got {len(windows)}")
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    groups = [
+        (window, tuple(layers[i : i + size]))
+        for window, layers in kinds.items()
+        for i in range(0, len(layers), size)
+    ]
+    return KVGroups(tuple(w for w, _ in groups), tuple(ls for _, ls in groups), size)
+
+
+def first_needed_block(window: int | None, position: int, block_size: int) -> int:
+    """The first block a token at `position` (and every later one) attends to."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
+@dataclass(slots=True, eq=False)
+class GroupBlocks:
+    """One sequence's blocks in one group (device or host, ``array('i')``)."""
+
+    # Device blocks in logical order; the leading `num_dropped` are NULL_BLOCK (slid out).
+    block_ids: array[int]
+    # Leading full blocks already offered to the prefix index, and the uid naming the
+    # prefix through the last of them (the parent of the next full block's key).
+    num_keyed: int
+    chain_uid: ChainRoot
+    num_dropped: int = 0
+    # The held blocks (those after the dropped ones) while swapped out, else None.
+    host_block_ids: array[int] | None = None
+
+    @property
+    def held(self) -> array[int]:
+        """The device blocks held (none of them NULL_BLOCK)."""
+        return self.block_ids[self.num_dropped :]
+
+    def append_cost(self, num_tokens: int, num_new: int, block_size: int, pool: BlockPool
+                    ) -> tuple[int, bool]:  # fmt: skip
+        """Free blocks `num_new` tokens after `num_tokens` take, and whether one of them
+        replaces the shared, partially filled last block (copy-on-write)."""
+        is_cow = bool(num_new and num_tokens % block_size and pool.is_shared(self.block_ids[-1]))
+        num = -(-(num_tokens + num_new) // block_size) - len(self.block_ids)
+        return num + is_cow, is_cow
+
+    def num_released(self, first_needed: int, pool: BlockPool) -> int:
+        """Blocks `drop(first_needed)` would return to the free pool (those it alone holds)."""
+        extra = pool.extra_refs
+        return sum(not extra[b] for b in self.block_ids[self.num_dropped : first_needed])
+
+    def take(self, num_blocks: int, is_cow: bool, pool: BlockPool) -> tuple[int, int] | tuple[()]:
+        """Append `num_blocks` fresh blocks (the caller checked they are free); with `is_cow`
+        the first replaces the shared last block: returns the copy ``(src, dst)`` to queue."""
+        new = [pool.allocate_one()] if num_blocks == 1 else pool.allocate(num_blocks).tolist()
+        copy: tuple[int, int] | tuple[()] = ()
+        if is_cow:
+            copy = src, dst = self.block_ids[-1], new.pop(0)
+            pool.free([src])  # shared, so it stays held by the others
+            self.block_ids[-1] = dst
+        self.block_ids.extend(new)
+        return copy
+
+    def drop(self, first_needed: int, pool: BlockPool) -> bool:
+        """Return the blocks before `first_needed` to `pool` (they slid out of the window);
+        whether any did."""
+        start = self.num_dropped
+        if first_needed <= start:
+            return False
+        pool.free(self.block_ids[start:first_needed])
+        self.block_ids[start:first_needed] = array("i", [NULL_BLOCK]) * (first_needed - start)
+        self.num_dropped = first_needed
+        return True
+
+    def key_full_blocks(self, index: PrefixIndex | None, token_ids: Sequence[object],
+                        block_size: int) -> None:  # fmt: skip
+        """Offer the newly full blocks to the prefix index (chained keys). Blocks that slid
+        out before they were keyed break the chain: the rest chain from a fresh uid, which
+        no lookup reaches."""
+        if index is None:
+            return
+        if self.num_keyed < self.num_dropped:
+            self.num_keyed, self.chain_uid = self.num_dropped, index.fresh_uid()
+        start = self.num_keyed
+        keys = index.keys_of(token_ids, block_size, start)
+        self.chain_uid = index.insert_keys(
+            self.chain_uid, keys, self.block_ids[start : start + len(keys)]
+        )
+        self.num_keyed = start + len(keys)

@@ -1,0 +1,142 @@
+"""KV cache groups in the manager: sliding groups return the blocks that left their window,
+prefix hits, fork, swap and the audit work per group."""
+
+from __future__ import annotations
+
+import pytest
+from memory_testing import tokens
+
+from pagedkv.memory import KVCacheManager
+from pagedkv.memory.groups import NULL_BLOCK, group_layers
+
+
+def test_group_layers_splits_kinds_into_equal_groups() -> None:
+    windows = [4, 4, 4, 4, 4, None] * 2 + [4, 4]  # Gemma-3-like: 12 sliding, 2 full
+    groups = group_layers(windows, 14)
+    assert groups.layers_per_group == 2
+    assert groups.windows == (4,) * 6 + (None,)
+    assert groups.layers[0] == (0, 1) and groups.layers[6] == (5, 11)
+    assert groups.slot_of(11) == (6, 1)
+    one = group_layers([8] * 3, 3)
+    assert one.windows == (8,) and one.layers == ((0, 1, 2),) and one.layers_per_group == 3
+    assert group_layers((), 2).windows == (None,)
+    with pytest.raises(ValueError, match="sliding_windows: expected 3 entries, got 2"):
+        group_layers([None, 4], 3)
+
+
+def test_rejects_bad_windows() -> None:
+    with pytest.raises(ValueError, match="windows: expected an int >= 1, got 0"):
+        KVCacheManager(8, 4, windows=(None, 0))
+    with pytest.raises(ValueError, match="windows: expected one entry per KV cache group"):
+        KVCacheManager(8, 4, windows=())
+
+
+def test_sliding_group_returns_blocks_that_left_the_window() -> None:
+    m = KVCacheManager(64, 4, windows=(None, 8))
+    m.allocate("a", tokens(0, 2))
+    most = 0
+    for token in range(200):
+        table = m.append("a", [token])
+        m.check()
+        stats = m.stats()
+        assert stats["group_1_max_seq_blocks"] <= 8 // 4 + 1
+        most = max(most, stats["group_1_max_seq_blocks"])
+        # The full group keeps every block; the sliding one only those the next token reads.
+        assert NULL_BLOCK not in table[0::2]
+    assert most == 3 and m.stats()["group_0_num_held_blocks"] == -(-202 // 4)
+    first = (202 - 8 + 1) // 4
+    assert table[1::2][:first] == [NULL_BLOCK] * first and NULL_BLOCK not in table[1::2][first:]
+    # Slots of the window are there; a slot before it would be a NULL_BLOCK's.
+    assert min(m.slot_mapping("a", 202 - 8, 202, 1)) >= 0
+    assert m.num_free_blocks == 64 - (-(-202 // 4)) - (len(table) // 2 - first)
+    m.free("a")
+    assert m.num_free_blocks == 64
+    m.check()
+
+
+def test_append_counts_blocks_sliding_out() -> None:
+    m = KVCacheManager(9, 2, windows=(None, 1), enable_prefix_caching=False)
+    m.allocate("a", tokens(0, 8))  # 4 + 4 blocks
+    assert m.num_free_blocks == 1
+    # One new block per group, four released by the sliding group: a net three come back.
+    assert m.num_blocks_to_append("a", 1) == -2
+    m.append("a", [7])
+    assert m.num_free_blocks == 3
+    m.check()
+
+
+def test_prefix_hit_holds_only_the_window_blocks() -> None:
+    m = KVCacheManager(64, 4, windows=(None, 4))
+    prompt = tokens(0, 40)
+    m.allocate("a", prompt)
+    m.append("a", [1])  # the sliding group drops blocks 0..8; they stay cached
+    m.check()
+    assert m.num_cached_tokens(prompt + [5]) == 40
+    need = m.num_blocks_to_allocate(prompt + [5])
+    free = m.num_free_blocks
+    assert m.allocate("b", prompt + [5]) == 40
+    assert m.num_free_blocks == free - need
+    table = m.block_table("b")
+    assert table[0::2][:10] == m.block_table("a")[0::2][:10]  # the full group shares all
+    sliding = table[1::2]
+    # The next token (position 40) reads 37..40: block 9 (a hit) and block 10 (fresh).
+    assert sliding[:9] == [NULL_BLOCK] * 9 and NULL_BLOCK not in sliding[9:]
+    m.check()
+
+
+def test_groups_hit_no_more_than_the_shortest_chain() -> None:
+    m = KVCacheManager(24, 4, windows=(None, 4))
+    prompt = tokens(0, 40)
+    m.allocate("a", prompt)  # 10 blocks per group
+    m.append("a", [1])  # the sliding group leaves blocks 0..8 cached, holds 9 and 10
+    assert m.stats()["num_cached_blocks"] == 9
+    # 2 free blocks and 4 evicted: the sliding chain's blocks 8, 7, 6, 5 (last ones first).
+    m.allocate("c", tokens(100, 12))
+    assert m.stats()["num_evictions"] == 4
+    # The full group still holds all 10 blocks, the sliding group's chain ends at block 4.
+    assert m.num_cached_tokens(prompt + [1]) == 20
+    shared = m.block_table("a")[0::2][:5]
+    m.free("c")
+    m.free("a")
+    assert m.allocate("b", prompt + [1]) == 20
+    sliding = m.block_table("b")[1::2]
+    # The next token (position 20) reads 17..20: block 4 (a hit) and fresh ones after it.
+    assert sliding[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in sliding[4:]
+    assert m.block_table("b")[0::2][:5] == shared
+    m.check()
+
+
+def test_fork_swap_and_free_cover_every_group() -> None:
+    m = KVCacheManager(64, 4, num_host_blocks=64, windows=(None, 8, 4))
+    m.allocate("a", tokens(0, 30))
+    m.append("a", [1, 2, 3])
+    m.fork("a", "b")
+    m.append("b", [9])  # copy-on-write in every group whose partial last block is shared
+    copies = m.pop_copies()
+    assert len(copies) == 3
+    m.check()
+    assert m.stats()["group_2_max_seq_blocks"] == 3  # "a": 30..33 (+1 past 32); "b": 31..34
+    held = sum(b != NULL_BLOCK for b in m.block_table("b"))
+    pairs = m.swap_out("b")
+    assert len(pairs) == held and m.is_swapped("b")
+    m.check()
+    assert m.num_blocks_to_swap_in("b") == len(pairs)
+    back = m.swap_in("b")
+    assert [h for h, _ in back] == [h for _, h in pairs]
+    table = m.block_table("b")
+    assert sum(b != NULL_BLOCK for b in table) == len(back)
+    m.check()
+    m.free("a")
+    m.free("b")
+    m.check()
+    assert m.num_free_blocks == 64 and m.num_free_host_blocks == 64
+
+
+def test_audit_catches_a_block_leaked_by_a_sliding_group() -> None:
+    m = KVCacheManager(32, 4, windows=(None, 4))
+    m.allocate("a", tokens(0, 20))
+    m.append("a", [1])
+    group = m._seqs["a"].groups[1]
+    group.block_ids[group.num_dropped - 1] = 0  # claims a block it gave back
+    with pytest.raises(AssertionError):
+        m.check()
