@@ -158,20 +158,23 @@ def family(request, tmp_path_factory):
 def test_families_with_prefix_caching_and_preemption(family, source: str, mode: str) -> None:
     from pagedkv.cache import PagedKVCache
     from pagedkv.config import ModelConfig
+    from pagedkv.memory.groups import group_layers
 
     arch, model_dir, gguf_path, prompts, expected = family
     path = model_dir if source == "safetensors" else gguf_path
     config = ModelConfig.from_hf(path)
+    groups = group_layers(config.sliding_windows, config.num_layers)
     block_bytes = PagedKVCache.bytes_per_block(
-        config.num_layers, 4, config.num_kv_heads, config.head_dim, "float32"
+        groups.layers_per_group, 4, config.num_kv_heads, config.head_dim, "float32"
     )
-    # 24 blocks of 4 tokens: fewer than the batch needs, so it preempts; chunks of 16 tokens.
+    # 24 blocks of 4 tokens for a full-attention group, a few for each other (a sliding
+    # group keeps its window): fewer than the batch needs, so it preempts; chunks of 16.
     llm = LLM(
         path,
         dtype="float32",
         device="cpu",
         block_size=4,
-        num_blocks=24,
+        num_blocks=24 + 6 * (groups.num_groups - 1),
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
         preemption_mode=mode,
