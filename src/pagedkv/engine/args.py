@@ -69,6 +69,15 @@ class EngineArgs:
         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     enable_prefix_caching: bool = _option(True, "reuse the KV of identical leading prompt blocks")
+    prefix_cache_dir: str | None = _option(
+        None,
+        "save cached blocks the pool evicts to this directory and read them back for later "
+        "prompts, across restarts (needs prefix caching; off by default)",
+        metavar="DIR",
+    )
+    prefix_cache_disk_size: int | str = _option(
+        "20GiB", "bytes of block files kept in prefix_cache_dir (least recently used go)"
+    )
     preemption_mode: str = _option(
         "recompute",
         "what a preempted sequence does when the pool runs out",
@@ -124,6 +133,11 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len: expected > 0, got {self.max_model_len}")
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "prefix_cache_dir: expected enable_prefix_caching on (the tier holds cached "
+                f"blocks), got a directory {self.prefix_cache_dir!r} with prefix caching off"
+            )
         # The layer configs check their own ranges (block_size > 0, ...).
         self.create_cache_config()
         self.create_scheduler_config()
@@ -136,6 +150,8 @@ class EngineArgs:
             kv_cache_memory=typing.cast("int | None", self.kv_cache_memory),
             swap_space=typing.cast(int, self.swap_space),
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_dir=self.prefix_cache_dir,
+            prefix_cache_disk_size=typing.cast(int, self.prefix_cache_disk_size),
         )
 
     def create_scheduler_config(self) -> SchedulerConfig:
