@@ -125,3 +125,29 @@ def test_read_blocks_and_write_blocks_move_whole_blocks(dtype: torch.dtype) -> N
         target.write_blocks([0], data)
     with pytest.raises(ValueError, match="read_blocks"):
         source.read_blocks([6])
+
+
+_RACER = """
+import hashlib, struct, sys
+from pagedkv.cache.block_store import BlockStore
+store = BlockStore(sys.argv[1], "ns", 1 << 30)
+for i in range(60):  # both processes write the same blocks at the same time
+    h = hashlib.sha256(b"block %d" % i).digest()
+    parent = hashlib.sha256(b"parent %d" % i).digest()
+    tokens = struct.pack("=4i", i, i + 1, i + 2, i + 3)
+    store.write(h, parent, tokens, bytes((i * 7 + j) % 251 for j in range(200_000)))
+"""
+
+
+def test_processes_writing_one_directory_leave_only_whole_blocks(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path)]) for _ in range(2)]
+    assert [racer.wait(timeout=300) for racer in racers] == [0, 0]
+    store = BlockStore(str(tmp_path), "ns", 1 << 30)
+    assert len(store) == 60
+    for i in range(60):
+        h, parent, tokens, data = block(i, size=200_000)
+        assert bytes(store.read(h, parent, tokens)) == data
+    assert not list(tmp_path.glob("ns/*/*.tmp"))

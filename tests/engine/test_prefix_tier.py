@@ -22,7 +22,7 @@ import pytest
 from helpers import make_hf_model
 from helpers.gguf_models import smollm2_gguf
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine.args import EngineArgs
 from pagedkv.server.metrics import ServerMetrics
 
@@ -135,6 +135,21 @@ def test_blocks_evicted_while_serving_come_back_from_disk(model_dir, tmp_path) -
     assert_same_tokens_close_logprobs(cold, again)
 
 
+def test_blocks_a_beam_search_evicts_are_saved_with_their_own_kv(model_dir, tmp_path) -> None:
+    params, prompts, cold = greedy_case(model_dir, 10, 3)
+    with make_llm(model_dir, num_blocks=24, prefix_cache_dir=str(tmp_path)) as llm:
+        one_by_one(llm, prompts, params)
+        beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+        llm.beam_search(make_prompts(11, 2, low=30, high=40), beam)  # evicts the prompts'
+        llm.engine.prefix_tier.flush()
+        assert llm.stats()["prefix_cache_disk_bytes_written"] > 0
+        assert llm.engine.prefix_tier.stats()["prefix_cache_disk_blocks"] > 0
+    with make_llm(model_dir, prefix_cache_dir=str(tmp_path)) as llm:
+        served = one_by_one(llm, prompts, params)
+        assert llm.stats()["prefix_cache_disk_hits"] > 0
+    assert_same_tokens_close_logprobs(cold, served)
+
+
 def test_a_corrupt_file_is_a_miss_and_is_removed(model_dir, tmp_path) -> None:
     params, prompts, cold = greedy_case(model_dir, 3, 2)
     with make_llm(model_dir, prefix_cache_dir=str(tmp_path)) as llm:
@@ -188,7 +203,7 @@ def test_a_failing_write_turns_saving_off_and_serving_goes_on(model_dir, tmp_pat
 
 _WRITER = """
 import json, sys
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, BeamSearchParams, SamplingParams
 model, directory, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(model, device="cpu", dtype="float32", num_blocks=16, block_size=4,
           max_num_batched_tokens=64, prefix_cache_dir=directory)

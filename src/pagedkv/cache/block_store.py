@@ -211,7 +211,9 @@ class BlockStore:
         path = self._path(name)
         try:
             with open(path, "rb") as file:
-                raw = bytearray(file.read())
+                raw = bytearray(os.fstat(file.fileno()).st_size)
+                num_read = file.readinto(raw)
+            del raw[num_read:]  # shorter if another process replaced the file meanwhile
         except OSError:
             with self._lock:
                 self._forget(name)

@@ -137,18 +137,29 @@ class PrefixTier:
     def pop_loaded(self, wait_one: bool) -> list[Request]:
         """The requests whose reads ended, their blocks now cached in the pool.
 
+        Loaded blocks are cached, not held: placed in a pool too full for their requests'
+        prompts, the admission of one request would evict the blocks of the next. So a
+        finished read is placed only while the prompts placed so far fit the free blocks
+        (each counted whole, as `check_fits` does); on an idle engine the first always is.
+
         Args:
-            wait_one: first wait a moment for a read to end (the engine has nothing else to
-                do: without it, its loop would spin).
+            wait_one: the engine has nothing else to do: first wait a moment for a read to
+                end (without it, its loop would spin).
         """
         if wait_one and self._loads:
             futures = [load.future for load in self._loads.values()]
             wait(futures, _IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-        done = [load for load in self._loads.values() if load.future.done()]
-        for load in done:
+        room = self.kv_manager.num_free_blocks
+        placed: list[Request] = []
+        for load in [load for load in self._loads.values() if load.future.done()]:
+            need = -(-(len(load.request.prompt_token_ids) + 1) // self.block_size)
+            if need > room and not (wait_one and not placed):
+                break  # in arrival order: the others wait behind it
+            room -= need
             del self._loads[load.request.request_id]
             self._cache(load)
-        return [load.request for load in done]
+            placed.append(load.request)
+        return placed
 
     def _cache(self, load: _Load) -> None:
         """Put a finished read's blocks into free pool blocks as cached blocks."""
