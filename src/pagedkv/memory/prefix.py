@@ -324,7 +324,7 @@ class PrefixIndex:
         Returns:
             The uid naming the prefix through the last block (see `insert`).
         """
-        entries, block_entries = self._entries, self.block_entries
+        entries, block_entries, content = self._entries, self.block_entries, self.content
         uid = parent_uid
         for tokens, block_id in zip(keys, block_ids, strict=True):
             assert block_entries[block_id] is None, f"block {block_id} is indexed already"
@@ -336,8 +336,8 @@ class PrefixIndex:
             uid = self._next_uid
             self._next_uid = uid + 1
             entries[key] = block_entries[block_id] = (block_id, uid, key)
-            if self.content is not None:
-                self.content.add(uid, key)
+            if content is not None:
+                content.add(uid, key)
         return uid
 
     def remove(self, block_id: int) -> None:
