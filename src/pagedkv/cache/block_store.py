@@ -76,6 +76,7 @@ class BlockStore:
         self.num_bytes = 0
         self.num_evictions = 0
         self.num_corrupt = 0
+        self.num_failed_reads = 0  # corrupt, or gone since it was found
         os.makedirs(self.directory, exist_ok=True)
         self._write_atomic(
             os.path.join(self.directory, "namespace.json"),
@@ -217,12 +218,14 @@ class BlockStore:
         except OSError:
             with self._lock:
                 self._forget(name)
+                self.num_failed_reads += 1
             return None
         data = _verified(raw, content_hash, parent_hash, tokens)
         with self._lock:
             if data is None:
                 self._forget(name)
                 self.num_corrupt += 1
+                self.num_failed_reads += 1
             elif name in self._files:
                 self._files.move_to_end(name)
         if data is None:

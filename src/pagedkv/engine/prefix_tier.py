@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,10 @@ class PrefixTier:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-write")
         self._loads: dict[str, _Load] = {}
-        self._writing: set[bytes] = set()  # hashes copied out, file not yet written
+        # Hashes copied out whose files are not written yet, and their bytes (the writer
+        # thread removes what it wrote, under the lock).
+        self._lock = threading.Lock()
+        self._writing: set[bytes] = set()
         self._pending_bytes = 0
         self.is_writable = True
         self.num_hits = self.num_misses = self.num_dropped = 0
@@ -168,8 +172,7 @@ class PrefixTier:
         except OSError as exc:
             logger.warning("prefix cache dir: a read failed (%s); computing the prompt", exc)
             blocks = []
-        if not blocks:
-            self.num_misses += 1
+        if not blocks:  # a file gone or failing verification (counted by the store)
             return
         self.num_hits += len(blocks)
         self.bytes_read += sum(len(b) for b in blocks)
@@ -202,19 +205,19 @@ class PrefixTier:
         """Copy `evicted` blocks out of the pool (one gather) and queue their files."""
         if not self.is_writable:
             return
-        evicted = [
-            e for e in evicted
-            if e.content_hash not in self._writing and not self.store.contains(e.content_hash)
-        ]  # fmt: skip
-        size = self.kv_cache.bytes_per_stored_block
-        room = max(0, (_MAX_PENDING_WRITE_BYTES - self._pending_bytes) // size)
+        with self._lock:
+            evicted = [e for e in evicted if e.content_hash not in self._writing]
+            room = _MAX_PENDING_WRITE_BYTES - self._pending_bytes
+        evicted = [e for e in evicted if not self.store.contains(e.content_hash)]
+        room = max(0, room // self.kv_cache.bytes_per_stored_block)
         self.num_dropped += max(0, len(evicted) - room)
         evicted = evicted[:room]
         if not evicted:
             return
         data = self.kv_cache.read_blocks([e.block_id for e in evicted]).numpy()
-        self._writing.update(e.content_hash for e in evicted)
-        self._pending_bytes += data.nbytes
+        with self._lock:
+            self._writing.update(e.content_hash for e in evicted)
+            self._pending_bytes += data.nbytes
         self._writer.submit(self._write, evicted, data)
 
     def _write(self, evicted: list[EvictedBlock], data: Any) -> None:
@@ -232,8 +235,9 @@ class PrefixTier:
                 "longer saved", self.store.directory, exc,
             )  # fmt: skip
         finally:
-            self._writing.difference_update(block.content_hash for block in evicted)
-            self._pending_bytes -= data.nbytes
+            with self._lock:
+                self._writing.difference_update(block.content_hash for block in evicted)
+                self._pending_bytes -= data.nbytes
 
     def flush(self) -> None:
         """Wait for the queued writes (tests, shutdown)."""
@@ -245,7 +249,7 @@ class PrefixTier:
         """Disk-tier counters: hits and misses in blocks, bytes, evictions, files held."""
         return {
             "prefix_cache_disk_hits": self.num_hits,
-            "prefix_cache_disk_misses": self.num_misses + self.store.num_corrupt,
+            "prefix_cache_disk_misses": self.num_misses + self.store.num_failed_reads,
             "prefix_cache_disk_bytes_read": self.bytes_read,
             "prefix_cache_disk_bytes_written": self.bytes_written,
             "prefix_cache_disk_evictions": self.store.num_evictions,
