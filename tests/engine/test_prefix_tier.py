@@ -317,3 +317,21 @@ def test_smollm2_served_from_disk_matches_a_cold_cache(tmp_path) -> None:
         served = one_by_one(llm, prompts, params) + one_by_one(llm, prompts, seeded)
         assert llm.stats()["prefix_cache_disk_hits"] > 0
     assert_same_tokens_close_logprobs(cold, served)
+
+
+def test_loaded_blocks_wait_until_their_prompt_fits_the_pool(model_dir, tmp_path) -> None:
+    params, prompts, cold = greedy_case(model_dir, 12, 2, low=50, high=50)
+    with make_llm(model_dir, num_blocks=24, prefix_cache_dir=str(tmp_path)) as llm:
+        one_by_one(llm, prompts, params)
+    with make_llm(model_dir, num_blocks=24, prefix_cache_dir=str(tmp_path)) as llm:
+        engine = llm.engine
+        for name, prompt in zip("ab", prompts, strict=True):
+            engine.add_request(name, prompt, params)
+        outputs = {o.request_id: o for o in engine.step()}
+        # 13 blocks each of 24: placing b's 12 loaded blocks now would evict a's.
+        assert "a" in engine.scheduler.requests and "b" in engine.prefix_tier
+        while engine.has_unfinished_requests():
+            outputs |= {o.request_id: o for o in engine.step()}
+        stats = llm.stats()
+    assert stats["prefix_cache_hits"] == 2 * 12 * BLOCK_SIZE  # every loaded block was hit
+    assert_same_tokens_close_logprobs(cold, [outputs["a"], outputs["b"]])
