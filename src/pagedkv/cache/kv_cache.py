@@ -228,6 +228,55 @@ class PagedKVCache:
         flat = self._flat(self._pool)
         flat.index_copy_(1, dst.to(self.device), gathered.to(self.device, non_blocking=True))
 
+    @property
+    def bytes_per_stored_block(self) -> int:
+        """Bytes of one block as `read_blocks` gives it (every layer's K and V)."""
+        shape = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.bytes_per_block(*shape, self.dtype)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy whole blocks out of the device pool: the one way a block's bytes leave it.
+
+        Args:
+            block_ids: device block ids.
+
+        Returns:
+            uint8 [len(block_ids), bytes_per_stored_block] on the CPU, a copy: row i holds
+            block ``block_ids[i]``'s K and V of every layer, in pool order (K layer 0 ..
+            K layer L-1, V layer 0 .. V layer L-1).
+
+        Raises:
+            ValueError: an id is out of range.
+        """
+        pairs = [(b, i) for i, b in enumerate(block_ids)]
+        ids, _ = self._indices(pairs, self.num_blocks, len(pairs), "read_blocks")
+        rows = self._flat(self._pool).index_select(1, ids.to(self.device))  # (2L, n, bs*H*D)
+        rows = rows.transpose(0, 1).contiguous().cpu()  # (n, 2L, bs*H*D)
+        return rows.view(torch.uint8).view(len(block_ids), -1)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks that `read_blocks` gave (of this pool's layout and dtype).
+
+        Args:
+            block_ids: distinct device block ids.
+            data: uint8 [len(block_ids), bytes_per_stored_block] on the CPU.
+
+        Raises:
+            ValueError: an id is out of range or repeats, or `data` has another shape.
+        """
+        expected = (len(block_ids), self.bytes_per_stored_block)
+        if data.dtype != torch.uint8 or tuple(data.shape) != expected:
+            raise ValueError(
+                f"write_blocks: expected uint8 data of shape {expected}, "
+                f"got {data.dtype} {tuple(data.shape)}"
+            )
+        pairs = [(i, b) for i, b in enumerate(block_ids)]
+        _, ids = self._indices(pairs, len(pairs), self.num_blocks, "write_blocks")
+        rows = data.contiguous().view(self.dtype).view(len(block_ids), 2 * self.num_layers, -1)
+        self._flat(self._pool).index_copy_(
+            1, ids.to(self.device), rows.transpose(0, 1).to(self.device)
+        )
+
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "

@@ -72,6 +72,15 @@ class EngineArgs:
     kv_cache_groups: bool = _option(
         True, "give sliding-window layers their own blocks, freed as they leave the window"
     )
+    prefix_cache_dir: str | None = _option(
+        None,
+        "save cached blocks the pool evicts to this directory and read them back for later "
+        "prompts, across restarts (needs prefix caching; off by default)",
+        metavar="DIR",
+    )
+    prefix_cache_disk_size: int | str = _option(
+        "20GiB", "bytes of block files kept in prefix_cache_dir (least recently used go)"
+    )
     preemption_mode: str = _option(
         "recompute",
         "what a preempted sequence does when the pool runs out",
@@ -126,6 +135,11 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len: expected > 0, got {self.max_model_len}")
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "prefix_cache_dir: expected enable_prefix_caching on (the tier holds cached "
+                f"blocks), got a directory {self.prefix_cache_dir!r} with prefix caching off"
+            )
         # The layer configs check their own ranges (block_size > 0, ...).
         self.create_cache_config()
         self.create_scheduler_config()
@@ -139,6 +153,8 @@ class EngineArgs:
             swap_space=typing.cast(int, self.swap_space),
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_groups=self.kv_cache_groups,
+            prefix_cache_dir=self.prefix_cache_dir,
+            prefix_cache_disk_size=typing.cast(int, self.prefix_cache_disk_size),
         )
 
     def create_scheduler_config(self) -> SchedulerConfig:

@@ -184,6 +184,8 @@ class BeamSearchRun:
             while waiting or active:
                 self._admit(waiting, active)
                 step = self._schedule(active)
+                if self.engine.prefix_tier is not None:  # evicted blocks out before writes
+                    self.engine.prefix_tier.save_evicted()
                 results = self.engine.runner.execute(step, self._bitmask(step))
                 self.num_steps += 1
                 for search in [s for s in active if s.beams and s.beams[0].seq_id in results]:

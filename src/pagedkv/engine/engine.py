@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.prefix_tier import create_prefix_tier
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
@@ -54,6 +55,11 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_host_blocks=runner.kv_cache.num_host_blocks,
             windows=runner.kv_cache.groups.windows,
+            hash_contents=config.cache.prefix_cache_dir is not None,
+        )
+        # The disk tier of the prefix cache (None: off or unusable).
+        self.prefix_tier = create_prefix_tier(
+            config, self.kv_manager, runner.kv_cache, config.tensor_parallel_size
         )
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
@@ -145,6 +151,11 @@ class LLMEngine:
         if params.structured_outputs is not None and self.structured_outputs.add(request):
             self._arrivals += 1  # scheduled once its grammar compiled (`step`)
             return
+        if self.prefix_tier is not None:
+            self.scheduler.check_request(request)
+            if self.prefix_tier.start_load(request):
+                self._arrivals += 1  # scheduled once its blocks are read (`step`)
+                return
         self.scheduler.add_request(request)
         self._arrivals += 1
 
@@ -202,6 +213,8 @@ class LLMEngine:
         """End a request now; its blocks go back to the pool. Unknown ids are ignored."""
         if self._structured is not None and self._structured.abort(request_id) is not None:
             return
+        if self.prefix_tier is not None and self.prefix_tier.abort(request_id) is not None:
+            return
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self.runner.release(request_id)
@@ -212,7 +225,9 @@ class LLMEngine:
 
     @property
     def _num_compiling(self) -> int:
-        return 0 if self._structured is None else len(self._structured.pending)
+        """Requests not yet scheduled: compiling their grammar or reading their blocks."""
+        num_loading = 0 if self.prefix_tier is None else len(self.prefix_tier)
+        return num_loading + (0 if self._structured is None else len(self._structured.pending))
 
     @property
     def num_running(self) -> int:
@@ -220,7 +235,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running, those whose grammar compiles included."""
+        """Requests not running, those whose grammar compiles (or blocks load) included."""
         return self.scheduler.num_waiting + self._num_compiling
 
     # ---- one step -----------------------------------------------------------------------
@@ -232,9 +247,14 @@ class LLMEngine:
             The cumulative output of every request that got tokens or finished this step.
         """
         failed = self._admit_compiled() if self._structured is not None else []
+        if self.prefix_tier is not None:
+            idle = not self.scheduler.has_unfinished_requests()
+            failed += self._admit(self.prefix_tier.pop_loaded(wait_one=idle), [])
         # Taken before schedule(): a request can end inside it (no room to grow).
         live = dict(self.scheduler.requests)
         step = self.scheduler.schedule()
+        if self.prefix_tier is not None:  # evicted blocks leave before the step writes
+            self.prefix_tier.save_evicted()
         bitmask = None if self._structured is None else self._structured.prepare(step)
         try:
             # Without constrained samples the runner is called as any runner can be.
@@ -258,6 +278,8 @@ class LLMEngine:
         for request_id in dict.fromkeys(seq_id[0] for seq_id in step.seq_ids):
             self.abort_request(request_id)
         if not self.kv_manager.reset_prefix_cache():
+            if self.prefix_tier is not None:
+                self.prefix_tier.stop_writes("a step failed while other requests held blocks")
             logger.warning(
                 "a step failed while other requests hold blocks: the prefix cache may "
                 "index blocks of that step whose KV was never written"
@@ -295,8 +317,15 @@ class LLMEngine:
         """Schedule the requests whose grammar compiled; end those whose compile failed
         (finish reason "abort") and return their outputs."""
         assert self._structured is not None, "called only with structured outputs"
-        idle = not self.scheduler.has_unfinished_requests()
+        idle = not self.scheduler.has_unfinished_requests() and not self.prefix_tier
         ready, failed = self._structured.pop_compiled(wait=idle)
+        return self._admit(ready, failed)
+
+    def _admit(
+        self, ready: list[Request], failed: list[tuple[Request, BaseException]]
+    ) -> list[RequestOutput]:
+        """Schedule the `ready` requests; end the `failed` ones and any the scheduler
+        rejects (finish reason "abort"), returning their outputs."""
         for request in ready:
             try:
                 self.scheduler.add_request(request)
@@ -363,6 +392,8 @@ class LLMEngine:
         """Release what outlives garbage collection (tensor-parallel worker processes)."""
         if self._structured is not None:
             self._structured.close()
+        if self.prefix_tier is not None:
+            self.prefix_tier.close()
         self.runner.close()
 
     # ---- observability ------------------------------------------------------------------
@@ -378,6 +409,7 @@ class LLMEngine:
             num_requests_waiting=self.scheduler.num_waiting,
             num_requests_swapped=self.scheduler.num_swapped,
             num_steps=self.num_steps,
+            **(self.prefix_tier.stats() if self.prefix_tier is not None else {}),
         )
 
 

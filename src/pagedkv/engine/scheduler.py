@@ -85,6 +85,13 @@ class Scheduler:
             ValueError: duplicate id, empty prompt, or a prompt that can never run
                 (no room for one new token within `max_model_len` or the whole pool).
         """
+        self.check_request(request)
+        self._set_stop_bounds(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise as `add_request` would, changing nothing."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         check_fits(
@@ -94,9 +101,6 @@ class Scheduler:
             block_size=self.kv.block_size,
             max_num_seqs=self.config.max_num_seqs,
         )
-        self._set_stop_bounds(request)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

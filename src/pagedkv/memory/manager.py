@@ -30,6 +30,7 @@ from pagedkv.memory.allocation import (
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.groups import first_needed_block
+from pagedkv.memory.content_hash import ContentHashes
 from pagedkv.memory.lookups import PrefixLookups
 from pagedkv.memory.prefix import PrefixIndex, chain_root, group_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
@@ -47,6 +48,8 @@ class KVCacheManager:
         windows: per KV cache group, its layers' sliding window in tokens (None: full
             attention). A sliding group holds only the blocks its window reaches, at most
             ``ceil(window / block_size) + 1`` per sequence between steps of one token.
+        hash_contents: with prefix caching, keep each cached block's content hash and queue
+            the hashed blocks the pool evicts (`content_hashes`, for a tier that saves them).
 
     Raises ValueError for a non-positive size (or a negative `num_host_blocks`, or a window
     that is not None or a positive int). Sequence
@@ -67,6 +70,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         windows: Sequence[int | None] = (None,),
+        hash_contents: bool = False,
     ) -> None:
         self.num_blocks = positive_int("num_blocks", num_blocks)
         if not windows:
@@ -76,6 +80,10 @@ class KVCacheManager:
         self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks, minimum=0)
         self.enable_prefix_caching = enable_prefix_caching
         self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
+        # Content hashes of the cached blocks, and the evicted ones queued (`hash_contents`).
+        self.content_hashes: ContentHashes | None = None
+        if hash_contents and self._index is not None:
+            self.content_hashes = self._index.content = ContentHashes(self._index.block_entries)
         self._pool = BlockPool(num_blocks, self._index)
         self._host = BlockPool(num_host_blocks)
         self._seqs = SequenceTable()
@@ -361,6 +369,14 @@ class KVCacheManager:
         engine copies each src block's KV into dst (in this order) before writing new KV."""
         copies, self._copies = self._copies, []
         return copies
+
+    def cache_blocks(
+        self, token_ids: Sequence[Any], *, salt: str | None, first_block: int, num_blocks: int
+    ) -> tuple[int, list[int]]:
+        """Index fresh blocks as cached blocks holding full blocks ``first_block ..
+        first_block + num_blocks - 1`` of `token_ids` (KV loaded from elsewhere), as
+        `PrefixLookups.cache_blocks` does. Returns ``(skipped, block_ids)``."""
+        return self._lookups.cache_blocks(token_ids, chain_root(salt), first_block, num_blocks)
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 # The uid a sequence's first block chains from; entries get uids 1, 2, 3, ...
 ROOT_UID = 0
@@ -48,6 +48,17 @@ BlockTokens = bytes | tuple[Any, ...]
 BlockKey = tuple[ChainRoot, BlockTokens]
 # (block_id, uid, key): one tuple per indexed block, never reused (its uid is fresh).
 Entry = tuple[int, int, BlockKey]
+
+
+class EntryObserver(Protocol):
+    """Told of every entry the index adds and every entry the pool evicts (`ContentHashes`)."""
+
+    def add(self, uid: int, key: BlockKey) -> None: ...
+
+    def evict(self, entry: Entry) -> None: ...
+
+    def clear(self) -> None: ...
+
 
 # Blocks matched by one span lookup (see PrefixIndex._spans): 16 blocks of 16 tokens are 256
 # tokens, shorter than most system prompts; longer spans save little more per block.
@@ -93,7 +104,7 @@ class PrefixIndex:
     """
 
     __slots__ = ("_entries", "block_entries", "_next_uid", "_spans", "span_blocks", "_packers",
-                 "_splitters")  # fmt: skip
+                 "_splitters", "content")  # fmt: skip
 
     def __init__(self, num_blocks: int, span_blocks: int = SPAN_BLOCKS) -> None:
         if span_blocks < 2:
@@ -113,6 +124,8 @@ class PrefixIndex:
         # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
         self._packers: dict[int, struct.Struct] = {}
         self._splitters: dict[tuple[int, int], struct.Struct] = {}
+        # Content hashes of the entries, for a tier that outlives the process (None: off).
+        self.content: EntryObserver | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -318,7 +331,7 @@ class PrefixIndex:
         Returns:
             The uid naming the prefix through the last block (see `insert`).
         """
-        entries, block_entries = self._entries, self.block_entries
+        entries, block_entries, content = self._entries, self.block_entries, self.content
         uid = parent_uid
         for tokens, block_id in zip(keys, block_ids, strict=True):
             assert block_entries[block_id] is None, f"block {block_id} is indexed already"
@@ -330,6 +343,8 @@ class PrefixIndex:
             uid = self._next_uid
             self._next_uid = uid + 1
             entries[key] = block_entries[block_id] = (block_id, uid, key)
+            if content is not None:
+                content.add(uid, key)
         return uid
 
     def fresh_uid(self) -> int:
@@ -344,6 +359,8 @@ class PrefixIndex:
         assert entry is not None, f"block {block_id} is not indexed"
         del self._entries[entry[2]]
         self.block_entries[block_id] = None
+        if self.content is not None:
+            self.content.evict(entry)
 
     def clear(self) -> None:
         """Forget every entry (uids keep counting up, so old chains stay unreachable)."""
@@ -351,6 +368,8 @@ class PrefixIndex:
             self.block_entries[entry[0]] = None
         self._entries.clear()
         self._spans.clear()
+        if self.content is not None:
+            self.content.clear()
 
     def check(self) -> None:
         """Assert the index's own invariants.

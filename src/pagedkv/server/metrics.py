@@ -52,6 +52,31 @@ _COUNTERS = (
     ("num_preemptions", "pagedkv_num_preemptions", "Requests preempted (recompute or swap)."),
     ("num_cow_copies", "pagedkv_num_cow_copies", "Blocks copied on write."),
     ("num_swapped_out", "pagedkv_num_swap_outs", "Swap-outs of a request to host memory."),
+    (
+        "prefix_cache_disk_hits",
+        "pagedkv_prefix_cache_disk_hits_blocks",
+        "Blocks read back from the prefix cache's disk tier.",
+    ),
+    (
+        "prefix_cache_disk_misses",
+        "pagedkv_prefix_cache_disk_misses",
+        "Disk-tier lookups that found no block, and block files that failed verification.",
+    ),
+    (
+        "prefix_cache_disk_bytes_read",
+        "pagedkv_prefix_cache_disk_read_bytes",
+        "Bytes of KV read from the prefix cache's disk tier.",
+    ),
+    (
+        "prefix_cache_disk_bytes_written",
+        "pagedkv_prefix_cache_disk_written_bytes",
+        "Bytes of block files written to the prefix cache's disk tier.",
+    ),
+    (
+        "prefix_cache_disk_evictions",
+        "pagedkv_prefix_cache_disk_evictions_blocks",
+        "Block files deleted to keep the disk tier within its size.",
+    ),
 )
 # Latency buckets (seconds) from sub-millisecond CPU steps to multi-second prefills.
 _LATENCY_BUCKETS = (

@@ -1,0 +1,316 @@
+"""The prefix cache's disk tier: evicted cached blocks saved to files, read back on a miss.
+
+Three paths, none of them on the step's critical path but the copy out of evicted blocks:
+
+- save: the pool evicts a cached block when it needs a free one; the manager queues it
+  with its content hash (`ContentHashes.pop_evicted`). Before the step's forward pass
+  (or any copy into the pool) `save_evicted` copies those blocks' KV out in one gather
+  (`PagedKVCache.read_blocks`) and a writer thread stores the files (`BlockStore`).
+- load: `start_load` hashes a new request's full prompt blocks; if the next blocks after
+  its in-memory hits have files, a reader thread reads and verifies them while the request
+  waits outside the scheduler (other requests keep stepping). `pop_loaded` takes free pool
+  blocks for the loaded ones, writes their KV (`PagedKVCache.write_blocks`) and indexes
+  them as cached blocks; the request then enters the scheduler and hits them in memory.
+- faults: an unusable directory at start, or a failed write (a full disk), is a logged
+  warning; the engine keeps serving, without the tier or without its writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.cache.block_store import BlockStore
+from pagedkv.config import EngineConfig
+from pagedkv.engine.model_identity import model_identity
+from pagedkv.engine.request import Request
+from pagedkv.memory import KVCacheManager
+from pagedkv.memory.content_hash import EvictedBlock, chain_hashes, root_hash
+from pagedkv.memory.prefix import PrefixIndex, chain_root
+
+logger = logging.getLogger(__name__)
+
+# Bytes of evicted blocks copied out and not yet written; past it, evicted blocks are
+# dropped rather than let a slow disk grow the process.
+_MAX_PENDING_WRITE_BYTES = 256 << 20
+_FORMAT = 1
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Load:
+    """A request waiting for its blocks ``first_block ..`` to be read."""
+
+    request: Request
+    first_block: int
+    future: Future[list[bytearray]]
+
+
+class PrefixTier:
+    """Saves evicted cached blocks to a `BlockStore` and loads them back for new prompts.
+
+    Args:
+        store: the block files.
+        kv_manager: built with ``hash_contents=True``.
+        kv_cache: the pool whose block ids `kv_manager` hands out.
+    """
+
+    def __init__(
+        self, store: BlockStore, kv_manager: KVCacheManager, kv_cache: PagedKVCache
+    ) -> None:
+        self.store = store
+        self.kv_manager = kv_manager
+        self.kv_cache = kv_cache
+        assert kv_manager.content_hashes is not None, "the manager must hash contents"
+        self._content = kv_manager.content_hashes
+        self.block_size = kv_cache.block_size
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-write")
+        self._loads: dict[str, _Load] = {}
+        # Hashes copied out whose files are not written yet, and their bytes (the writer
+        # thread removes what it wrote, under the lock).
+        self._lock = threading.Lock()
+        self._writing: set[bytes] = set()
+        self._pending_bytes = 0
+        self.is_writable = True
+        self.num_hits = self.num_misses = self.num_dropped = 0
+        self.bytes_read = self.bytes_written = 0
+        self._packer = PrefixIndex(1)
+
+    # ---- loads --------------------------------------------------------------------------
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._loads
+
+    def __len__(self) -> int:
+        """Requests waiting for their blocks."""
+        return len(self._loads)
+
+    def start_load(self, request: Request) -> bool:
+        """Start reading the blocks of `request`'s prompt that follow its in-memory hits.
+
+        Returns:
+            True if some are on disk: the request waits here (see `pop_loaded`); False if
+            none is, so it goes to the scheduler now.
+
+        Raises:
+            ValueError: `request`'s id is already waiting here.
+        """
+        if request.request_id in self._loads:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        tokens, salt = request.prompt_token_ids, request.params.cache_salt
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if request.params.prompt_logprobs is not None or max_blocks <= 0:
+            return False  # computes its whole prompt anyway
+        first = self.kv_manager.num_cached_tokens(tokens, salt=salt) // self.block_size
+        packed = self._packer.pack(tokens)
+        if first >= max_blocks or packed is None:
+            return False
+        hashes = chain_hashes(packed, self.block_size, chain_root(salt), max_blocks)
+        num = self.store.num_present(hashes[first:])
+        if not num:
+            self.num_misses += 1
+            return False
+        parents = [root_hash(chain_root(salt)), *hashes][first : first + num]
+        width = 4 * self.block_size
+        blocks = [packed[i * width : (i + 1) * width] for i in range(first, first + num)]
+        future = self._reader.submit(self._read, hashes[first : first + num], parents, blocks)
+        self._loads[request.request_id] = _Load(request, first, future)
+        return True
+
+    def _read(
+        self, hashes: list[bytes], parents: list[bytes], blocks: list[bytes]
+    ) -> list[bytearray]:
+        """The reader thread: the leading blocks that read back whole and verified."""
+        out: list[bytearray] = []
+        for content_hash, parent_hash, tokens in zip(hashes, parents, blocks, strict=True):
+            data = self.store.read(content_hash, parent_hash, tokens)
+            if data is None or len(data) != self.kv_cache.bytes_per_stored_block:
+                break
+            out.append(data)
+        return out
+
+    def pop_loaded(self, wait_one: bool) -> list[Request]:
+        """The requests whose reads ended, their blocks now cached in the pool.
+
+        Loaded blocks are cached, not held: placed in a pool too full for their requests'
+        prompts, the admission of one request would evict the blocks of the next. So a
+        finished read is placed only while the prompts placed so far fit the free blocks
+        (each counted whole, as `check_fits` does); on an idle engine the first always is.
+
+        Args:
+            wait_one: the engine has nothing else to do: first wait a moment for a read to
+                end (without it, its loop would spin).
+        """
+        if wait_one and self._loads:
+            futures = [load.future for load in self._loads.values()]
+            wait(futures, _IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        room = self.kv_manager.num_free_blocks
+        placed: list[Request] = []
+        for load in [load for load in self._loads.values() if load.future.done()]:
+            need = -(-(len(load.request.prompt_token_ids) + 1) // self.block_size)
+            if need > room and not (wait_one and not placed):
+                break  # in arrival order: the others wait behind it
+            room -= need
+            del self._loads[load.request.request_id]
+            self._cache(load)
+            placed.append(load.request)
+        return placed
+
+    def _cache(self, load: _Load) -> None:
+        """Put a finished read's blocks into free pool blocks as cached blocks."""
+        try:
+            blocks = load.future.result()
+        except OSError as exc:
+            logger.warning("prefix cache dir: a read failed (%s); computing the prompt", exc)
+            blocks = []
+        if not blocks:  # a file gone or failing verification (counted by the store)
+            return
+        self.num_hits += len(blocks)
+        self.bytes_read += sum(len(b) for b in blocks)
+        request = load.request
+        skipped, block_ids = self.kv_manager.cache_blocks(
+            request.prompt_token_ids,
+            salt=request.params.cache_salt,
+            first_block=load.first_block,
+            num_blocks=len(blocks),
+        )
+        self.save_evicted()  # the blocks just taken may have been evicted: out before written
+        if block_ids:
+            rows = blocks[skipped : skipped + len(block_ids)]
+            data = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for row in rows])
+            self.kv_cache.write_blocks(block_ids, data)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop waiting for `request_id`'s blocks; its request, or None if not waiting."""
+        load = self._loads.pop(request_id, None)
+        return None if load is None else load.request
+
+    # ---- saves --------------------------------------------------------------------------
+
+    def save_evicted(self) -> None:
+        """Copy the blocks evicted since the last call out of the pool and queue their
+        files: call it before anything writes into the pool."""
+        self._save(self._content.pop_evicted())
+
+    def _save(self, evicted: list[EvictedBlock]) -> None:
+        """Copy `evicted` blocks out of the pool (one gather) and queue their files."""
+        if not self.is_writable:
+            return
+        with self._lock:
+            evicted = [e for e in evicted if e.content_hash not in self._writing]
+            room = _MAX_PENDING_WRITE_BYTES - self._pending_bytes
+        evicted = [e for e in evicted if not self.store.contains(e.content_hash)]
+        room = max(0, room // self.kv_cache.bytes_per_stored_block)
+        self.num_dropped += max(0, len(evicted) - room)
+        evicted = evicted[:room]
+        if not evicted:
+            return
+        data = self.kv_cache.read_blocks([e.block_id for e in evicted]).numpy()
+        with self._lock:
+            self._writing.update(e.content_hash for e in evicted)
+            self._pending_bytes += data.nbytes
+        self._writer.submit(self._write, evicted, data)
+
+    def _write(self, evicted: list[EvictedBlock], data: Any) -> None:
+        """The writer thread: one file per block; the first failure turns writes off."""
+        try:
+            for block, row in zip(evicted, data, strict=True):
+                if self.is_writable:
+                    self.bytes_written += self.store.write(
+                        block.content_hash, block.parent_hash, block.tokens, row
+                    )
+        except OSError as exc:
+            self.is_writable = False
+            logger.warning(
+                "prefix cache dir %s: writing a block failed (%s); evicted blocks are no "
+                "longer saved", self.store.directory, exc,
+            )  # fmt: skip
+        finally:
+            with self._lock:
+                self._writing.difference_update(block.content_hash for block in evicted)
+                self._pending_bytes -= data.nbytes
+
+    def flush(self) -> None:
+        """Wait for the queued writes (tests, shutdown)."""
+        self._writer.submit(lambda: None).result()
+
+    # ---- life cycle and counters --------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Disk-tier counters: hits and misses in blocks, bytes, evictions, files held."""
+        return {
+            "prefix_cache_disk_hits": self.num_hits,
+            "prefix_cache_disk_misses": self.num_misses + self.store.num_failed_reads,
+            "prefix_cache_disk_bytes_read": self.bytes_read,
+            "prefix_cache_disk_bytes_written": self.bytes_written,
+            "prefix_cache_disk_evictions": self.store.num_evictions,
+            "prefix_cache_disk_blocks": len(self.store),
+            "prefix_cache_disk_dropped": self.num_dropped,
+        }
+
+    def stop_writes(self, why: str) -> None:
+        """Save no more blocks (the pool may hold blocks whose KV was never written)."""
+        if self.is_writable:
+            logger.warning(
+                "prefix cache dir %s: no longer saving blocks: %s", self.store.directory, why
+            )
+        self.is_writable = False
+
+    def close(self) -> None:
+        """Save every cached block still in the pool, finish the writes, stop the threads."""
+        self._save(self._content.indexed())
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+
+
+def create_prefix_tier(
+    config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache, tp_size: int
+) -> PrefixTier | None:
+    """The disk tier `config.cache` asks for, or None: off, or the directory is unusable
+    (a logged warning; the engine serves without it)."""
+    directory = config.cache.prefix_cache_dir
+    if directory is None:
+        return None
+    if tp_size > 1:
+        logger.warning("prefix_cache_dir: not supported with tensor parallelism; tier off")
+        return None
+    if kv_cache.groups.num_groups > 1:
+        logger.warning("prefix_cache_dir: not supported with KV cache groups; tier off")
+        return None
+    try:
+        description = namespace_description(config, kv_cache, rank=0, tp_size=tp_size)
+        text = json.dumps(description, sort_keys=True)
+        namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
+        store = BlockStore(directory, namespace, config.cache.prefix_cache_disk_size, description)
+    except OSError as exc:
+        logger.warning("prefix cache dir %s is unusable (%s); serving without it", directory, exc)
+        return None
+    return PrefixTier(store, kv_manager, kv_cache)
+
+
+def namespace_description(
+    config: EngineConfig, kv_cache: PagedKVCache, *, rank: int, tp_size: int
+) -> dict[str, Any]:
+    """What makes two processes' KV blocks interchangeable: the model's files, the KV
+    dtype and layout, the block size and the tensor-parallel rank."""
+    return {
+        "format": _FORMAT,
+        "model": model_identity(config.model_path),
+        "dtype": config.dtype,
+        "kv_cache_dtype": str(kv_cache.dtype).removeprefix("torch."),
+        "block_size": kv_cache.block_size,
+        "num_layers": kv_cache.num_layers,
+        "num_kv_heads": kv_cache.num_kv_heads,
+        "head_dim": kv_cache.head_dim,
+        "tp_rank": rank,
+        "tp_size": tp_size,
+    }

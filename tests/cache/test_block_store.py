@@ -1,0 +1,153 @@
+"""BlockStore: verified block files that survive restarts, within a byte budget."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import pytest
+import torch
+
+from pagedkv.cache import PagedKVCache
+from pagedkv.cache.block_store import BlockStore
+
+
+def block(i: int, size: int = 1000) -> tuple[bytes, bytes, bytes, bytes]:
+    """(hash, parent hash, tokens, data) of a made-up block number `i`."""
+    content_hash = hashlib.sha256(b"block %d" % i).digest()
+    parent = hashlib.sha256(b"parent %d" % i).digest()
+    tokens = struct.pack("=4i", i, i + 1, i + 2, i + 3)
+    data = bytes((i * 7 + j) % 251 for j in range(size))
+    return content_hash, parent, tokens, data
+
+
+def path_of(store: BlockStore, content_hash: bytes) -> str:
+    name = content_hash.hex()
+    return os.path.join(store.directory, name[:2], name + ".kvb")
+
+
+def test_a_written_block_reads_back_after_a_restart(tmp_path) -> None:
+    store = BlockStore(str(tmp_path), "ns", 1 << 20, {"model": "m"})
+    h, parent, tokens, data = block(1)
+    written = store.write(h, parent, tokens, data)
+    assert written > len(data) and store.write(h, parent, tokens, data) == 0
+    again = BlockStore(str(tmp_path), "ns", 1 << 20)
+    assert len(again) == 1 and again.contains(h)
+    assert bytes(again.read(h, parent, tokens)) == data
+    assert not BlockStore(str(tmp_path), "other", 1 << 20).contains(h)  # namespaces apart
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "tokens", "parent"])
+def test_a_damaged_or_colliding_file_is_a_miss_and_is_deleted(tmp_path, damage: str) -> None:
+    store = BlockStore(str(tmp_path), "ns", 1 << 20)
+    h, parent, tokens, data = block(2)
+    store.write(h, parent, tokens, data)
+    path = path_of(store, h)
+    raw = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+        open(path, "wb").write(raw)
+    elif damage == "truncate":
+        open(path, "wb").write(raw[:-7])
+    elif damage == "tokens":  # same hash, other tokens: a collision
+        tokens = struct.pack("=4i", 0, 0, 0, 0)
+    else:
+        parent = hashlib.sha256(b"elsewhere").digest()
+    assert store.read(h, parent, tokens) is None
+    assert not os.path.exists(path) and not store.contains(h)
+    assert store.num_corrupt == 1
+
+
+def test_the_least_recently_used_files_go_past_the_capacity(tmp_path) -> None:
+    store = BlockStore(str(tmp_path), "ns", 1 << 20)
+    size = store.write(*block(0))
+    capacity = 3 * size
+    store = BlockStore(str(tmp_path), "ns", capacity)
+    for i in (1, 2):
+        store.write(*block(i))
+    h0, p0, t0, _ = block(0)
+    assert store.read(h0, p0, t0) is not None  # 0 is now the most recently used
+    store.write(*block(3))
+    assert store.num_evictions == 1 and len(store) == 3
+    assert store.contains(h0) and not store.contains(block(1)[0])
+    assert not os.path.exists(path_of(store, block(1)[0]))
+    assert store.num_bytes <= capacity
+    smaller = BlockStore(str(tmp_path), "ns", 2 * size)  # a restart with less room
+    assert len(smaller) == 2 and smaller.contains(block(3)[0])
+
+
+def test_a_block_another_process_wrote_is_found(tmp_path) -> None:
+    first = BlockStore(str(tmp_path), "ns", 1 << 20)
+    second = BlockStore(str(tmp_path), "ns", 1 << 20)
+    h, parent, tokens, data = block(4)
+    second.write(h, parent, tokens, data)
+    assert first.num_present([h, block(5)[0]]) == 1
+    assert bytes(first.read(h, parent, tokens)) == data
+
+
+def test_temporaries_of_dead_processes_are_removed_at_start(tmp_path) -> None:
+    store = BlockStore(str(tmp_path), "ns", 1 << 20)
+    h = block(6)[0]
+    sub = os.path.dirname(path_of(store, h))
+    os.makedirs(sub, exist_ok=True)
+    dead = os.path.join(sub, f"{h.hex()}.kvb.{2**22 + 12345}.0.tmp")  # no such pid
+    live = os.path.join(sub, f"{h.hex()}.kvb.{os.getpid()}.0.tmp")
+    for path in (dead, live):
+        open(path, "wb").write(b"partial")
+    again = BlockStore(str(tmp_path), "ns", 1 << 20)
+    assert not os.path.exists(dead) and os.path.exists(live)
+    assert len(again) == 0 and not again.contains(h)
+
+
+def test_an_unusable_directory_raises_oserror(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(OSError):
+        BlockStore(str(tmp_path / "file" / "tier"), "ns", 1 << 20)
+    with pytest.raises(ValueError, match="capacity"):
+        BlockStore(str(tmp_path), "ns", 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_blocks_and_write_blocks_move_whole_blocks(dtype: torch.dtype) -> None:
+    source = PagedKVCache(3, 6, 4, 2, 8, dtype=dtype)
+    source.key_pool.normal_()
+    source.value_pool.normal_()
+    data = source.read_blocks([4, 1])
+    assert data.dtype == torch.uint8 and tuple(data.shape) == (2, source.bytes_per_stored_block)
+    target = PagedKVCache(3, 6, 4, 2, 8, dtype=dtype)
+    target.write_blocks([0, 5], data)
+    for src, dst in ((4, 0), (1, 5)):
+        assert torch.equal(target.key_pool[:, dst], source.key_pool[:, src])
+        assert torch.equal(target.value_pool[:, dst], source.value_pool[:, src])
+    assert not target.key_pool[:, 1:5].any()
+    with pytest.raises(ValueError, match="write_blocks"):
+        target.write_blocks([0], data)
+    with pytest.raises(ValueError, match="read_blocks"):
+        source.read_blocks([6])
+
+
+_RACER = """
+import hashlib, struct, sys
+from pagedkv.cache.block_store import BlockStore
+store = BlockStore(sys.argv[1], "ns", 1 << 30)
+for i in range(60):  # both processes write the same blocks at the same time
+    h = hashlib.sha256(b"block %d" % i).digest()
+    parent = hashlib.sha256(b"parent %d" % i).digest()
+    tokens = struct.pack("=4i", i, i + 1, i + 2, i + 3)
+    store.write(h, parent, tokens, bytes((i * 7 + j) % 251 for j in range(200_000)))
+"""
+
+
+def test_processes_writing_one_directory_leave_only_whole_blocks(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path)]) for _ in range(2)]
+    assert [racer.wait(timeout=300) for racer in racers] == [0, 0]
+    store = BlockStore(str(tmp_path), "ns", 1 << 30)
+    assert len(store) == 60
+    for i in range(60):
+        h, parent, tokens, data = block(i, size=200_000)
+        assert bytes(store.read(h, parent, tokens)) == data
+    assert not list(tmp_path.glob("ns/*/*.tmp"))
