@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.prefix_tier import create_prefix_tier
+from pagedkv.engine.prefix_tier import create_prefix_tier, prefix_tier_applies
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import SampleResult
@@ -49,17 +49,18 @@ class LLMEngine:
         """
         self.config = config
         self.runner = runner
+        tiered = prefix_tier_applies(config, runner.kv_cache, config.tensor_parallel_size)
         self.kv_manager = KVCacheManager(
             runner.kv_cache.num_blocks,
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_host_blocks=runner.kv_cache.num_host_blocks,
             windows=runner.kv_cache.groups.windows,
-            hash_contents=config.cache.prefix_cache_dir is not None,
+            hash_contents=tiered,
         )
         # The disk tier of the prefix cache (None: off or unusable).
-        self.prefix_tier = create_prefix_tier(
-            config, self.kv_manager, runner.kv_cache, config.tensor_parallel_size
+        self.prefix_tier = (
+            create_prefix_tier(config, self.kv_manager, runner.kv_cache) if tiered else None
         )
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len

@@ -272,22 +272,29 @@ class PrefixTier:
         self._writer.shutdown(wait=True)
 
 
-def create_prefix_tier(
-    config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache, tp_size: int
-) -> PrefixTier | None:
-    """The disk tier `config.cache` asks for, or None: off, or the directory is unusable
-    (a logged warning; the engine serves without it)."""
-    directory = config.cache.prefix_cache_dir
-    if directory is None:
-        return None
+def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache, tp_size: int) -> bool:
+    """Whether the disk tier `config.cache` asks for can run here (a logged warning when
+    it cannot: the engine serves without it)."""
+    if config.cache.prefix_cache_dir is None:
+        return False
     if tp_size > 1:
         logger.warning("prefix_cache_dir: not supported with tensor parallelism; tier off")
-        return None
+        return False
     if kv_cache.groups.num_groups > 1:
         logger.warning("prefix_cache_dir: not supported with KV cache groups; tier off")
-        return None
+        return False
+    return True
+
+
+def create_prefix_tier(
+    config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache
+) -> PrefixTier | None:
+    """The disk tier `config.cache` asks for (`prefix_tier_applies` said it can run), or
+    None: the directory is unusable (a logged warning; the engine serves without it)."""
+    directory = config.cache.prefix_cache_dir
+    assert directory is not None, "called only when prefix_tier_applies"
     try:
-        description = namespace_description(config, kv_cache, rank=0, tp_size=tp_size)
+        description = namespace_description(config, kv_cache, rank=0, tp_size=1)
         text = json.dumps(description, sort_keys=True)
         namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
         store = BlockStore(directory, namespace, config.cache.prefix_cache_disk_size, description)
