@@ -116,8 +116,8 @@ def test_bad_pairs_raise(method: str, pairs, message: str) -> None:
         (dict(num_blocks=0), "num_blocks: expected an int >= 1"),
         (dict(block_size=2.0), "block_size: expected an int >= 1"),
         (dict(num_host_blocks=-1), "num_host_blocks: expected an int >= 0"),
-        (dict(dtype="int8"), "dtype: expected one of"),
-        (dict(dtype=torch.int32), "dtype: expected float32, bfloat16 or float16"),
+        (dict(dtype="int4"), "dtype: expected one of"),
+        (dict(dtype=torch.int32), "dtype: expected float32, bfloat16, float16 or int8"),
     ],
 )
 def test_bad_config_raises(kwargs: dict, message: str) -> None:

@@ -22,7 +22,8 @@ _F32, _I32 = ir.FloatType(), ir.IntType(32)
 
 
 def as_float32(x):  # pragma: no cover
-    """A cache element as float32: bfloat16 bits (uint16) widened, float32 unchanged."""
+    """A cache element as float32: bfloat16 bits (uint16) widened, float32 unchanged, int8
+    converted (the caller applies its scale)."""
     raise NotImplementedError("compiled only")
 
 
@@ -45,6 +46,8 @@ def _as_float32_impl(x):  # pragma: no cover
         return lambda x: _widen_bits(x)
     if x == types.float32:
         return lambda x: x
+    if x == types.int8:
+        return lambda x: np.float32(x)
     return None
 
 
