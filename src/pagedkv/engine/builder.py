@@ -116,12 +116,14 @@ def build_rank_runner(
         share_cpu_threads(tp.size)
     network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
+    # Each rank holds (and quantizes) only its own KV heads.
+    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else torch_dtype
     shape = (
         model_config.num_layers,
         args.block_size,
         num_kv_heads,
         model_config.head_dim,
-        torch_dtype,
+        cache_dtype,
     )
     sizes = None
     if tp.rank == 0:
@@ -138,7 +140,7 @@ def build_rank_runner(
         args.block_size,
         num_kv_heads,
         model_config.head_dim,
-        dtype=torch_dtype,
+        dtype=cache_dtype,
         device=device,
         num_host_blocks=num_host_blocks,
     )
