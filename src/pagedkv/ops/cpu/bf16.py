@@ -40,6 +40,18 @@ def _widen_bits(typingctx, bits):  # pragma: no cover
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def _int8_as_float32(typingctx, x):  # pragma: no cover
+    """An int8 converted to float32 in one instruction (no detour through a wider int)."""
+    if x != types.int8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _F32)
+
+    return types.float32(types.int8), codegen
+
+
 @overload(as_float32)
 def _as_float32_impl(x):  # pragma: no cover
     if x == types.uint16:
@@ -47,7 +59,7 @@ def _as_float32_impl(x):  # pragma: no cover
     if x == types.float32:
         return lambda x: x
     if x == types.int8:
-        return lambda x: np.float32(x)
+        return lambda x: _int8_as_float32(x)
     return None
 
 
