@@ -121,7 +121,7 @@ def _reduce_kernel(
 
 def decode_meta(
     *, is_fp32: bool, group: int, head_dim: int, block_size: int, tile_blocks: int,
-    use_window: bool, is_split: bool,
+    use_window: bool, is_split: bool, quantized: bool = False,
 ) -> dict:  # fmt: skip
     """Compile-time parameters and launch options of `_decode_kernel`."""
     block_size_pad = triton.next_power_of_2(block_size)
@@ -132,7 +132,7 @@ def decode_meta(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
-        IS_SPLIT=is_split, FP32_DOT=is_fp32,
+        IS_SPLIT=is_split, FP32_DOT=is_fp32, QUANTIZED=quantized,
         # One tile of K and V in flight while the previous one is multiplied (ptxas, sm_90,
         # bf16/d128/bs16: 39 KiB shared, 94 registers, so 5 programs per SM).
         num_warps=8 if is_big else 4, num_stages=3,
@@ -206,7 +206,7 @@ def decode_attention(
     options = decode_meta(
         is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
         head_dim=head_dim, block_size=key_cache.shape[1], tile_blocks=tile_blocks,
-        use_window=sliding_window is not None, is_split=is_split,
+        use_window=sliding_window is not None, is_split=is_split, quantized=scales is not None,
     ) | (meta or {})  # fmt: skip
     key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
     _decode_kernel[(num_tokens, num_kv_heads, num_parts)](
@@ -214,8 +214,7 @@ def decode_attention(
         part_max, part_sum, part_acc, scale * LOG2E, sliding_window or 0, partition_size,
         seq_lens.shape[0], num_parts, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), key_scales, value_scales, *scale_strides,
-        QUANTIZED=scales is not None, **options,
+        out.stride(1), key_scales, value_scales, *scale_strides, **options,
     )  # fmt: skip
     if is_split:
         _reduce_kernel[(num_tokens, num_heads)](

@@ -84,7 +84,7 @@ def _prefill_kernel(
 
 def prefill_meta(
     *, is_fp32: bool, group: int, head_dim: int, block_size: int, block_m: int,
-    tile_blocks: int, use_window: bool,
+    tile_blocks: int, use_window: bool, quantized: bool = False,
 ) -> dict:  # fmt: skip
     """Compile-time parameters and launch options of `_prefill_kernel`."""
     group_pad = triton.next_power_of_2(group)
@@ -98,7 +98,8 @@ def prefill_meta(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
-        FP32_DOT=is_fp32, num_warps=8 if is_big else 4, num_stages=3 if block_m >= 128 else 2,
+        FP32_DOT=is_fp32, QUANTIZED=quantized, num_warps=8 if is_big else 4,
+        num_stages=3 if block_m >= 128 else 2,
     )  # fmt: skip
 
 
@@ -138,6 +139,7 @@ def prefill_attention(
         is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
         head_dim=head_dim, block_size=key_cache.shape[1], block_m=block_m,
         tile_blocks=tile_blocks, use_window=sliding_window is not None,
+        quantized=scales is not None,
     )  # fmt: skip
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
@@ -146,6 +148,6 @@ def prefill_attention(
         scale * LOG2E, sliding_window or 0, num_seqs,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        key_scales, value_scales, *scale_strides, QUANTIZED=scales is not None, **meta,
+        key_scales, value_scales, *scale_strides, **meta,
     )  # fmt: skip
     return out

@@ -11,7 +11,7 @@ from pagedkv.ops.triton.indexing import scale_args
 
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
 # ties to even, as `torch.round` (`pagedkv.ops.quantize`).
-_ROUNDER = 12582912.0
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -57,11 +57,12 @@ def _write_kv_kernel(
     tl.store(value_cache + dst, v.to(value_cache.dtype.element_ty), mask=mask)
 
 
-def write_meta(*, num_kv_heads: int, head_dim: int) -> dict:
+def write_meta(*, num_kv_heads: int, head_dim: int, quantized: bool = False) -> dict:
     """Compile-time parameters and launch options of `_write_kv_kernel`."""
     return dict(
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        QUANTIZED=quantized, num_warps=4,
     )  # fmt: skip
 
 
@@ -102,6 +103,6 @@ def write_kv(
         key, value, key_cache, value_cache, slot_mapping.contiguous(), key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        key_scales, value_scales, *scale_strides, QUANTIZED=scales is not None,
-        **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim),
+        key_scales, value_scales, *scale_strides,
+        **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim, quantized=scales is not None),
     )  # fmt: skip
