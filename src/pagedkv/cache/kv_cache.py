@@ -118,7 +118,9 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.is_quantized = self.dtype == QUANTIZED_DTYPE
         # (data, scales) shapes of one block: the pools are [2, layers, blocks, *shape]
-        block_shapes = [((block_size, num_kv_heads, head_dim), self.dtype)]
+        block_shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
+            ((block_size, num_kv_heads, head_dim), self.dtype)
+        ]
         if self.is_quantized:
             block_shapes.append(((block_size, num_kv_heads), SCALE_DTYPE))
         self._pools = [
