@@ -16,6 +16,10 @@ CPU backend makes after gathering, so the ratio is the price of paging.
     python benchmarks/bench_attention.py --quick
     python benchmarks/bench_attention.py                  # full grid (CPU)
     python benchmarks/bench_attention.py --device cuda    # Triton backend vs SDPA on a GPU
+
+`--dtype int8` times decode over an int8 cache with bfloat16 queries; its baseline is SDPA
+in bfloat16 on the same (dequantized) values, and its GB/s count the int8 rows and their
+float16 scales.
 """
 
 from __future__ import annotations
@@ -45,9 +49,16 @@ from pagedkv.ops import (  # noqa: E402
     warmup,
     write_kv,
 )
+from pagedkv.ops.quantize import dequantize, quantize  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,  # an int8 cache (a float16 scale per token and head), bfloat16 queries
+}
+QUERY_DTYPE = {torch.int8: torch.bfloat16}
 
 
 def _sync(device: str) -> None:
@@ -112,33 +123,53 @@ def make_paged(
     batch: int, context: int, block_size: int, dtype: torch.dtype, device: str, gen: torch.Generator
 ):
     """Contiguous K/V [B, Hkv, L, D] and the same values in a shuffled paged cache (one layer
-    of the engine's `PagedKVCache`, so on the CPU on the huge pages the engine asks for)."""
+    of the engine's `PagedKVCache`, so on the CPU on the huge pages the engine asks for), and
+    the cache's scales (`key_scales`, `value_scales`; none for a float cache). An int8
+    cache's contiguous K/V are its values dequantized, in bfloat16."""
     shape = (batch, NUM_KV_HEADS, context, HEAD_DIM)
-    k = torch.randn(shape, generator=gen, device=device).to(dtype)
-    v = torch.randn(shape, generator=gen, device=device).to(dtype)
+    wide = QUERY_DTYPE.get(dtype, dtype)
+    k = torch.randn(shape, generator=gen, device=device).to(wide)
+    v = torch.randn(shape, generator=gen, device=device).to(wide)
+    if dtype == torch.int8:
+        k, v = (dequantize(*quantize(x), wide) for x in (k, v))
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, -1)
     cache = PagedKVCache(1, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype,
                          device=device)  # fmt: skip
     key_cache, value_cache = cache.key_caches[0], cache.value_caches[0]
+    scales = {}
+    if cache.is_quantized:
+        scales = {"key_scales": cache.key_scales[0], "value_scales": cache.value_scales[0]}
     pad = blocks_per_seq * block_size - context
-    for src, dst in ((k, key_cache), (v, value_cache)):
+    for src, dst, dst_scales in ((k, key_cache, scales.get("key_scales")),
+                                 (v, value_cache, scales.get("value_scales"))):  # fmt: skip
         # A sequence at a time (a whole-batch temporary would not fit beside two 8 GiB copies
         # at 32 x 32768 float32): (Hkv, L, D) -> (L_padded, Hkv, D) -> (blocks, bs, Hkv, D).
         for b in range(batch):
             rows = F.pad(src[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
-            dst[tables[b]] = rows.reshape(blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM)
-    return k, v, key_cache, value_cache, tables.to(torch.int32)
+            rows = rows.reshape(blocks_per_seq, block_size, NUM_KV_HEADS, HEAD_DIM)
+            if dst_scales is None:
+                dst[tables[b]] = rows
+            else:
+                dst[tables[b]], dst_scales[tables[b]] = quantize(rows)
+    return k, v, key_cache, value_cache, tables.to(torch.int32), scales
+
+
+def _kv_bytes(key_cache: torch.Tensor, batch: int, context: int) -> int:
+    """K and V bytes `batch` sequences of `context` tokens read (an int8 cache's scales too)."""
+    per_head = HEAD_DIM * key_cache.element_size() + (2 if key_cache.dtype == torch.int8 else 0)
+    return 2 * batch * context * NUM_KV_HEADS * per_head
 
 
 def bench_decode(batch, context, block_size, dtype, device, backend, min_time, gen) -> dict:
-    k, v, key_cache, value_cache, tables = make_paged(
+    k, v, key_cache, value_cache, tables, scales = make_paged(
         batch, context, block_size, dtype, device, gen
     )
     warmup(key_cache, value_cache, NUM_HEADS, backend=backend)  # as an engine does at start-up
     group = NUM_HEADS // NUM_KV_HEADS
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device)
+    query = query.to(QUERY_DTYPE.get(dtype, dtype))
     md = AttentionMetadata.build(
         tables.tolist(),
         [context] * batch,
@@ -152,15 +183,15 @@ def bench_decode(batch, context, block_size, dtype, device, backend, min_time, g
     base, paged, planned = time_after_baseline(
         lambda: F.scaled_dot_product_attention(q4, k, v),
         [
-            lambda: paged_attention(*args, backend=backend),
-            lambda: paged_attention_from_metadata(query, key_cache, value_cache, md),
+            lambda: paged_attention(*args, backend=backend, **scales),
+            lambda: paged_attention_from_metadata(query, key_cache, value_cache, md, **scales),
         ],
         device,
         min_time,
     )
-    out = paged_attention(*args, backend=backend).float()
+    out = paged_attention(*args, backend=backend, **scales).float()
     ref = F.scaled_dot_product_attention(q4, k, v).reshape(batch, NUM_HEADS, HEAD_DIM).float()
-    kv_bytes = 2 * k.numel() * k.element_size()
+    kv_bytes = _kv_bytes(key_cache, batch, context)
     return dict(
         kind="decode",
         batch=batch,
@@ -176,7 +207,7 @@ def bench_decode(batch, context, block_size, dtype, device, backend, min_time, g
 
 
 def bench_prefill(batch, context, block_size, dtype, device, backend, min_time, gen) -> dict:
-    k, v, key_cache, value_cache, tables = make_paged(
+    k, v, key_cache, value_cache, tables, _ = make_paged(
         batch, context, block_size, dtype, device, gen
     )
     shape = (batch * context, NUM_HEADS, HEAD_DIM)
@@ -220,7 +251,7 @@ def bench_mixed(batch, context, chunk, block_size, dtype, device, backend, min_t
     All batch + 1 sequences hold `context` tokens; the baseline is the two SDPA calls the
     batch would need on contiguous KV (grouped decode, and the chunk with a bottom-right mask).
     """
-    k, v, key_cache, value_cache, tables = make_paged(
+    k, v, key_cache, value_cache, tables, _ = make_paged(
         batch + 1, context, block_size, dtype, device, gen
     )
     warmup(key_cache, value_cache, NUM_HEADS, backend=backend)
@@ -275,10 +306,17 @@ def bench_write(dtype: torch.dtype, device: str, min_time: float, gen: torch.Gen
     """Seconds to write one decode step's K/V (32 tokens, 8 KV heads, dim 128)."""
     key_cache = torch.zeros(4096, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
-    key = torch.randn(32, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
+    scales = {}
+    if dtype == torch.int8:
+        scales = {name: torch.zeros(key_cache.shape[:3], dtype=torch.float16, device=device)
+                  for name in ("key_scales", "value_scales")}  # fmt: skip
+    key = torch.randn(32, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device)
+    key = key.to(QUERY_DTYPE.get(dtype, dtype))
     value = key.clone()
     slots = torch.randperm(4096 * 16, generator=gen, device=device)[:32]
-    return timeit(lambda: write_kv(key, value, key_cache, value_cache, slots), device, min_time)
+    return timeit(
+        lambda: write_kv(key, value, key_cache, value_cache, slots, **scales), device, min_time
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        element = torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=QUERY_DTYPE.get(dtype, dtype)).element_size()
         for batch in args.batch:
             for context in args.context:
                 kv_gib = batch * context * NUM_KV_HEADS * HEAD_DIM * element * 2 / 2**30
@@ -374,6 +412,8 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     results.append(r)
                     print(_row(r, bandwidth), flush=True)
+        if dtype == torch.int8:
+            continue  # decode rows only: a prefill dequantizes and runs the float path
         for context in [] if args.no_prefill else args.context:
             if context > args.max_prefill_context:
                 continue

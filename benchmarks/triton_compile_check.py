@@ -34,6 +34,7 @@ _DATA_POINTERS = {"query", "key_cache", "value_cache", "out", "key", "value"}
 _TYPED_POINTERS = {
     "block_tables": "*i32", "seq_lens": "*i32", "query_start_loc": "*i32",
     "slot_mapping": "*i64", "part_max": "*fp32", "part_sum": "*fp32", "part_acc": "*fp32",
+    "key_scales": "*fp16", "value_scales": "*fp16",
 }  # fmt: skip
 # Integers the runtime sees as multiples of 16 in real use (it specializes on that).
 _ALIGNED_INTS = {"partition_size", "block_size"}
@@ -51,7 +52,9 @@ class KernelReport:
     tensor_core_ops: int  # mma / wgmma instructions in the PTX
 
 
-def _compile(fn: Any, constexprs: dict, dtype: str, arch: int, tag: str) -> KernelReport:
+def _compile(
+    fn: Any, constexprs: dict, dtype: str, arch: int, tag: str, int8_kv: bool = False
+) -> KernelReport:
     if not hasattr(fn, "arg_names") or not hasattr(fn, "parse"):
         raise RuntimeError(
             "expected compiled-mode kernels, got interpreted ones (unset TRITON_INTERPRET)"
@@ -64,7 +67,8 @@ def _compile(fn: Any, constexprs: dict, dtype: str, arch: int, tag: str) -> Kern
             signature[arg] = "constexpr"
             continue
         signature[arg] = (
-            f"*{dtype}" if arg in _DATA_POINTERS
+            "*i8" if int8_kv and arg in ("key_cache", "value_cache")
+            else f"*{dtype}" if arg in _DATA_POINTERS
             else _TYPED_POINTERS.get(arg, "fp32" if arg == "scale_log2" else "i32")
         )  # fmt: skip
         if signature[arg].startswith("*") or arg.startswith("stride") or arg in _ALIGNED_INTS:
@@ -105,12 +109,14 @@ def compile_kernels(
     num_kv_heads: int = 8,
     use_window: bool = False,
     arch: int = 90,
+    int8_kv: bool = False,
 ) -> list[KernelReport]:
     """Compile decode (split), reduce, prefill (both tile heights) and write kernels.
 
     Args:
         dtype: "bf16" | "fp16" | "fp32".  block_size, group, head_dim, num_kv_heads: the model.
         use_window: compile the sliding-window variants.  arch: compute capability x10.
+        int8_kv: the variants over an int8 cache with float16 scales.
 
     Raises:
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1``.
@@ -120,8 +126,9 @@ def compile_kernels(
     prefill_tile = backend.tile_blocks_for(block_size, backend._PREFILL_TILE_LANES)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     tag = f"{dtype}/bs{block_size}/g{group}/d{head_dim}"
+    tag += "/int8kv" if int8_kv else ""
     common: dict[str, Any] = dict(
-        is_fp32=is_fp32, group=group, head_dim=head_dim, block_size=block_size
+        is_fp32=is_fp32, group=group, head_dim=head_dim, block_size=block_size, quantized=int8_kv
     )
     # Both prefill tile heights: a batch of short chunks (64 rows) and long prompts (128).
     short_m = backend.prefill_block_m(torch_dtype, 1, 1, group, block_size)
@@ -133,9 +140,10 @@ def compile_kernels(
         *((prefill._prefill_kernel, prefill.prefill_meta(
             **common, block_m=block_m, tile_blocks=prefill_tile, use_window=use_window))
           for block_m in sorted({short_m, long_m})),
-        (write._write_kv_kernel, write.write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim)),
+        (write._write_kv_kernel, write.write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                  quantized=int8_kv)),
     ]  # fmt: skip
-    return [_compile(fn, meta, dtype, arch, tag) for fn, meta in jobs]
+    return [_compile(fn, meta, dtype, arch, tag, int8_kv) for fn, meta in jobs]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -183,7 +183,7 @@ class Case:
 
 
 def build_case(batch, context, block_size, dtype, device, gen) -> Case:
-    k, v, key_cache, value_cache, tables = make_paged(
+    k, v, key_cache, value_cache, tables, _ = make_paged(
         batch, context, block_size, dtype, device, gen
     )
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)

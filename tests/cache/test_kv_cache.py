@@ -116,8 +116,8 @@ def test_bad_pairs_raise(method: str, pairs, message: str) -> None:
         (dict(num_blocks=0), "num_blocks: expected an int >= 1"),
         (dict(block_size=2.0), "block_size: expected an int >= 1"),
         (dict(num_host_blocks=-1), "num_host_blocks: expected an int >= 0"),
-        (dict(dtype="int8"), "dtype: expected one of"),
-        (dict(dtype=torch.int32), "dtype: expected float32, bfloat16 or float16"),
+        (dict(dtype="int4"), "dtype: expected one of"),
+        (dict(dtype=torch.int32), "dtype: expected float32, bfloat16, float16 or int8"),
     ],
 )
 def test_bad_config_raises(kwargs: dict, message: str) -> None:
@@ -138,3 +138,30 @@ def test_cuda_pools_pinned_host_and_swap() -> None:
     kv.copy_blocks([(0, 2)])
     torch.cuda.synchronize()
     assert float(kv.key_caches[1][2].min()) == 3.0
+
+
+def test_int8_cache_moves_data_and_scales_together() -> None:
+    cache = PagedKVCache(2, 6, 4, 3, 8, dtype="int8", num_host_blocks=3)
+    assert cache.is_quantized and cache.key_scale_pool is not None
+    assert cache.key_scales[1].shape == (6, 4, 3) and cache.key_scales[1].dtype == torch.float16
+    assert cache.num_bytes == 6 * PagedKVCache.bytes_per_block(2, 4, 3, 8, "int8")
+    assert PagedKVCache.bytes_per_block(2, 4, 3, 8, "int8") == 2 * 2 * 4 * 3 * (8 + 2)
+    gen = torch.Generator().manual_seed(0)
+    for pool in (cache.key_pool, cache.value_pool):
+        pool.copy_(torch.randint(-127, 128, pool.shape, generator=gen, dtype=torch.int8))
+    for pool in (cache.key_scale_pool, cache.value_scale_pool):
+        assert pool is not None
+        pool.copy_(torch.rand(pool.shape, generator=gen).half())
+
+    def block(b: int) -> list[torch.Tensor]:
+        pools = [cache.key_pool, cache.value_pool, cache.key_scale_pool, cache.value_scale_pool]
+        return [p[:, b].clone() for p in pools if p is not None]
+
+    before = {b: block(b) for b in range(6)}
+    cache.copy_blocks([(0, 5)])
+    assert all(torch.equal(x, y) for x, y in zip(block(5), before[0], strict=True))
+    cache.swap_out([(1, 2)])
+    cache.swap_in([(2, 4)])
+    assert all(torch.equal(x, y) for x, y in zip(block(4), before[1], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(block(3), before[3], strict=True))
+    assert PagedKVCache(1, 2, 4, 3, 8).key_scales == [None]

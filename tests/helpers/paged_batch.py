@@ -18,7 +18,10 @@ NUM_BLOCKS = 48  # room for a step of more rows than the compiled decoder stack 
 class PagedBatch:
     """Sequences' block tables drawn from a shuffled pool; builds each step's inputs."""
 
-    def __init__(self, model: CausalLM, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, seed: int = 0, cache_dtype: torch.dtype | None = None
+    ) -> None:
+        """`cache_dtype`: the cache's (torch.int8: quantized); default the model's."""
         config = model.config
         self.device = model.device
         self.cache = PagedKVCache(
@@ -27,7 +30,7 @@ class PagedBatch:
             BLOCK_SIZE,
             config.num_kv_heads,
             config.head_dim,
-            dtype=model.dtype,
+            dtype=cache_dtype or model.dtype,
             device=self.device,
         )
         self.free = list(range(NUM_BLOCKS))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedkv.ops import paged_attention
+from pagedkv.ops.quantize import quantize
 
 
 @dataclass
@@ -96,11 +97,36 @@ def make_case(
     return case
 
 
-def expected(case: Case, sliding_window: int | None = None) -> torch.Tensor:
-    """The reference backend in float64 on the case's (already rounded) inputs, on the CPU."""
+@dataclass
+class Int8Case:
+    """A case's caches quantized (`pagedkv.ops.quantize`), with their scales."""
+
+    case: Case
+    scales: dict[str, torch.Tensor]  # key_scales, value_scales [num_blocks, bs, Hkv] float16
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.case.args()
+
+
+def quantized(case: Case) -> Int8Case:
+    """`case` with its key and value pools held as int8 with a scale per token and head."""
+    (key_cache, key_scales), (value_cache, value_scales) = (
+        quantize(case.key_cache),
+        quantize(case.value_cache),
+    )
+    q = Case(case.query, key_cache, value_cache, *case.args()[3:], case.keys, case.values)
+    return Int8Case(q, {"key_scales": key_scales, "value_scales": value_scales})
+
+
+def expected(case: Case | Int8Case, sliding_window: int | None = None) -> torch.Tensor:
+    """The reference backend in float64 on the case's (already rounded) inputs, on the CPU;
+    over an int8 case, on its dequantized caches."""
+    scales = {k: t.cpu() for k, t in case.scales.items()} if isinstance(case, Int8Case) else {}
     args = [t.cpu() for t in case.args()]
-    args[0], args[1], args[2] = (t.double() for t in args[:3])
-    return paged_attention(*args, sliding_window=sliding_window, backend="reference")
+    args[0] = args[0].double()
+    if not scales:
+        args[1], args[2] = args[1].double(), args[2].double()
+    return paged_attention(*args, sliding_window=sliding_window, backend="reference", **scales)
 
 
 def _mixed(bs: int) -> tuple[list[int], list[int]]:
@@ -169,8 +195,9 @@ def _grid() -> list:
 ATTENTION_GRID = _grid()
 
 
-def check_backend(backend: str, p: dict, device: str = "cpu") -> None:
-    """Run `backend` on grid case `p` and compare with the float64 reference."""
+def check_backend(backend: str, p: dict, device: str = "cpu", int8: bool = False) -> None:
+    """Run `backend` on grid case `p` and compare with the float64 reference (with `int8`,
+    both on the case's caches quantized)."""
     lens, queries = p["mix"]
     case = make_case(
         lens,
@@ -182,7 +209,9 @@ def check_backend(backend: str, p: dict, device: str = "cpu") -> None:
         dtype=p["dtype"],
         device=device,
     )
-    out = paged_attention(*case.args(), sliding_window=p["window"], backend=backend)
+    run: Case | Int8Case = quantized(case) if int8 else case
+    scales = run.scales if isinstance(run, Int8Case) else {}
+    out = paged_attention(*run.args(), sliding_window=p["window"], backend=backend, **scales)
     assert out.dtype == p["dtype"] and out.shape == case.query.shape
     tol = 1e-5 if p["dtype"] == torch.float32 else 2e-2
-    torch.testing.assert_close(out.cpu().double(), expected(case, p["window"]), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.cpu().double(), expected(run, p["window"]), rtol=tol, atol=tol)

@@ -57,6 +57,7 @@ from pagedkv.ops import (  # noqa: E402
     paged_attention_from_metadata,
 )
 from pagedkv.ops import reference as ops_reference  # noqa: E402
+from pagedkv.ops.quantize import quantize  # noqa: E402
 
 in_process = pytest.mark.skipif(
     TRITON_PREIMPORTED,
@@ -237,6 +238,36 @@ def test_shared_grid(p: dict) -> None:
     if not ON_GPU and p["dtype"] == torch.bfloat16:
         p = {**p, "dtype": torch.float16}
     check_backend("triton", p, device=DEVICE)
+
+
+INT8_GRID = [p for p in ATTENTION_GRID if p.values[0]["dtype"] == torch.float32]
+
+
+@in_process
+@pytest.mark.parametrize("p", INT8_GRID)
+def test_shared_grid_int8(p: dict) -> None:
+    """The grid's float32 cases over int8 caches with their scales, against the reference
+    on the same int8 data."""
+    check_backend("triton", p, device=DEVICE, int8=True)
+
+
+@in_process
+def test_write_kv_int8_quantizes_as_the_cpu() -> None:
+    gen = torch.Generator().manual_seed(2)
+    shape, heads, dim = (6, 5), 3, 40
+    slots = torch.tensor([7, -1, 0, 29, 12, -5, 13])
+    key = torch.randn(len(slots), heads, dim, generator=gen) * 3
+    value = torch.randn(len(slots), heads, dim, generator=gen)
+    key[2, 1] = 0.0
+    caches = [torch.zeros(*shape, heads, dim, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    scales = [torch.zeros(*shape, heads, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    tops.write_kv(key.to(DEVICE), value.to(DEVICE), *caches, slots.to(DEVICE), tuple(scales))
+    keep = slots >= 0
+    for rows, cache, scale in zip((key, value), caches, scales, strict=True):
+        data, want = quantize(rows[keep])
+        assert torch.equal(scale.cpu().view(-1, heads)[slots[keep]], want)
+        got = cache.cpu().view(-1, heads, dim)[slots[keep]]
+        assert (got.int() - data.int()).abs().max() <= 1  # a division's rounding at most
 
 
 @in_process

@@ -20,21 +20,23 @@ triton = pytest.importorskip("triton")
 
 _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 _MAX_SHARED = 227 * 1024  # per-block limit on sm_90
-# (dtype, block_size, group, head_dim, window): the target config and the odd corners.
+# (dtype, block_size, group, head_dim, window, int8 KV): the target config, the odd corners,
+# and SmolLM2's geometry over an int8 cache.
 _CONFIGS = [
-    ("bf16", 16, 4, 128, False),
-    ("fp16", 5, 3, 80, True),
-    ("bf16", 128, 8, 128, False),
-    ("fp32", 32, 8, 40, False),
+    ("bf16", 16, 4, 128, False, False),
+    ("fp16", 5, 3, 80, True, False),
+    ("bf16", 128, 8, 128, False, False),
+    ("fp32", 32, 8, 40, False, False),
+    ("bf16", 16, 3, 64, False, True),
 ]
 _SCRIPT = """
 import json, sys
 from dataclasses import asdict
 sys.path.insert(0, "benchmarks")
 from triton_compile_check import compile_kernels
-for dtype, bs, group, dim, window in json.loads(sys.argv[1]):
+for dtype, bs, group, dim, window, int8_kv in json.loads(sys.argv[1]):
     for r in compile_kernels(dtype=dtype, block_size=bs, group=group, head_dim=dim,
-                             use_window=window):
+                             use_window=window, int8_kv=int8_kv):
         print(json.dumps(asdict(r)))
 """
 

@@ -72,23 +72,28 @@ def _evaluate(model: str, model_args: dict, task_dir: Path) -> tuple[float, list
     return results["results"][TASK]["acc,none"], loglikelihoods
 
 
+def _evaluate_server(url: str, model_dir: Path, task_dir: Path) -> tuple[float, list[list[float]]]:
+    """`_evaluate` through the server at `url` (token-id requests)."""
+    return _evaluate(
+        "local-completions",
+        {
+            "add_bos_token": True,
+            "model": MODEL_NAME,
+            "base_url": f"{url}/v1/completions",
+            "tokenizer": str(model_dir),
+            "tokenized_requests": True,
+            "batch_size": 4,
+            "max_retries": 1,
+        },
+        task_dir,
+    )
+
+
 def test_server_accuracy_equals_transformers(tiny_model_dir, tmp_path):
     task_dir = _write_task(tmp_path)
     common = {"add_bos_token": True}
     with start_server(tiny_model_dir, max_num_seqs=8) as live:
-        server_acc, server_lls = _evaluate(
-            "local-completions",
-            {
-                **common,
-                "model": MODEL_NAME,
-                "base_url": f"{live.url}/v1/completions",
-                "tokenizer": str(tiny_model_dir),
-                "tokenized_requests": True,
-                "batch_size": 4,
-                "max_retries": 1,
-            },
-            task_dir,
-        )
+        server_acc, server_lls = _evaluate_server(live.url, tiny_model_dir, task_dir)
     hf_acc, hf_lls = _evaluate(
         "hf",
         {
@@ -106,3 +111,15 @@ def test_server_accuracy_equals_transformers(tiny_model_dir, tmp_path):
         # The chosen answer: the argmax over choices, as `acc` scores it.
         assert server_doc.index(max(server_doc)) == hf_doc.index(max(hf_doc))
     assert server_acc == hf_acc
+
+
+def test_int8_kv_cache_gives_the_same_answers(tiny_model_dir, tmp_path):
+    """The task through the server over an int8 KV cache: the float cache's answers on at
+    least 9 of the 10 questions."""
+    task_dir = _write_task(tmp_path)
+    answers = []
+    for kv_cache_dtype in ("auto", "int8"):
+        with start_server(tiny_model_dir, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype) as live:
+            _, lls = _evaluate_server(live.url, tiny_model_dir, task_dir)
+        answers.append([doc.index(max(doc)) for doc in lls])
+    assert sum(a == b for a, b in zip(*answers, strict=True)) >= 9

@@ -81,6 +81,27 @@ def test_plan_json(capsys):
     assert fp8["max_sequences_at_context"] > 0
 
 
+def test_plan_counts_the_scales_of_an_int8_cache(capsys):
+    """llama-3.1-8b: 32 layers x 8 KV heads x 2 (K, V) x (128 + a 2-byte scale)."""
+    plans = {
+        kv: cli_json(
+            capsys,
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--memory",
+            "80GiB",
+            "--kv-cache-dtype",
+            kv,
+            "--json",
+        )  # fmt: skip
+        for kv in ("int8", "bf16", "float32")
+    }
+    assert plans["int8"]["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 2)
+    tokens = {kv: p["max_kv_tokens"] for kv, p in plans.items()}
+    assert tokens["int8"] >= 1.9 * tokens["bf16"] and tokens["int8"] >= 3.8 * tokens["float32"]
+
+
 def test_plan_table_mentions_replicated_heads(capsys):
     assert main(["plan", "--model", "llama-3.1-405b", "--memory", "80GiB", "--tp", "16"]) == 0
     out = capsys.readouterr().out

@@ -250,7 +250,9 @@ def register(subparsers: Any) -> None:
         help="use the random-weight model even if a real one is installed",
     )
     parser.add_argument("--num-requests", type=int, help="default: 64 (random model), 16 (real)")
-    EngineArgs.add_cli_args(parser, include=("dtype", "device", "block_size", "num_blocks", "seed"))
+    EngineArgs.add_cli_args(
+        parser, include=("dtype", "kv_cache_dtype", "device", "block_size", "num_blocks", "seed")
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     # Caps prompt + output length (and the engine's context): a quick run for tests.
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
@@ -288,6 +290,7 @@ def run_demo(args: argparse.Namespace) -> int:
         llm = LLM(
             model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             block_size=args.block_size,
             num_blocks=num_blocks,
@@ -306,7 +309,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print()
         print(f"a mixed workload of {len(requests)} requests (random-token prompts):")
         result = run_workload(llm.engine, requests, seed=args.seed, progress=not args.no_progress)
-    dtype_bytes = int(llm.engine.runner.kv_cache.key_caches[0].element_size())
-    kv_bytes = config.kv_bytes_per_token(dtype_bytes) * args.block_size
+    kv_cache = llm.engine.runner.kv_cache
+    kv_bytes = kv_cache.num_bytes // kv_cache.num_blocks  # per block, an int8 cache's scales too
     print(format_report(requests, result, args.block_size, kv_bytes))
     return 0

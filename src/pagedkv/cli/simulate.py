@@ -57,7 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--context", help="tokens per sequence, e.g. 128k (default: the model's maximum)"
     )
     plan.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
-    plan.add_argument("--kv-dtype", help="KV cache dtype (default: --dtype)")
+    plan.add_argument(
+        "--kv-cache-dtype", "--kv-dtype", dest="kv_dtype",
+        help="KV cache dtype (default: --dtype); int8 counts its scale per token and KV head",
+    )  # fmt: skip
     plan.add_argument(
         "--quantization",
         default="none",
@@ -109,7 +112,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Poisson arrivals per step (default: all at step 0; long-context: 0.01)",
     )
     sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    sim.add_argument(
+        "--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="bf16",
+        help="KV cache dtype (default bf16); int8 counts its scale per token and KV head",
+    )  # fmt: skip
     sim.add_argument("--tp", type=int, default=1, help="KV heads split over this many GPUs")
     sim.add_argument(
         "--max-model-len",

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from pagedkv.config import CPU_KV_MEMORY_CAP, CacheConfig, SchedulerConfig, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 # The step's token budget when `max_num_batched_tokens` is None; longer prefills are chunked.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -53,6 +54,12 @@ class EngineArgs:
         "auto", "weights and KV cache dtype; auto is the checkpoint's", choices=DTYPES
     )
     device: str = _option("auto", "auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    kv_cache_dtype: str = _option(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or int8 (symmetric, a float16 scale per "
+        "token and KV head computed as the token is written: about half of bfloat16's bytes)",
+        choices=KV_CACHE_DTYPES,
+    )
     block_size: int = _option(16, "tokens per KV block")
     num_blocks: int | None = _option(None, "fix the KV pool size in blocks")
     kv_cache_memory: int | str | None = _option(

@@ -119,12 +119,14 @@ def build_rank_runner(
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
     windows = model_config.sliding_windows if config.cache.kv_cache_groups else ()
     groups = group_layers(windows, model_config.num_layers)
+    # Each rank holds (and quantizes) only its own KV heads.
+    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else torch_dtype
     shape = (
         groups.layers_per_group,
         args.block_size,
         num_kv_heads,
         model_config.head_dim,
-        torch_dtype,
+        cache_dtype,
     )
     sizes = None
     if tp.rank == 0:
@@ -147,7 +149,7 @@ def build_rank_runner(
         args.block_size,
         num_kv_heads,
         model_config.head_dim,
-        dtype=torch_dtype,
+        dtype=cache_dtype,
         device=device,
         num_host_blocks=num_host_blocks,
         sliding_windows=windows,

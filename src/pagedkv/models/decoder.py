@@ -103,9 +103,17 @@ class Attention(nn.Module):
         value_cache = kv_cache.value_caches[self.layer_idx]
         # This layer's KV cache group: its block tables and slots.
         attn_metadata = attn_metadata.group(kv_cache.group_of[self.layer_idx])
+        # int8 caches: their scales (None for a float cache)
+        scales = dict(
+            key_scales=kv_cache.key_scales[self.layer_idx],
+            value_scales=kv_cache.value_scales[self.layer_idx],
+        )
         # Rows past the step's tokens only pad the matmuls' shape (see `CausalLM.forward`).
         num_real = attn_metadata.num_tokens
-        write_kv(k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping)
+        write_kv(
+            k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping,
+            **scales,
+        )  # fmt: skip
         # The metadata variant reuses the backend's per-step plan across layers.
         out = paged_attention_from_metadata(
             q[:num_real],
@@ -114,6 +122,7 @@ class Attention(nn.Module):
             attn_metadata,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            **scales,
         )
         out = out.reshape(num_real, self.q_size)
         if num_real < num_tokens:

@@ -84,12 +84,18 @@ class FusedDecodeExecutor:
                 final, logits = decode_layers(
                     hidden, cos, sin, attn_metadata.slot_mapping[:num_real], self.weights,
                     kv_cache.key_pool, kv_cache.value_pool, plan, self.scale, with_head,
-                    self.knobs,
+                    self.knobs, _scale_pools(kv_cache),
                 )  # fmt: skip
                 if logits is None:
                     return ModelOutput(final, self.logits(final, logit_rows))
                 return ModelOutput(final, select_rows(logits, logit_rows))
         return self.layers.run(hidden, rope, kv_cache, attn_metadata, logit_rows)
+
+
+def _scale_pools(kv_cache: PagedKVCache) -> tuple[Tensor, Tensor] | None:
+    """The int8 cache's scale pools, or None for a float cache."""
+    key, value = kv_cache.key_scale_pool, kv_cache.value_scale_pool
+    return None if key is None or value is None else (key, value)
 
 
 def _layer_weights(layer: DecoderLayer) -> dict[str, Tensor | None]:

@@ -6,6 +6,11 @@
     paged_attention(query, key_cache, value_cache, block_tables, ...)  plan + run, one call
 
 Every check lives in `checks.py`; backends receive checked arguments.
+
+An int8 cache comes with its scales (`key_scales`, `value_scales`: [num_blocks,
+block_size, num_kv_heads] float16, `pagedkv.ops.quantize`): `write_kv` quantizes into
+both, and attention reads both. Backends receive them as one `(key_scales, value_scales)`
+pair, or None beside a float cache.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ import torch
 from pagedkv.ops import checks
 from pagedkv.ops.backend import get_backend
 from pagedkv.ops.metadata import AttentionMetadata, AttentionPlan
+from pagedkv.ops.quantize import KVScales
+
+
+def _pair(key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> KVScales | None:
+    """The backends' form of the scales: both or None."""
+    if key_scales is None and value_scales is None:
+        return None
+    if key_scales is None or value_scales is None:
+        name = "key_scales" if key_scales is None else "value_scales"
+        raise checks.fail(name, "a tensor, as the other scales", None)
+    return key_scales, value_scales
 
 
 def warmup(
@@ -44,25 +60,32 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Write the new tokens' keys and values into the paged cache, in place.
 
     Args:
-        key: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
-        value: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+        key: [num_tokens, num_kv_heads, head_dim], the cache's dtype (any float dtype for
+            an int8 cache).
+        value: [num_tokens, num_kv_heads, head_dim], as key.
         key_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 | bfloat16 |
-            float16 | float64.
+            float16 | float64 | int8 (each row quantized, its scale stored beside it).
         value_cache: same shape, dtype and device as `key_cache`.
         slot_mapping: int64 | int32 [num_tokens]; token t goes to block
             ``slot // block_size``, row ``slot % block_size``. Negative slots are skipped.
+        key_scales, value_scales: [num_blocks, block_size, num_kv_heads] float16 beside an
+            int8 cache, else None.
 
     Raises:
         ValueError: a shape, dtype or device does not match, or a slot lies past the cache.
     """
-    checks.check_write(key, value, key_cache, value_cache, slot_mapping)
+    scales = _pair(key_scales, value_scales)
+    checks.check_write(key, value, key_cache, value_cache, slot_mapping, scales)
     if key.shape[0]:
         get_backend("auto", key_cache.device).write_kv(
-            key, value, key_cache, value_cache, slot_mapping
+            key, value, key_cache, value_cache, slot_mapping, scales
         )
 
 
@@ -133,6 +156,8 @@ def paged_attention_from_metadata(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` of one layer, with the batch planned once for the step.
 
@@ -145,6 +170,7 @@ def paged_attention_from_metadata(
         attn_metadata: the step's metadata.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         sliding_window: as in `paged_attention`.
+        key_scales, value_scales: this layer's scales, as in `paged_attention`.
 
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype.
@@ -152,6 +178,7 @@ def paged_attention_from_metadata(
     Raises:
         ValueError: as `paged_attention`.
     """
+    scales = _pair(key_scales, value_scales)
     if sliding_window not in attn_metadata.plans:
         checks.check_kv_pair(key_cache, value_cache)
         checks.check_query(query, key_cache)  # a bad query is named before plan() reads it
@@ -163,6 +190,7 @@ def paged_attention_from_metadata(
     if key_cache.dtype != dtype or value_cache.dtype != dtype:
         raise checks.fail("key_cache", f"dtype {dtype} (as planned)", key_cache.dtype)
     checks.check_query(query, key_cache)
+    checks.check_scales(scales, key_cache)
     if query.shape[0] != attn_metadata.num_tokens or query.shape[1] != num_heads:
         raise checks.fail(
             "query",
@@ -170,7 +198,7 @@ def paged_attention_from_metadata(
             tuple(query.shape),
         )
     scale = checks.resolve_scale(scale, cache_shape[3])
-    return made.run(query, key_cache, value_cache, made.state, scale)
+    return made.run(query, key_cache, value_cache, made.state, scale, scales)
 
 
 def paged_attention(
@@ -184,6 +212,8 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     backend: str = "auto",
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged KV.
 
@@ -194,7 +224,8 @@ def paged_attention(
 
     Args:
         query: [num_tokens, num_heads, head_dim], float32 | bfloat16 | float16 | float64.
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype.
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype, or
+            int8 with scales.
         value_cache: same shape, dtype and device as `key_cache`.
         block_tables: int32 [num_seqs, max_blocks]; entries past a sequence's last block
             are never read (may be -1).
@@ -203,6 +234,8 @@ def paged_attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         sliding_window: attend to at most this many most recent positions (incl. own).
         backend: "auto" (triton on CUDA, cpu on CPU), "cpu", "reference" or "triton".
+        key_scales, value_scales: [num_blocks, block_size, num_kv_heads] float16 beside an
+            int8 cache (row t of a head holds ``cache * scale``), else None.
 
     Returns:
         [num_tokens, num_heads, head_dim] in the query's dtype (accumulated in float32).
@@ -221,5 +254,6 @@ def paged_attention(
         backend=backend,
     )
     return paged_attention_from_metadata(
-        query, key_cache, value_cache, metadata, scale=scale, sliding_window=sliding_window
-    )
+        query, key_cache, value_cache, metadata, scale=scale, sliding_window=sliding_window,
+        key_scales=key_scales, value_scales=value_scales,
+    )  # fmt: skip

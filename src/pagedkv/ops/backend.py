@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.quantize import KVScales
 
 _MODULES = {
     "reference": "pagedkv.ops.reference",
@@ -40,8 +41,11 @@ class AttentionBackend(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        scales: KVScales | None,
     ) -> None:
         """Store token t's key/value rows at slot slot_mapping[t]; skip negative slots.
+        Into an int8 cache each row is quantized (`pagedkv.ops.quantize`) and its scale
+        stored in `scales` (key_scales, value_scales) at the same slot.
 
         Raises:
             ValueError: a slot lies past the cache (rows before it may be written).
@@ -76,14 +80,18 @@ class AttentionBackend(Protocol):
         value_cache: torch.Tensor,
         plan: Any,
         scale: float,
+        scales: KVScales | None,
     ) -> torch.Tensor:
         """Attention of the planned batch for one layer.
 
         Args:
-            query: [num_tokens, num_heads, head_dim], the caches' dtype.
+            query: [num_tokens, num_heads, head_dim], the caches' dtype (any float dtype
+                over int8 caches).
             key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
             plan: what `plan` returned for this step and window.
             scale: softmax scale.
+            scales: (key_scales, value_scales) [num_blocks, block_size, num_kv_heads]
+                float16 of int8 caches, else None; applied once per token and head.
 
         Returns:
             [num_tokens, num_heads, head_dim] in the query's dtype.

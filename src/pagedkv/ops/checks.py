@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.int8)
+"""A cache holds the queries' dtype, or int8 with float16 scales (`pagedkv.ops.quantize`)."""
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -34,8 +36,8 @@ def check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[i
                 "4 dims [num_blocks, block_size, num_kv_heads, head_dim]",
                 f"shape {tuple(cache.shape)}",
             )
-        if cache.dtype not in SUPPORTED_DTYPES:
-            raise fail(name, "float32, bfloat16, float16 (or float64)", cache.dtype)
+        if cache.dtype not in CACHE_DTYPES:
+            raise fail(name, "float32, bfloat16, float16, int8 (or float64)", cache.dtype)
         if cache.stride(-1) != 1:
             raise fail(name, "a contiguous last dim (stride 1)", f"stride {cache.stride()}")
     if value_cache.shape != key_cache.shape:
@@ -69,8 +71,7 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
         raise fail(
             "query", "3 dims [num_tokens, num_heads, head_dim]", f"shape {tuple(query.shape)}"
         )
-    if query.dtype != key_cache.dtype:
-        raise fail("query", f"dtype {key_cache.dtype} (as key_cache)", query.dtype)
+    check_rows_dtype("query", query, key_cache)
     if query.device != key_cache.device:
         raise fail("query", f"device {key_cache.device} (as key_cache)", query.device)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -78,6 +79,36 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
         raise fail("query", f"head_dim {head_dim} (as key_cache)", query.shape[2])
     if query.shape[1] % num_kv_heads != 0:
         raise fail("query", f"num_heads a multiple of num_kv_heads={num_kv_heads}", query.shape[1])
+
+
+def check_rows_dtype(name: str, rows: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Query, key or value rows: the cache's dtype, or any float dtype over an int8 cache."""
+    if key_cache.dtype == torch.int8:
+        if rows.dtype not in SUPPORTED_DTYPES:
+            raise fail(name, "float32, bfloat16, float16 or float64 (int8 cache)", rows.dtype)
+    elif rows.dtype != key_cache.dtype:
+        raise fail(name, f"dtype {key_cache.dtype} (as key_cache)", rows.dtype)
+
+
+def check_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, key_cache: torch.Tensor) -> None:
+    """(key_scales, value_scales): [num_blocks, block_size, num_kv_heads] float16 beside an
+    int8 cache, with a contiguous last dim; None beside any other."""
+    if key_cache.dtype != torch.int8:
+        if scales is not None:
+            raise fail("key_scales", f"None for a {key_cache.dtype} cache", "scales")
+        return
+    if scales is None:
+        raise fail("key_scales", "float16 scales beside an int8 cache", None)
+    shape = tuple(key_cache.shape[:3])
+    for name, t in zip(("key_scales", "value_scales"), scales, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise fail(name, "a torch.Tensor", type(t).__name__)
+        if tuple(t.shape) != shape or t.dtype != torch.float16:
+            raise fail(name, f"float16 of shape {shape}", f"{t.dtype} {tuple(t.shape)}")
+        if t.device != key_cache.device:
+            raise fail(name, f"device {key_cache.device} (as key_cache)", t.device)
+        if t.stride(-1) != 1:
+            raise fail(name, "a contiguous last dim (stride 1)", f"stride {t.stride()}")
 
 
 def check_index(
@@ -162,9 +193,11 @@ def check_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """`write_kv`'s arguments (metadata only)."""
     _, _, num_kv_heads, head_dim = check_kv_pair(key_cache, value_cache)
+    check_scales(scales, key_cache)
     for name, tensor in (("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise fail(name, "a torch.Tensor", type(tensor).__name__)
@@ -174,10 +207,11 @@ def check_write(
                 f"shape [num_tokens, {num_kv_heads}, {head_dim}]",
                 f"shape {tuple(tensor.shape)}",
             )
-        if tensor.dtype != key_cache.dtype:
-            raise fail(name, f"dtype {key_cache.dtype} (as key_cache)", tensor.dtype)
+        check_rows_dtype(name, tensor, key_cache)
         if tensor.device != key_cache.device:
             raise fail(name, f"device {key_cache.device} (as key_cache)", tensor.device)
+    if value.dtype != key.dtype:
+        raise fail("value", f"dtype {key.dtype} (as key)", value.dtype)
     if value.shape[0] != key.shape[0]:
         raise fail("value", f"{key.shape[0]} tokens (as key)", value.shape[0])
     check_index("slot_mapping", slot_mapping, (key.shape[0],), key.device, INDEX_DTYPES)

@@ -20,7 +20,7 @@ class AttentionPlan:
             head_dim]); a layer whose pools differ is refused.
         num_heads: query heads.
         sliding_window: the window, or None.
-        run: the backend's `run(query, key_cache, value_cache, state, scale)`.
+        run: the backend's `run(query, key_cache, value_cache, state, scale, scales)`.
         state: the backend's own plan (`pagedkv.ops.cpu.CpuPlan` for the CPU backend).
     """
 
@@ -28,7 +28,7 @@ class AttentionPlan:
     dtype: torch.dtype
     num_heads: int
     sliding_window: int | None
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float], torch.Tensor]
+    run: Callable[..., torch.Tensor]
     state: Any
 
 

@@ -11,6 +11,7 @@ import torch
 from pagedkv.memory.groups import first_needed_block
 from pagedkv.ops import checks
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.quantize import KVScales, dequantize, quantize
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -53,14 +54,20 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: KVScales | None = None,
 ) -> None:
-    """Store each token's key/value row at its slot; negative slots are skipped."""
+    """Store each token's key/value row at its slot (quantized, with its scale, into an
+    int8 cache); negative slots are skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    if scales is None:
+        key_cache[blocks, offsets] = key[keep]
+        value_cache[blocks, offsets] = value[keep]
+        return
+    for rows, cache, row_scales in zip((key, value), (key_cache, value_cache), scales, strict=True):
+        cache[blocks, offsets], row_scales[blocks, offsets] = quantize(rows[keep])
 
 
 def paged_attention(
@@ -73,13 +80,16 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: int | None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Paged attention over packed sequences (the contract of `pagedkv.ops.paged_attention`).
 
-    Computes in float32 (float64 for float64 inputs) and returns the query's dtype.
-    Inputs are assumed validated.
+    Computes in float32 (float64 for float64 inputs, and over an int8 cache, which it
+    dequantizes first with `scales`) and returns the query's dtype. Inputs are assumed
+    validated.
     """
-    compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    wide = query.dtype == torch.float64 or scales is not None
+    compute_dtype = torch.float64 if wide else torch.float32
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -94,8 +104,9 @@ def paged_attention(
         start *= key_cache.shape[1]
         table = block_tables[s][start // key_cache.shape[1] :]
         q = query[lo:hi].to(compute_dtype).transpose(0, 1)
-        k = gather_kv(key_cache, table, seq_len - start).to(compute_dtype)
-        v = gather_kv(value_cache, table, seq_len - start).to(compute_dtype)
+        key_scales, value_scales = (None, None) if scales is None else scales
+        k = _gather(key_cache, key_scales, table, seq_len - start, compute_dtype)
+        v = _gather(value_cache, value_scales, table, seq_len - start, compute_dtype)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale  # (H, q, L)
@@ -103,6 +114,21 @@ def paged_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def _gather(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One sequence's rows [seq_len, num_kv_heads, head_dim] in `dtype`, dequantized where
+    `scales` is given."""
+    rows = gather_kv(cache, block_table, seq_len)
+    if scales is None:
+        return rows.to(dtype)
+    return dequantize(rows, gather_kv(scales, block_table, seq_len), dtype)
 
 
 def plan(
@@ -132,12 +158,13 @@ def run(
     value_cache: torch.Tensor,
     plan: tuple[AttentionMetadata, int | None],
     scale: float,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """`paged_attention` on the planned batch."""
     md, sliding_window = plan
     return paged_attention(
         query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        scale=scale, sliding_window=sliding_window,
+        scale=scale, sliding_window=sliding_window, scales=scales,
     )  # fmt: skip
 
 

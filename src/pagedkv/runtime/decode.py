@@ -13,6 +13,7 @@ import torch
 from pagedkv.ops import AttentionMetadata, checks, cpu
 from pagedkv.ops.cpu import CpuPlan
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
+from pagedkv.ops.quantize import KVScales
 from pagedkv.runtime import kernel_cache, stack
 from pagedkv.runtime.products import linear_rows
 from pagedkv.runtime.tuning import CpuTuning
@@ -84,6 +85,7 @@ def decode_layers(
     scale: float,
     with_head: bool = True,
     knobs: tuple[int, int, int] = CpuTuning().kernel_knobs(),
+    scale_pools: KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's rows through every layer, the final norm and the LM head
     (`stack.py`); `hidden` is the residual stream, updated in place.
@@ -92,12 +94,15 @@ def decode_layers(
         hidden: [T, hidden_size] in the weights' dtype; rows past the plan's only pad.
         cos, sin: [T, head_dim // 2], hidden's dtype.
         slot_mapping: [num_real] int64 (the plan's rows; -1 skips a row's write).
-        key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+        key_pool, value_pool: [num_layers, num_blocks, block_size, num_kv_heads, head_dim],
+            the weights' dtype, or int8 with `scale_pools`.
         plan: the step's plan over these pools, with every real row a kernel row
             (`CpuPlan.is_decode_only`).
         scale: softmax scale.
         with_head: run the LM head too (else its logits are None, for the caller's matmul).
         knobs: `CpuTuning.kernel_knobs()`.
+        scale_pools: (key, value) [num_layers, num_blocks, block_size, num_kv_heads] float16
+            scales of int8 pools, else None.
 
     Returns:
         (the final norm's output [T, hidden_size] in hidden's dtype, float32 logits [T,
@@ -111,10 +116,18 @@ def decode_layers(
     if value_pool.shape != key_pool.shape or value_pool.dtype != key_pool.dtype:
         raise checks.fail("value_pool", f"as key_pool, {tuple(key_pool.shape)}", value_pool.shape)
     for name, t in (("hidden", hidden), ("key_pool", key_pool)):
-        if t.dtype != weights.dtype:
+        if t.dtype != weights.dtype and not (name == "key_pool" and t.dtype == torch.int8):
             raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
+    if scale_pools is not None:
+        checks.check_scales((scale_pools[0][0], scale_pools[1][0]), key_pool[0])
+    elif key_pool.dtype == torch.int8:
+        raise checks.fail("scale_pools", "the scales of the int8 pools", None)
     slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
+    key_scales, value_scales = (
+        (None, None) if scale_pools is None
+        else (as_numpy(t.view(key_pool.shape[0], -1, key_pool.shape[3])) for t in scale_pools)
+    )  # fmt: skip
     threads = _team.threads(sync_threads())
     final = torch.empty_like(hidden)
     head = weights.head if with_head else weights.head[:0]  # no rows: an empty phase
@@ -126,7 +139,7 @@ def decode_layers(
         weights.gate_up, weights.down, weights.final_norm, head,
         as_numpy(key_pool.view(pool_rows)), as_numpy(value_pool.view(pool_rows)),
         plan.block_tables, plan.items, plan.row_items, key_pool.shape[2], weights.eps, scale,
-        threads, as_numpy(final), logits.numpy(), knobs,
+        threads, as_numpy(final), logits.numpy(), knobs, key_scales, value_scales,
     )  # fmt: skip
     _team.record(threads, went_alone)
     return final, (logits if with_head else None)

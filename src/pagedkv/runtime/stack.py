@@ -39,6 +39,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
+from pagedkv.ops.cpu.int8 import layer_of, store_row
 from pagedkv.ops.cpu.kernels import EXACT_ORDER, attend_item, exp_parts, merge_row
 from pagedkv.runtime import atomics, kernel_cache
 from pagedkv.runtime.matvec import narrow, products
@@ -64,7 +65,7 @@ a virtual CPU preempted once, several mean that another process holds a core."""
 def decode_layers(
     x, cos, sin, num_real, slots, in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm,
     gate_up, down, final_norm, head, key_pool, value_pool, block_tables, items, row_items,
-    block_size, eps, scale, threads, final, logits, knobs,
+    block_size, eps, scale, threads, final, logits, knobs, key_scale_pool, value_scale_pool,
 ):  # fmt: skip  # pragma: no cover
     """Pass x through every layer, in place, writing each layer's K/V of the real rows; then
     its final norm into `final` and the LM head's logits into `logits`.
@@ -77,7 +78,7 @@ def decode_layers(
         o_proj: [hidden, H * D].  gate_up: [2 I, hidden].  down: [hidden, I].  (Numba
             typed lists, one entry per layer, x's dtype.)
         final_norm: [hidden].  head: [vocab, hidden].  (x's dtype.)
-        key_pool, value_pool: [L, num_slots, KV, D], x's dtype.
+        key_pool, value_pool: [L, num_slots, KV, D], x's dtype, or int8 with scales.
         block_tables, items, row_items: the step's `CpuPlan` (every real row a kernel row).
         block_size: tokens per block of the pools.
         eps, scale: RMSNorm epsilon and softmax scale.
@@ -85,6 +86,8 @@ def decode_layers(
         final: [T, hidden], x's dtype.  logits: float32 [T, vocab] (a bfloat16 model's
             rounded to bfloat16 first, as its matmul gives them).
         knobs: (prefetch bytes, spin ticks, long-wait ticks), `CpuTuning.kernel_knobs()`.
+        key_scale_pool, value_scale_pool: [L, num_slots, KV] float16 bits beside int8 pools
+            (each K/V row is quantized as it is written), else None.
 
     Returns:
         Whether a thread finished the step alone because another was off its core.
@@ -113,7 +116,8 @@ def decode_layers(
     )
     weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
                final_norm, head)  # fmt: skip
-    pools = (key_pool, value_pool, block_tables, items, row_items, block_size)
+    pools = (key_pool, value_pool, block_tables, items, row_items, block_size, key_scale_pool,
+             value_scale_pool)  # fmt: skip
     # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
     # tries to go alone, and the thread that did
     counters = np.zeros(((len(qkv) * PHASES + 1) * (threads + 1) + 3) * LINE, dtype=np.int64)
@@ -190,12 +194,13 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
         return
     in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
     final_norm, head = weights[9:]
-    key_pool, value_pool, block_tables, items, row_items, block_size = pools
+    key_pool, value_pool, block_tables, items, row_items, block_size = pools[:6]
     fused, query, acc, row_max, row_sum = buffers[1:6]
     update, mlp_in, mids, final, head_out, logits = buffers[8:14]
     normed, attended, heads = buffers[0][me], buffers[6][me], buffers[7][me]
     mid = mids[me]
     keys, values = key_pool[layer], value_pool[layer]
+    key_scales, value_scales = layer_of(pools[6], layer), layer_of(pools[7], layer)
     # the phase's product (for attention, unused) and its input, taken once
     bias = qkv_bias[0][:0]
     if kind == QKV:
@@ -221,10 +226,10 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
         if kind == QKV:
             products(normed, weight, bias, fused, first, first + step, prefetch)
             _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
-                        query, keys, values)  # fmt: skip
+                        query, (keys, values, key_scales, value_scales))  # fmt: skip
         elif kind == ATTEND:
-            attend_item(c, query, keys, values, block_tables, items, block_size, scale, acc[c],
-                           row_max[c], row_sum[c])  # fmt: skip
+            attend_item(c, query, keys, values, key_scales, value_scales, block_tables, items,
+                        block_size, scale, acc[c], row_max[c], row_sum[c])  # fmt: skip
         elif kind == HEAD:
             if c == 0:
                 final[:] = normed
@@ -302,10 +307,12 @@ def _wait(counters, phase, n, me, threads, spin_ticks, long_ticks):  # pragma: n
 
 
 @njit(cache=True, fastmath=True)
-def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query, keys,
-                values):  # fmt: skip  # pragma: no cover
+def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query,
+                cache):  # fmt: skip  # pragma: no cover
     """After head h of q|k|v is computed: norm and rotate a q or k head, then put q into
-    `query` (float32), k and v at the rows' slots of the layer's cache."""
+    `query` (float32), k and v at the rows' slots of the layer's cache, (keys, values,
+    key_scales, value_scales) (quantized where the scales are arrays)."""
+    keys, values, key_scales, value_scales = cache
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = keys.shape[1]
     for r in range(fused.shape[0]):
@@ -321,9 +328,9 @@ def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query,
             for d in range(head_dim):
                 query[r, h, d] = as_float32(head[d])
         elif slots[r] >= 0 and h < num_heads + num_kv_heads:
-            keys[slots[r], h - num_heads, :] = head
+            store_row(keys, key_scales, slots[r], h - num_heads, head)
         elif slots[r] >= 0:
-            values[slots[r], h - num_heads - num_kv_heads, :] = head
+            store_row(values, value_scales, slots[r], h - num_heads - num_kv_heads, head)
 
 
 @njit(cache=True, fastmath=True)

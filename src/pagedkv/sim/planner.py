@@ -5,8 +5,11 @@ Standard library only. The arithmetic, per GPU under tensor parallelism `tp`:
     weight_bytes       = ceil(num_parameters x dtype_bytes / tp), or with a quantization
                          ceil(bytes of every matrix in its block format / tp) (weight_formats.py)
     kv_heads_per_gpu   = num_kv_heads / tp, or 1 when tp > num_kv_heads (heads replicated)
-    kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu x head_dim x kv_dtype_bytes
-    kv_bytes_per_block = 2 x layers_per_group x kv_heads_per_gpu x head_dim x bytes x block_size
+    kv_bytes_per_token = 2 (K and V) x num_layers x kv_heads_per_gpu
+                         x (head_dim x kv_dtype_bytes + scale bytes)   (int8: a float16 scale
+                                                                       per token and KV head)
+    kv_bytes_per_block = 2 x layers_per_group x kv_heads_per_gpu
+                         x (head_dim x kv_dtype_bytes + scale bytes) x block_size
     margin_bytes       = memory x activation_margin      (ACTIVATION_MARGIN by default)
     kv_budget_bytes    = memory - weight_bytes - margin_bytes
     num_blocks         = kv_budget_bytes // kv_bytes_per_block
@@ -80,6 +83,11 @@ def dtype_bytes(dtype: str) -> int:
         ) from None
 
 
+KV_SCALE_BYTES = {"int8": 2}
+"""Bytes of the scale an int8 cache keeps per token and KV head (the engine's float16,
+`pagedkv.cache.kv_cache.SCALE_DTYPE`); other KV dtypes keep none."""
+
+
 def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
     """KV heads each GPU stores under tensor parallelism `tp`: `ModelConfig.kv_heads_per_rank`
     (the rule the engine shards by, and its ValueErrors) with errors naming `tp`."""
@@ -87,13 +95,15 @@ def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """KV bytes one token takes on each GPU: 2 x layers x kv_heads_per_gpu x head_dim x bytes.
+    """KV bytes one token takes on each GPU: 2 x layers x kv_heads_per_gpu x (head_dim x
+    bytes + the scale's bytes of an int8 cache).
 
     Raises:
         ValueError: an unknown dtype or an impossible `tp`.
     """
     heads = kv_heads_per_gpu(model, tp)
-    return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(kv_dtype)
+    per_head = model.head_dim * dtype_bytes(kv_dtype) + KV_SCALE_BYTES.get(kv_dtype.lower(), 0)
+    return 2 * model.num_layers * heads * per_head
 
 
 def kv_bytes_per_block(model: ModelConfig, kv_dtype: str, tp: int, block_size: int) -> int:

@@ -11,7 +11,9 @@ SDPA path for every sequence (Numba has no fast float16, and the kernel reads fl
 layer) converts the query and calls one compiled function.
 
 A bfloat16 cache is read as its bits and widened to float32 in the kernels' loops
-(`bf16.py`); sums run in float32.
+(`bf16.py`); sums run in float32. An int8 cache is read as int8, its scales applied once
+per token and head (`kernels.py`); a prefill dequantizes the blocks it gathers anyway
+(the matrix products take float operands) and runs SDPA in float32.
 
 The models' side of a decode step on the CPU (products of a few rows, the whole decoder
 stack in one compiled call) is `pagedkv.runtime`, which reads this backend's plans and
@@ -30,6 +32,7 @@ from pagedkv.ops import checks
 from pagedkv.ops.cpu import kernels
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.quantize import KVScales, dequantize, quantize
 from pagedkv.ops.reference import attention_mask
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.threads import workers_spin
@@ -51,7 +54,7 @@ MIN_CHUNK = {False: 256, True: 64}
 spinning workers: an item is merged at the end, and where waking a thread costs more than
 scoring 256 tokens (sleeping workers) a short sequence stays one item. A serial batch is
 cut finer (`kernels.plan_items`)."""
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 @dataclass
@@ -129,20 +132,23 @@ def run(
     value_cache: torch.Tensor,
     plan: CpuPlan,
     scale: float,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """See `AttentionBackend.run`."""
     if plan.rows.shape[0] and not uses_kernel(key_cache):
         raise checks.fail("key_cache", "a contiguous pool, as the plan's", "a strided one")
+    if scales is not None and not all(t.is_contiguous() for t in scales):
+        raise checks.fail("key_scales", "contiguous scales", "strided ones")
     if not plan.prefill_seqs:
-        return _decode_rows(query, key_cache, value_cache, plan, scale)
+        return _decode_rows(query, key_cache, value_cache, plan, scale, scales)
     out = torch.empty_like(query)
     if plan.rows.shape[0]:
-        out[plan.rows_index] = _decode_rows(query, key_cache, value_cache, plan, scale)
+        out[plan.rows_index] = _decode_rows(query, key_cache, value_cache, plan, scale, scales)
     for s in plan.prefill_seqs:
         lo, hi = int(plan.query_start_loc[s]), int(plan.query_start_loc[s + 1])
         out[lo:hi] = _prefill_seq(
-            query[lo:hi], key_cache, value_cache, plan.block_tables[s], int(plan.seq_lens[s]),
-            scale, plan.sliding_window,
+            query[lo:hi], (key_cache, value_cache), scales, plan.block_tables[s],
+            int(plan.seq_lens[s]), scale, plan.sliding_window,
         )  # fmt: skip
     return out
 
@@ -152,12 +158,21 @@ def _cache_rows(cache: torch.Tensor) -> np.ndarray:
     return as_numpy(cache.view(-1, cache.shape[-2], cache.shape[-1]))
 
 
+def scale_rows(scales: KVScales | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Scales as the kernels read them: [num_slots, num_kv_heads] float16 bits, or None."""
+    if scales is None:
+        return None, None
+    key, value = (as_numpy(t.view(-1, t.shape[-1])) for t in scales)
+    return key, value
+
+
 def _decode_rows(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     plan: CpuPlan,
     scale: float,
+    scales: KVScales | None,
 ) -> torch.Tensor:
     """The kernel rows' output, [num_rows, num_heads, head_dim] in the query's dtype (summed
     in float32)."""
@@ -166,23 +181,24 @@ def _decode_rows(
     out = torch.empty_like(q)
     decode = kernels.decode_parallel if plan.parallel else kernels.decode_serial
     decode(
-        q.numpy(), _cache_rows(key_cache), _cache_rows(value_cache), plan.block_tables,
-        plan.items, plan.row_items, key_cache.shape[1], scale, out.numpy(),
+        q.numpy(), _cache_rows(key_cache), _cache_rows(value_cache), *scale_rows(scales),
+        plan.block_tables, plan.items, plan.row_items, key_cache.shape[1], scale, out.numpy(),
     )  # fmt: skip
     return out.to(query.dtype)
 
 
 def _prefill_seq(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: KVScales | None,
     block_table: np.ndarray,
     seq_len: int,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One sequence by gather + SDPA: query [q, H, D] -> [q, H, D]."""
-    query_len, block_size = query.shape[0], key_cache.shape[1]
+    """One sequence by gather + SDPA: query [q, H, D] -> [q, H, D]; over int8 caches the
+    gathered rows are dequantized and SDPA runs in float32."""
+    query_len, block_size = query.shape[0], caches[0].shape[1]
     # Blocks wholly before the window of the first new token are never read.
     first = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
     b0, b1 = first // block_size, -(-seq_len // block_size)
@@ -190,10 +206,12 @@ def _prefill_seq(
     start = b0 * block_size
     # (nb, bs, Hkv, D) -> (nb * bs, Hkv, D) -> (Hkv, L', D) with L' = seq_len - start;
     # made contiguous because SDPA's CPU kernel is slower on the strided view.
-    k = key_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
-    v = value_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - start].transpose(0, 1)
-    k, v = k.contiguous(), v.contiguous()
-    q = query.transpose(0, 1)  # (H, q, D)
+    k, v = (_gather(c, blocks, seq_len - start) for c in caches)
+    if scales is not None:
+        k, v = (dequantize(x, _gather(t, blocks, seq_len - start), torch.float32)
+                for x, t in ((k, scales[0]), (v, scales[1])))  # fmt: skip
+    k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    q = query.transpose(0, 1).to(k.dtype)  # (H, q, D)
     if sliding_window is None and start == 0 and query_len == seq_len:
         mask, causal = None, True
     else:
@@ -202,7 +220,12 @@ def _prefill_seq(
     out = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _gather(pool: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` rows of `blocks` of a pool [N, bs, ...]: [length, ...]."""
+    return pool.index_select(0, blocks).flatten(0, 1)[:length]
 
 
 def write_kv(
@@ -211,23 +234,28 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: KVScales | None = None,
 ) -> None:
-    """See `AttentionBackend.write_kv`: one `index_copy_` per pool, whose rows are the
-    slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``. Checked before anything
-    is written, so a bad batch leaves the cache as it was."""
+    """See `AttentionBackend.write_kv`: one `index_copy_` per pool (and per scale pool),
+    whose rows are the slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+    Checked before anything is written, so a bad batch leaves the cache as it was."""
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     slots, low = checked_slots(slot_mapping, num_slots)
     if low < 0:  # padding rows are skipped
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    pools = [key_cache, value_cache, *(scales or ())]
+    if not all(pool.is_contiguous() for pool in pools):
         from pagedkv.ops import reference
 
-        reference.write_kv(key, value, key_cache, value_cache, slots)
+        reference.write_kv(key, value, key_cache, value_cache, slots, scales)
         return
-    rows = (num_slots, key_cache.shape[2], key_cache.shape[3])
-    key_cache.view(rows).index_copy_(0, slots, key)
-    value_cache.view(rows).index_copy_(0, slots, value)
+    rows = [key, value]
+    if scales is not None:
+        (key, key_scales), (value, value_scales) = quantize(key), quantize(value)
+        rows = [key, value, key_scales, value_scales]
+    for pool, new in zip(pools, rows, strict=True):
+        pool.view(num_slots, *pool.shape[2:]).index_copy_(0, slots, new)
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
@@ -251,6 +279,8 @@ def _compile(dtype: torch.dtype) -> None:
     p = plan(metadata, cache, 1, None)
     if dtype not in KERNEL_DTYPES:
         return
+    scales = (torch.zeros(1, 1, 1, dtype=torch.float16),) * 2 if dtype == torch.int8 else None
+    query_dtype = torch.float32 if dtype == torch.int8 else dtype
     for parallel in (False, True):
         p.parallel = parallel
-        run(torch.zeros(1, 1, 8, dtype=dtype), cache, cache, p, 1.0)
+        run(torch.zeros(1, 1, 8, dtype=query_dtype), cache, cache, p, 1.0, scales)

@@ -11,8 +11,11 @@ from pagedkv.ops import checks
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A float32 tensor as NumPy, a bfloat16 one as its bits (NumPy has no bfloat16)."""
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    """A float32 or int8 tensor as NumPy, a bfloat16 or float16 one as its bits (NumPy has
+    no bfloat16, and Numba's float16 arithmetic is partial)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def sync_threads() -> int:

@@ -19,6 +19,10 @@ of weights `row_sum`, weighted values `acc`); `merge_row` combines a row's items
 output. Within an item, tokens are scored a span at a time (up to `SPAN` tokens, across
 block boundaries) before one online-softmax update per head, so small blocks do not pay a
 rescale each.
+
+An int8 cache comes with its scales ([num_slots, num_kv_heads] float16 bits, or None for a
+float cache): a token's K scale multiplies its dot products (folded into the softmax
+scale), its V scale the softmax weights, once per token and head; sums stay float32.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from numba import njit, prange
 
 from pagedkv.ops.cpu import bf16
 from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.int8 import token_scale
 from pagedkv.runtime import kernel_cache
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
@@ -127,10 +132,11 @@ def _failed(code, seq):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def attend_item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
-                acc, row_max, row_sum):  # fmt: skip  # pragma: no cover
+def attend_item(i, query, key_cache, value_cache, key_scales, value_scales, block_tables, items,
+                block_size, scale, acc, row_max, row_sum):  # fmt: skip  # pragma: no cover
     """Attend item i's query row to its key range; leave its partial state. query: float32
-    [num_rows, H, D]; caches [num_slots, num_kv_heads, D], float32 or bfloat16 bits (uint16);
+    [num_rows, H, D]; caches [num_slots, num_kv_heads, D], float32, bfloat16 bits (uint16)
+    or int8; scales [num_slots, num_kv_heads] float16 bits beside int8, else None;
     acc [H, D], row_max and row_sum [H], all overwritten."""
     row, seq, start, end = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     num_heads = query.shape[1]
@@ -145,10 +151,10 @@ def attend_item(i, query, key_cache, value_cache, block_tables, items, block_siz
         n = min(SPAN, end - t0)
         known = min(n + SPAN, end - t0)  # and the next span's, to prefetch
         _fill_slots(table, block_size, t0, known, slots)
-        _score_span(query[row], key_cache, value_cache, slots, n, t0 == start,
+        _score_span(query[row], key_cache, value_cache, key_scales, slots, n, t0 == start,
                     np.float32(scale), scores)  # fmt: skip
         _softmax_span(scores, n, acc, row_max, row_sum, pow2)
-        _accumulate_span(key_cache, value_cache, slots, n, known, scores, acc)
+        _accumulate_span(key_cache, value_cache, value_scales, slots, n, known, scores, acc)
 
 
 @njit(cache=True)
@@ -175,10 +181,11 @@ def _fill_slots(table, block_size, first, count, slots):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _score_span(q, key_cache, value_cache, slots, n, first, scale, scores):  # pragma: no cover
-    """scores[h, t] = scale * q[h] . K[slots[t], h // group], t < n; prefetches the V rows of
-    each group of tokens and, in an item's `first` span, the K rows a group ahead (the
-    accumulate loop asks for the other spans' K rows)."""
+def _score_span(q, key_cache, value_cache, key_scales, slots, n, first, scale,
+                scores):  # fmt: skip  # pragma: no cover
+    """scores[h, t] = scale * K scale * q[h] . K[slots[t], h // group], t < n; prefetches
+    the V rows of each group of tokens and, in an item's `first` span, the K rows a group
+    ahead (the accumulate loop asks for the other spans' K rows)."""
     num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -194,10 +201,14 @@ def _score_span(q, key_cache, value_cache, slots, n, first, scale, scores):  # p
             if first:
                 bf16.prefetch_head(key_cache, ahead, g)
             bf16.prefetch_head(value_cache, (j0, j1, j2, j3), g)
+            # the softmax scale times each token's K scale
+            ks = key_scales
+            c = (scale * token_scale(ks, j0, g), scale * token_scale(ks, j1, g),
+                 scale * token_scale(ks, j2, g), scale * token_scale(ks, j3, g))  # fmt: skip
             h, end = g * group, (g + 1) * group
             while h + 2 <= end:
                 three = end - h == 3  # a group of three, or the last three of an odd one
-                _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores)
+                _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, c, scores)
                 h += 3 if three else 2
             if h < end:  # a group of one
                 s0 = s1 = s2 = s3 = np.float32(0.0)
@@ -207,8 +218,8 @@ def _score_span(q, key_cache, value_cache, slots, n, first, scale, scores):  # p
                     s1 += qd * as_float32(k[j1, g, d])
                     s2 += qd * as_float32(k[j2, g, d])
                     s3 += qd * as_float32(k[j3, g, d])
-                scores[h, t], scores[h, t + 1] = s0 * scale, s1 * scale
-                scores[h, t + 2], scores[h, t + 3] = s2 * scale, s3 * scale
+                scores[h, t], scores[h, t + 1] = s0 * c[0], s1 * c[1]
+                scores[h, t + 2], scores[h, t + 3] = s2 * c[2], s3 * c[3]
         t += bf16.TOKENS
     for rest in range(t, n):  # the item's last few tokens
         j = slots[rest]
@@ -216,13 +227,14 @@ def _score_span(q, key_cache, value_cache, slots, n, first, scale, scores):  # p
             s = np.float32(0.0)
             for d in range(head_dim):
                 s += q[h, d] * as_float32(k[j, h // group, d])
-            scores[h, rest] = s * scale
+            scores[h, rest] = s * (scale * token_scale(key_scales, j, h // group))
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma: no cover
+def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, c, scores):  # pragma: no cover
     """`_score_span`'s loop for heads h, h + 1 (and h + 2 where `three`) of KV head g, one K
-    load for all; `three` is fixed for the loop, which LLVM compiles once per case."""
+    load for all, each token's sum times its factor in `c`; `three` is fixed for the loop,
+    which LLVM compiles once per case."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = np.float32(0.0)
     for d in range(q.shape[1]):
         k0, k1 = as_float32(k[j0, g, d]), as_float32(k[j1, g, d])
@@ -242,13 +254,13 @@ def _score_heads(q, k, j0, j1, j2, j3, g, h, three, t, scale, scores):  # pragma
             c1 += qc * k1
             c2 += qc * k2
             c3 += qc * k3
-    scores[h, t], scores[h, t + 1] = a0 * scale, a1 * scale
-    scores[h, t + 2], scores[h, t + 3] = a2 * scale, a3 * scale
-    scores[h + 1, t], scores[h + 1, t + 1] = b0 * scale, b1 * scale
-    scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * scale, b3 * scale
+    scores[h, t], scores[h, t + 1] = a0 * c[0], a1 * c[1]
+    scores[h, t + 2], scores[h, t + 3] = a2 * c[2], a3 * c[3]
+    scores[h + 1, t], scores[h + 1, t + 1] = b0 * c[0], b1 * c[1]
+    scores[h + 1, t + 2], scores[h + 1, t + 3] = b2 * c[2], b3 * c[3]
     if three:
-        scores[h + 2, t], scores[h + 2, t + 1] = c0 * scale, c1 * scale
-        scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * scale, c3 * scale
+        scores[h + 2, t], scores[h + 2, t + 1] = c0 * c[0], c1 * c[1]
+        scores[h + 2, t + 2], scores[h + 2, t + 3] = c2 * c[2], c3 * c[3]
 
 
 @njit(cache=True, fastmath=EXACT_ORDER)
@@ -299,9 +311,10 @@ def exp_parts(y):  # pragma: no cover
 
 
 @njit(cache=True, fastmath=True)
-def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # pragma: no cover
-    """acc[h] += weights[h, t] * V[slots[t], h // group], t < n; prefetches the K rows of
-    the next span's tokens (slots[n:known]) as it goes."""
+def _accumulate_span(key_cache, value_cache, value_scales, slots, n, known, weights,
+                     acc):  # fmt: skip  # pragma: no cover
+    """acc[h] += weights[h, t] * V scale * V[slots[t], h // group], t < n; prefetches the K
+    rows of the next span's tokens (slots[n:known]) as it goes."""
     num_heads, head_dim = acc.shape
     num_kv_heads = value_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -317,9 +330,11 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
                 bf16.prefetch_head(key_cache, ahead, g)
             v0, v1 = value_cache[j0, g], value_cache[j1, g]
             v2, v3 = value_cache[j2, g], value_cache[j3, g]
+            f0, f1 = token_scale(value_scales, j0, g), token_scale(value_scales, j1, g)
+            f2, f3 = token_scale(value_scales, j2, g), token_scale(value_scales, j3, g)
             for h in range(g * group, (g + 1) * group):
-                a0, a1 = weights[h, t], weights[h, t + 1]
-                a2, a3 = weights[h, t + 2], weights[h, t + 3]
+                a0, a1 = weights[h, t] * f0, weights[h, t + 1] * f1
+                a2, a3 = weights[h, t + 2] * f2, weights[h, t + 3] * f3
                 out = acc[h]
                 for d in range(head_dim):
                     out[d] += (a0 * as_float32(v0[d]) + a1 * as_float32(v1[d])
@@ -328,7 +343,7 @@ def _accumulate_span(key_cache, value_cache, slots, n, known, weights, acc):  # 
     for rest in range(t, n):
         j = slots[rest]
         for h in range(num_heads):
-            p = weights[h, rest]
+            p = weights[h, rest] * token_scale(value_scales, j, h // group)
             for d in range(head_dim):
                 acc[h, d] += p * as_float32(value_cache[j, h // group, d])
 
@@ -356,8 +371,8 @@ def merge_row(r, row_items, acc, row_max, row_sum, out):  # pragma: no cover
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def decode_parallel(query, key_cache, value_cache, block_tables, items, row_items, block_size,
-                    scale, out):  # fmt: skip  # pragma: no cover
+def decode_parallel(query, key_cache, value_cache, key_scales, value_scales, block_tables, items,
+                    row_items, block_size, scale, out):  # fmt: skip  # pragma: no cover
     """`decode_serial` with items and rows spread over Numba's threads."""
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
@@ -365,24 +380,25 @@ def decode_parallel(query, key_cache, value_cache, block_tables, items, row_item
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in prange(num_items):
         # int64 as the serial callers pass it (an unsigned prange index compiles it again)
-        attend_item(np.int64(i), query, key_cache, value_cache, block_tables, items,
-                    block_size, scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
+        attend_item(np.int64(i), query, key_cache, value_cache, key_scales, value_scales,
+                    block_tables, items, block_size, scale, acc[i], row_max[i],
+                    row_sum[i])  # fmt: skip
     for r in prange(out.shape[0]):
         merge_row(r, row_items, acc, row_max, row_sum, out)
 
 
 @njit(cache=True, fastmath=True)
-def decode_serial(query, key_cache, value_cache, block_tables, items, row_items, block_size,
-                  scale, out):  # fmt: skip  # pragma: no cover
+def decode_serial(query, key_cache, value_cache, key_scales, value_scales, block_tables, items,
+                  row_items, block_size, scale, out):  # fmt: skip  # pragma: no cover
     """Attention of the plan's kernel rows: out[r] for query row r of `query`. query: float32
-    [num_rows, H, D] (the kernel rows only); caches float32 or bfloat16 bits (uint16); out:
-    float32 [num_rows, H, D]."""
+    [num_rows, H, D] (the kernel rows only); caches float32, bfloat16 bits (uint16) or int8
+    with scales (`attend_item`); out: float32 [num_rows, H, D]."""
     num_items, num_heads, head_dim = items.shape[0], query.shape[1], query.shape[2]
     acc = np.empty((num_items, num_heads, head_dim), dtype=np.float32)
     row_max = np.empty((num_items, num_heads), dtype=np.float32)
     row_sum = np.empty((num_items, num_heads), dtype=np.float32)
     for i in range(num_items):
-        attend_item(i, query, key_cache, value_cache, block_tables, items, block_size, scale,
-                    acc[i], row_max[i], row_sum[i])  # fmt: skip
+        attend_item(i, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+                    items, block_size, scale, acc[i], row_max[i], row_sum[i])  # fmt: skip
     for r in range(out.shape[0]):
         merge_row(r, row_items, acc, row_max, row_sum, out)

@@ -148,12 +148,15 @@ def run(
     value_cache: torch.Tensor,
     plan: TritonPlan,
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See `AttentionBackend.run`: one launch of the planned kernel (two for a split decode)."""
     check_strides(key_cache, value_cache)
     query = query if query.stride(-1) == 1 else query.contiguous()
     attend = decode_attention if plan.is_decode else prefill_attention
-    return attend(query, key_cache, value_cache, *plan.index, scale=scale, **plan.options)
+    return attend(
+        query, key_cache, value_cache, *plan.index, scale=scale, scales=scales, **plan.options
+    )
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:

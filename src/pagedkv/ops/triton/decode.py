@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.ops.triton.attend import LOG2E, NEG_FLOOR, attend_keys
-from pagedkv.ops.triton.indexing import find_seq
+from pagedkv.ops.triton.indexing import find_seq, scale_args
 
 
 @triton.jit
@@ -28,10 +28,11 @@ def _decode_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
     part_max, part_sum, part_acc, scale_log2, window, partition_size, num_seqs, max_parts,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    key_scales, value_scales, stride_sb, stride_st, stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)  # one query row
     kv_head = tl.program_id(1)
@@ -64,11 +65,14 @@ def _decode_kernel(
         query + row * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
-    ).to(key_cache.dtype.element_ty)  # (GROUP_PAD, D)
+    )  # (GROUP_PAD, D)
+    if not QUANTIZED:  # an int8 cache's rows are widened to the query's dtype
+        q = q.to(key_cache.dtype.element_ty)
     m_i, l_i, acc = attend_keys(
         q, pos, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh,
         dims, dim_ok, start, tl.minimum(start + partition_size, pos + 1), window, scale_log2,
-        stride_kb, stride_kt, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
+        stride_kb, stride_kt, key_scales, value_scales, kv_head * stride_sh, stride_sb,
+        stride_st, QUANTIZED, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
         TILE_BLOCKS, USE_WINDOW, False, FP32_DOT,
     )  # fmt: skip
     if IS_SPLIT:
@@ -117,7 +121,7 @@ def _reduce_kernel(
 
 def decode_meta(
     *, is_fp32: bool, group: int, head_dim: int, block_size: int, tile_blocks: int,
-    use_window: bool, is_split: bool,
+    use_window: bool, is_split: bool, quantized: bool = False,
 ) -> dict:  # fmt: skip
     """Compile-time parameters and launch options of `_decode_kernel`."""
     block_size_pad = triton.next_power_of_2(block_size)
@@ -128,7 +132,7 @@ def decode_meta(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
-        IS_SPLIT=is_split, FP32_DOT=is_fp32,
+        IS_SPLIT=is_split, FP32_DOT=is_fp32, QUANTIZED=quantized,
         # One tile of K and V in flight while the previous one is multiplied (ptxas, sm_90,
         # bf16/d128/bs16: 39 KiB shared, 94 registers, so 5 programs per SM).
         num_warps=8 if is_big else 4, num_stages=3,
@@ -157,6 +161,7 @@ def decode_attention(
     partition_size: int,
     tile_blocks: int,
     meta: dict | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention for batches of (mostly) one new token per sequence, one program per row.
 
@@ -176,6 +181,8 @@ def decode_attention(
         tile_blocks: blocks per key tile.
         meta: launch options merged over `decode_meta`'s, e.g. ``{"num_warps": 8,
             "num_stages": 2}`` (benchmarks/tune_triton.py); None in normal use.
+        scales: (key_scales, value_scales) [num_blocks, block_size, num_kv_heads] float16
+            of int8 caches (equal strides), else None.
 
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype.
@@ -199,14 +206,15 @@ def decode_attention(
     options = decode_meta(
         is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
         head_dim=head_dim, block_size=key_cache.shape[1], tile_blocks=tile_blocks,
-        use_window=sliding_window is not None, is_split=is_split,
+        use_window=sliding_window is not None, is_split=is_split, quantized=scales is not None,
     ) | (meta or {})  # fmt: skip
+    key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
     _decode_kernel[(num_tokens, num_kv_heads, num_parts)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         part_max, part_sum, part_acc, scale * LOG2E, sliding_window or 0, partition_size,
         seq_lens.shape[0], num_parts, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), **options,
+        out.stride(1), key_scales, value_scales, *scale_strides, **options,
     )  # fmt: skip
     if is_split:
         _reduce_kernel[(num_tokens, num_heads)](

@@ -14,8 +14,25 @@ lanes read one contiguous run of ``block_size`` rows per KV head.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def scale_args(
+    key_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """The attention kernels' scale arguments: (key_scales, value_scales, their block, token
+    and head strides); for a float cache the caches themselves stand in, never read."""
+    if scales is None:
+        return key_cache, key_cache, (0, 0, 0)
+    key_scales, value_scales = scales
+    if key_scales.stride() != value_scales.stride():
+        raise ValueError(
+            "expected key_scales and value_scales with equal strides, "
+            f"got {key_scales.stride()} and {value_scales.stride()}"
+        )
+    return key_scales, value_scales, tuple(key_scales.stride())  # type: ignore[return-value]
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.ops.triton.attend import LOG2E, attend_keys
-from pagedkv.ops.triton.indexing import find_seq
+from pagedkv.ops.triton.indexing import find_seq, scale_args
 
 
 @triton.jit
@@ -32,10 +32,11 @@ def _prefill_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
     scale_log2, window, num_seqs,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    key_scales, value_scales, stride_sb, stride_st, stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_SIZE_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -58,7 +59,8 @@ def _prefill_kernel(
     row = (q_start + token).to(tl.int64)  # row * stride can pass 2**31 in long batches
     q_offset = row[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(query + q_offset, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(key_cache.dtype.element_ty)  # (M, D)
+    if not QUANTIZED:  # an int8 cache's rows are widened to the query's dtype
+        q = q.to(key_cache.dtype.element_ty)  # (M, D)
 
     # Keys this tile can see:
     #   [key_lo, key_hi) = [first row pos - window + 1, last row pos + 1), clipped to the sequence.
@@ -69,7 +71,8 @@ def _prefill_kernel(
     m_i, l_i, acc = attend_keys(
         q, q_pos, key_cache, value_cache, block_tables + seq * stride_bt, kv_head * stride_kh,
         dims, dim_ok, (key_lo // BLOCK_SIZE) * BLOCK_SIZE, key_hi, window, scale_log2,
-        stride_kb, stride_kt, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
+        stride_kb, stride_kt, key_scales, value_scales, kv_head * stride_sh, stride_sb,
+        stride_st, QUANTIZED, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_SIZE_PAD,
         TILE_BLOCKS, USE_WINDOW, True, FP32_DOT,
     )  # fmt: skip
 
@@ -81,7 +84,7 @@ def _prefill_kernel(
 
 def prefill_meta(
     *, is_fp32: bool, group: int, head_dim: int, block_size: int, block_m: int,
-    tile_blocks: int, use_window: bool,
+    tile_blocks: int, use_window: bool, quantized: bool = False,
 ) -> dict:  # fmt: skip
     """Compile-time parameters and launch options of `_prefill_kernel`."""
     group_pad = triton.next_power_of_2(group)
@@ -95,7 +98,8 @@ def prefill_meta(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, block_m // group_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_SIZE_PAD=block_size_pad, TILE_BLOCKS=tile_blocks, USE_WINDOW=use_window,
-        FP32_DOT=is_fp32, num_warps=8 if is_big else 4, num_stages=3 if block_m >= 128 else 2,
+        FP32_DOT=is_fp32, QUANTIZED=quantized, num_warps=8 if is_big else 4,
+        num_stages=3 if block_m >= 128 else 2,
     )  # fmt: skip
 
 
@@ -111,6 +115,7 @@ def prefill_attention(
     sliding_window: int | None,
     block_m: int,
     tile_blocks: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every packed new token (prefill, chunked prefill, decode mixed).
 
@@ -119,6 +124,7 @@ def prefill_attention(
             sliding_window: as for `decode_attention`.
         block_m: rows per program (query tokens x padded GQA group), a power of two.
         tile_blocks: blocks per key tile.
+        scales: as for `decode_attention`.
 
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype.
@@ -133,12 +139,15 @@ def prefill_attention(
         is_fp32=query.dtype == torch.float32, group=num_heads // num_kv_heads,
         head_dim=head_dim, block_size=key_cache.shape[1], block_m=block_m,
         tile_blocks=tile_blocks, use_window=sliding_window is not None,
+        quantized=scales is not None,
     )  # fmt: skip
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
+    key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E, sliding_window or 0, num_seqs,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
-        key_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), **meta,
+        key_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        key_scales, value_scales, *scale_strides, **meta,
     )  # fmt: skip
     return out

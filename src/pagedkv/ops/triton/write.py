@@ -7,13 +7,31 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.ops.triton.indexing import scale_args
+
+# Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
+# ties to even, as `torch.round` (`pagedkv.ops.quantize`).
+_ROUNDER = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _quantized(rows):
+    """rows (H, D) float32 -> (int8 rows, float16 scales (H,)), as `quantize`."""
+    amax = tl.max(tl.abs(rows), 1)
+    scales = tl.minimum(amax / 127.0, 65504.0).to(tl.float16)
+    s = scales.to(tl.float32)[:, None]
+    q = tl.where(s > 0, rows / tl.where(s > 0, s, 1.0), 0.0)
+    q = (q + _ROUNDER) - _ROUNDER
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), scales
+
 
 @triton.jit
 def _write_kv_kernel(
     key, value, key_cache, value_cache, slot_mapping, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+    key_scales, value_scales, stride_sb, stride_st, stride_sh,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
@@ -26,16 +44,25 @@ def _write_kv_kernel(
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
     dst = dst + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(key + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    tl.store(key_cache + dst, k.to(key_cache.dtype.element_ty), mask=mask)
     v = tl.load(value + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if QUANTIZED:
+        # padded lanes load 0: they raise no head's max
+        scale_at = (slot // block_size) * stride_sb + (slot % block_size) * stride_st
+        scale_at = scale_at + heads * stride_sh
+        k, k_scale = _quantized(k.to(tl.float32))
+        v, v_scale = _quantized(v.to(tl.float32))
+        tl.store(key_scales + scale_at, k_scale, mask=heads < NUM_KV_HEADS)
+        tl.store(value_scales + scale_at, v_scale, mask=heads < NUM_KV_HEADS)
+    tl.store(key_cache + dst, k.to(key_cache.dtype.element_ty), mask=mask)
     tl.store(value_cache + dst, v.to(value_cache.dtype.element_ty), mask=mask)
 
 
-def write_meta(*, num_kv_heads: int, head_dim: int) -> dict:
+def write_meta(*, num_kv_heads: int, head_dim: int, quantized: bool = False) -> dict:
     """Compile-time parameters and launch options of `_write_kv_kernel`."""
     return dict(
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        QUANTIZED=quantized, num_warps=4,
     )  # fmt: skip
 
 
@@ -58,6 +85,7 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
 
@@ -70,9 +98,11 @@ def write_kv(
         return
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
+    key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping.contiguous(), key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim),
+        key_scales, value_scales, *scale_strides,
+        **write_meta(num_kv_heads=num_kv_heads, head_dim=head_dim, quantized=scales is not None),
     )  # fmt: skip

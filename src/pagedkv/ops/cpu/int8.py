@@ -1,0 +1,109 @@
+"""int8 caches in the CPU kernels: a token's scale as float32, and a row quantized as it is
+written (the float16 scales reach Numba as their uint16 bits).
+
+`token_scale(scales, slot, g)` is the scale of KV head g at `slot`, and 1 where `scales` is
+None (a float cache: the kernels compile the multiply away). `store_row` writes a row into
+a cache, quantized as `pagedkv.ops.quantize.quantize` does (same float32 steps, without
+fastmath, so both write the same bytes) where `scales` is an array. Numba's extension API
+only, as `bf16.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from pagedkv.ops.cpu.bf16 import as_float32
+
+QMAX = 127
+FLOAT16_MAX = 65504.0
+
+
+@intrinsic
+def half_bits_as_float32(typingctx, bits):  # pragma: no cover
+    """float16 bits (uint16) widened to float32 (exact)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def float32_to_half_bits(typingctx, x):  # pragma: no cover
+    """A float32 rounded to float16 (to nearest even), as its bits (uint16)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def token_scale(scales, slot, g):  # pragma: no cover
+    """The scale of KV head g at `slot` as float32; 1 for a float cache (scales None)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(token_scale, inline="always")
+def _token_scale_impl(scales, slot, g):  # pragma: no cover
+    if isinstance(scales, types.NoneType):
+        return lambda scales, slot, g: np.float32(1.0)
+    if isinstance(scales, types.Array) and scales.dtype == types.uint16:
+        return lambda scales, slot, g: half_bits_as_float32(scales[slot, g])
+    return None
+
+
+def layer_of(pool, layer):  # pragma: no cover
+    """pool[layer], or None where `pool` is None."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(layer_of, inline="always")
+def _layer_of_impl(pool, layer):  # pragma: no cover
+    if isinstance(pool, types.NoneType):
+        return lambda pool, layer: None
+    if isinstance(pool, types.Array):
+        return lambda pool, layer: pool[layer]
+    return None
+
+
+def store_row(cache, scales, slot, g, row):  # pragma: no cover
+    """cache[slot, g, :] = row, quantized with its scale into scales[slot, g] where `scales`
+    is an array (cache int8); as it is where `scales` is None."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(store_row)
+def _store_row_impl(cache, scales, slot, g, row):  # pragma: no cover
+    if isinstance(scales, types.NoneType):
+
+        def store(cache, scales, slot, g, row):
+            cache[slot, g, :] = row
+
+        return store
+    if isinstance(scales, types.Array) and scales.dtype == types.uint16:
+        return lambda cache, scales, slot, g, row: _quantize_row(
+            cache[slot, g], scales, slot, g, row
+        )
+    return None
+
+
+@njit(cache=True)
+def _quantize_row(out, scales, slot, g, row):  # pragma: no cover
+    """out (int8 [D]) = row quantized; scales[slot, g] = its float16 scale. IEEE float32
+    throughout (no fastmath): the bytes match `pagedkv.ops.quantize.quantize`'s."""
+    amax = np.float32(0.0)
+    for d in range(row.shape[0]):
+        amax = max(amax, abs(as_float32(row[d])))
+    bits = float32_to_half_bits(min(amax / np.float32(QMAX), np.float32(FLOAT16_MAX)))
+    scales[slot, g] = bits
+    s = half_bits_as_float32(bits)
+    for d in range(row.shape[0]):
+        q = np.rint(as_float32(row[d]) / s) if s > 0 else np.float32(0.0)
+        out[d] = np.int8(min(max(q, np.float32(-QMAX)), np.float32(QMAX)))

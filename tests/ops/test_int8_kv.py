@@ -1,0 +1,107 @@
+"""int8 KV caches: quantization as written, and the CPU backend against the reference on the
+same int8 data over every shape of the float grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import ATTENTION_GRID, check_backend, expected, make_case, quantized
+
+from pagedkv.ops import AttentionMetadata, cpu, paged_attention, write_kv
+from pagedkv.ops.quantize import dequantize, quantize
+
+
+@pytest.mark.parametrize("p", ATTENTION_GRID)
+def test_cpu_backend_matches_reference_on_int8_caches(p: dict) -> None:
+    check_backend("cpu", p, int8=True)
+
+
+def test_quantize_is_symmetric_per_row_and_zero_safe() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(50, 3, 64, generator=gen) * torch.rand(50, 3, 1, generator=gen) * 10
+    rows[7, 1] = 0.0
+    data, scales = quantize(rows)
+    assert data.dtype == torch.int8 and scales.dtype == torch.float16
+    assert scales.shape == (50, 3)
+    assert data.abs().max() <= 127 and data[7, 1].abs().sum() == 0 and scales[7, 1] == 0
+    # the largest element of each row lands at +-127 (the scale is max|x| / 127)
+    assert (data.abs().amax(-1)[scales > 0] >= 126).all()
+    back = dequantize(data, scales, torch.float32)
+    step = scales.float().unsqueeze(-1)
+    assert ((back - rows).abs() <= 0.5 * step * 1.01 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_quantizes_each_row_as_the_reference_does(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    pools = [torch.zeros(6, 4, 2, 16, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(6, 4, 2, dtype=torch.float16) for _ in range(2)]
+    key, value = (torch.randn(9, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.tensor([0, 5, -1, 23, 7, 8, 9, -1, 12])
+    write_kv(key, value, *pools, slots, key_scales=scales[0], value_scales=scales[1])
+    keep = slots >= 0
+    for rows, pool, pool_scales in zip((key, value), pools, scales, strict=True):
+        data, row_scales = quantize(rows[keep])
+        assert torch.equal(pool.view(-1, 2, 16)[slots[keep]], data)
+        assert torch.equal(pool_scales.view(-1, 2)[slots[keep]], row_scales)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert pools[0].view(-1, 2, 16)[untouched].abs().sum() == 0
+
+
+def test_int8_attention_stays_close_to_the_float_cache() -> None:
+    """Quantizing changes the output by about the int8 step, not more."""
+    case = make_case([300, 40], [1, 40], block_size=16, num_heads=6, num_kv_heads=2, head_dim=64)
+    full = paged_attention(*case.args(), backend="cpu")
+    q8 = quantized(case)
+    out = paged_attention(*q8.args(), backend="cpu", **q8.scales)
+    assert (out - full).abs().max() < 0.05
+    assert (out - full).abs().max() > 0  # it does read the int8 data
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24)]
+)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int8_decode_kernel_head_layouts(heads, kv_heads, head_dim, query_dtype) -> None:
+    case = make_case([1, 7, 300, 2100], [1, 1, 1, 1], block_size=16, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim, dtype=query_dtype)  # fmt: skip
+    q8 = quantized(case)
+    out = paged_attention(*q8.args(), backend="cpu", **q8.scales)
+    tol = 2e-2 if query_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected(q8), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_serial_and_parallel_int8_kernels_agree(block_size: int) -> None:
+    case = make_case([900, 33, 2], [1, 1, 1], block_size=block_size, num_heads=8,
+                     num_kv_heads=2, head_dim=64)  # fmt: skip
+    q8 = quantized(case)
+    md = AttentionMetadata(torch.zeros(3, dtype=torch.int64), *case.args()[3:])
+    scales = (q8.scales["key_scales"], q8.scales["value_scales"])
+    made = cpu.plan(md, q8.case.key_cache, 8, None)
+    outs = []
+    for parallel in (False, True):
+        made.parallel = parallel
+        outs.append(
+            cpu.run(case.query, q8.case.key_cache, q8.case.value_cache, made, 0.125, scales)
+        )
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_int8_caches_require_their_scales() -> None:
+    case = make_case([5], [1], block_size=4, num_heads=2, num_kv_heads=1, head_dim=8)
+    q8 = quantized(case)
+    with pytest.raises(ValueError, match="key_scales: expected float16 scales"):
+        paged_attention(*q8.args(), backend="cpu")
+    with pytest.raises(ValueError, match="value_scales: expected a tensor"):
+        paged_attention(*q8.args(), backend="cpu", key_scales=q8.scales["key_scales"])
+    with pytest.raises(ValueError, match="key_scales: expected None for a torch.float32"):
+        paged_attention(*case.args(), backend="cpu", **q8.scales)
+    bad = {k: t.float() for k, t in q8.scales.items()}
+    with pytest.raises(ValueError, match="key_scales: expected float16 of shape"):
+        paged_attention(*q8.args(), backend="cpu", **bad)
+    rows = torch.zeros(1, 1, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="key: expected float32, bfloat16"):
+        write_kv(rows, rows, q8.case.key_cache, q8.case.value_cache,
+                 torch.zeros(1, dtype=torch.int64), **q8.scales)  # fmt: skip
