@@ -114,7 +114,9 @@ def build_rank_runner(
     num_threads = torch.get_num_threads()
     if tp.size > 1 and not device.startswith("cuda"):
         share_cpu_threads(tp.size)
-    network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
+    network = load_model(
+        args.model, dtype=torch_dtype, device=device, tp=tp, quantization=args.quantization
+    )
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
     shape = (
         model_config.num_layers,

@@ -12,6 +12,9 @@ packed: oneDNN reorders a plain bfloat16 weight on every call, which costs most 
 product is bound by reading the weight (an LM head at a decode step past the few rows).
 Where nothing reads the plain copy it is released, and with `onednn=False` every weight is
 held once (docs/benchmarks.md has what each choice costs).
+
+A weight held in GGML blocks (`use_blocks`, `pagedkv.runtime.quant`) has no plain copy:
+its few-row and many-row products are `QuantWeight`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.runtime.quant.weight import QuantWeight, few_rows_product
 from pagedkv.runtime.tuning import CpuTuning
 
 
@@ -74,6 +78,22 @@ class Linear(nn.Module):
         self.matvec: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
         self.packed: Tensor | None = None  # the oneDNN copy beside a plain weight still read
+        self.blocks: QuantWeight | None = None
+
+    def use_blocks(self, weight: QuantWeight) -> None:
+        """Hold the weight as `weight`'s blocks; the plain parameter is dropped (`weight`
+        stays as a shape on the meta device).
+
+        Raises:
+            ValueError: `weight`'s shape is not [out_features, in_features].
+        """
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight: expected shape {expected}, got {tuple(weight.shape)}")
+        dtype = self.weight.dtype
+        del self.weight
+        self.weight = torch.empty(expected, dtype=dtype, device="meta")
+        self.blocks = weight
 
     def use_products(
         self, few_rows: int, onednn: bool, keep_plain: bool, tuning: CpuTuning | None = None
@@ -82,6 +102,10 @@ class Linear(nn.Module):
         never; its knobs from `tuning`), oneDNN past them (else torch). `keep_plain`:
         another reader (the compiled decoder stack) needs the plain weight, so a packed
         bfloat16 copy is held beside it."""
+        if self.blocks is not None:
+            work = (tuning or CpuTuning()).parallel_work
+            self.few_rows, self.matvec = few_rows, few_rows_product(self.blocks, self.bias, work)
+            return
         weight = self.weight.detach()
         if few_rows:
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
@@ -107,6 +131,8 @@ class Linear(nn.Module):
         """x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features]."""
         if x.shape[0] <= self.few_rows:
             return self.matvec(x)  # type: ignore[misc]
+        if self.blocks is not None:
+            return self.blocks.matmul(x, self.bias)
         if self.onednn:
             weight = self.weight if self.packed is None else self.packed
             return onednn_linear(x, weight, self.bias)

@@ -62,3 +62,5 @@ FORMATS_BY_TYPE = {f.type_id: f for f in FORMATS.values()}
 """The same, by GGML type id."""
 QUANTIZABLE = ("q8_0", "q4_0")
 """The formats a float checkpoint can be quantized to at load (`quantize.py`)."""
+QUANTIZATIONS = ("auto", "none", *QUANTIZABLE)
+"""The values of `EngineArgs.quantization` (`pagedkv.models.quantized` says what each does)."""
