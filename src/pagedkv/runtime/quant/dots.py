@@ -22,6 +22,10 @@ from pagedkv.runtime.quant.vectors import dot_field, dot_int8, dot_nibbles, dot_
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
+# float32 constants: an int literal times a float32 is a float64 in Numba, and one such term
+# turns a whole sum float64.
+_EIGHT, _SIXTEEN, _THIRTY_TWO = np.float32(8), np.float32(16), np.float32(32)
+
 
 @njit(inline="always")
 def _sum32(sums, base):  # pragma: no cover
@@ -41,8 +45,8 @@ def _q45_k(row, at, x, base, sums, fifth):  # pragma: no cover
         low = dot_field(row, nibbles + 32 * c, x, first, 32, 0, 15)
         high = dot_field(row, nibbles + 32 * c, x, second, 32, 4, 15)
         if fifth:
-            low += 16 * dot_field(row, at + 16, x, first, 32, 2 * c, 1)
-            high += 16 * dot_field(row, at + 16, x, second, 32, 2 * c + 1, 1)
+            low += _SIXTEEN * dot_field(row, at + 16, x, first, 32, 2 * c, 1)
+            high += _SIXTEEN * dot_field(row, at + 16, x, second, 32, 2 * c + 1, 1)
         total += d * (np.float32(s1) * low + np.float32(s2) * high)
         total -= dmin * (
             np.float32(m1) * _sum32(sums, first) + np.float32(m2) * _sum32(sums, second)
@@ -51,27 +55,28 @@ def _q45_k(row, at, x, base, sums, fifth):  # pragma: no cover
 
 
 @njit(inline="always")
+def _q6_scale(row, at):  # pragma: no cover
+    return np.float32((byte(row, at) ^ 128) - 128)
+
+
+@njit(inline="always")
 def _q6_k(row, at, x, base, sums):  # pragma: no cover
-    """Q6_K (`blocks._q6_k` has the layout): 32 weights per `dot_six_bits`, a scale per 16."""
-    total = np.float32(0.0)
+    """Q6_K (`blocks._q6_k` has the layout): 32 weights per `dot_six_bits`, a scale per 16;
+    the weights' offset of 32 times the activations' sums."""
+    total, offsets = np.float32(0.0), np.float32(0.0)
     for part in range(2):
-        low, high, scales, y = (
-            at + 64 * part,
-            at + 128 + 32 * part,
-            at + 192 + 8 * part,
-            base + 128 * part,
-        )
-        quarters = (
-            dot_six_bits(row, low, high, x, y, 0, 0),
-            dot_six_bits(row, low + 32, high, x, y + 32, 0, 2),
-            dot_six_bits(row, low, high, x, y + 64, 4, 4),
-            dot_six_bits(row, low + 32, high, x, y + 96, 4, 6),
-        )
-        for i in range(4):
-            for s in range(2):
-                scale = np.float32((byte(row, scales + s + 2 * i) ^ 128) - 128)
-                total += scale * (quarters[i][s] - 32 * sums[(y + 32 * i) // 16 + s])
-    return total * half(row, at + 208)
+        low, high, y = at + 64 * part, at + 128 + 32 * part, base + 128 * part
+        sc = at + 192 + 8 * part
+        s = (_q6_scale(row, sc), _q6_scale(row, sc + 1), _q6_scale(row, sc + 2),
+             _q6_scale(row, sc + 3), _q6_scale(row, sc + 4), _q6_scale(row, sc + 5),
+             _q6_scale(row, sc + 6), _q6_scale(row, sc + 7))  # fmt: skip
+        total += dot_six_bits(row, low, high, x, y, 0, 0, s[0], s[1])
+        total += dot_six_bits(row, low + 32, high, x, y + 32, 0, 2, s[2], s[3])
+        total += dot_six_bits(row, low, high, x, y + 64, 4, 4, s[4], s[5])
+        total += dot_six_bits(row, low + 32, high, x, y + 96, 4, 6, s[6], s[7])
+        for g in range(8):
+            offsets += s[g] * sums[y // 16 + g]
+    return (total - _THIRTY_TWO * offsets) * half(row, at + 208)
 
 
 @njit(inline="always")
@@ -81,7 +86,7 @@ def _q8_0(row, at, x, base, sums):  # pragma: no cover
 
 @njit(inline="always")
 def _q4_0(row, at, x, base, sums):  # pragma: no cover
-    return half(row, at) * (dot_nibbles(row, at + 2, x, base) - 8 * _sum32(sums, base))
+    return half(row, at) * (dot_nibbles(row, at + 2, x, base) - _EIGHT * _sum32(sums, base))
 
 
 @njit(inline="always")

@@ -95,11 +95,13 @@ def dot_int8(typingctx, q, q_at, x, x_at, width):  # pragma: no cover
     return types.float32(q, q_at, x, x_at, width), codegen
 
 
-def _times_x(context, builder, sig, args, values, n):  # type: ignore[no-untyped-def]
-    """sum(values * x[x_at : x_at + n]) for the intrinsics' args (x third, x_at fourth)."""
+def _times_x(context, builder, sig, args, values, n, at=2):  # type: ignore[no-untyped-def]
+    """sum(values * x[x_at : x_at + n]) for the intrinsics' args (x at `at`, x_at next)."""
     floats = ir.VectorType(_F32, n)
     xs = builder.load(
-        _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3], floats),
+        _element_pointer(
+            context, builder, sig.args[at], args[at], args[at + 1], sig.args[at + 1], floats
+        ),
         align=4,
     )
     return _lane_sum(builder, builder.fmul(values, xs), n)
@@ -130,10 +132,13 @@ def dot_nibbles(typingctx, q, q_at, x, x_at):  # pragma: no cover
 
 
 @intrinsic
-def dot_six_bits(typingctx, q, low_at, high_at, x, x_at, low_shift, high_shift):  # pragma: no cover
+def dot_six_bits(
+    typingctx, q, low_at, high_at, x, x_at, low_shift, high_shift, first, second
+):  # pragma: no cover
     """Q6_K's 6-bit weights w_k = ((q[low_at + k] >> low_shift) & 15) |
-    (((q[high_at + k] >> high_shift) & 3) << 4) for k < 32, as two float32 sums of w_k *
-    x[x_at + k]: k < 16 and k >= 16 (each half has its own scale). Shifts are literals."""
+    (((q[high_at + k] >> high_shift) & 3) << 4) for k < 32: the float32 sum of s_k * w_k *
+    x[x_at + k], s_k = `first` for k < 16 and `second` past it (each run of 16 has its own
+    scale). Shifts are literals; the scales float32."""
     if not (_is_row(q, types.uint8) and _is_row(x, types.float32)):
         return None
     if not all(isinstance(s, types.IntegerLiteral) for s in (low_shift, high_shift)):
@@ -142,7 +147,7 @@ def dot_six_bits(typingctx, q, low_at, high_at, x, x_at, low_shift, high_shift):
     n = 32
 
     def codegen(context, builder, sig, args):
-        ints = ir.VectorType(_I32, n)
+        ints, floats = ir.VectorType(_I32, n), ir.VectorType(_F32, n)
 
         def field(at_index, shift, mask):
             raw = builder.load(
@@ -152,17 +157,13 @@ def dot_six_bits(typingctx, q, low_at, high_at, x, x_at, low_shift, high_shift):
             return builder.and_(wide, ir.Constant(ints, [mask] * n))
 
         high = builder.shl(field(2, shifts[1], 3), ir.Constant(ints, [4] * n))
-        values = builder.sitofp(builder.or_(field(1, shifts[0], 15), high), ir.VectorType(_F32, n))
-        pointer = _element_pointer(
-            context, builder, sig.args[3], args[3], args[4], sig.args[4], ir.VectorType(_F32, n)
+        values = builder.sitofp(builder.or_(field(1, shifts[0], 15), high), floats)
+        pair = builder.insert_element(
+            ir.Constant(ir.VectorType(_F32, 2), None), args[7], ir.Constant(_I32, 0)
         )
-        products = builder.fmul(values, builder.load(pointer, align=4))
-        halves = [
-            builder.shuffle_vector(products, products, ir.Constant(ir.VectorType(_I32, 16), lanes))
-            for lanes in (list(range(16)), list(range(16, 32)))
-        ]
-        sums = [_lane_sum(builder, half, 16) for half in halves]
-        return context.make_tuple(builder, sig.return_type, sums)
+        pair = builder.insert_element(pair, args[8], ir.Constant(_I32, 1))
+        scales = builder.shuffle_vector(pair, pair, ir.Constant(ints, [0] * 16 + [1] * 16))
+        return _times_x(context, builder, sig, args, builder.fmul(values, scales), n, at=3)
 
-    signature = types.UniTuple(types.float32, 2)(q, low_at, high_at, x, x_at, low_shift, high_shift)
+    signature = types.float32(q, low_at, high_at, x, x_at, low_shift, high_shift, first, second)
     return signature, codegen
