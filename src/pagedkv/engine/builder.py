@@ -35,6 +35,7 @@ from pagedkv.engine.workers import (
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.loader import load_tokenizer
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
+from pagedkv.models.quantized import block_bytes
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.runtime.tuning import CpuTuning
 
@@ -172,6 +173,7 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
     """
     buffers = [t for name, t in network.named_buffers() if "inv_freq" not in name]
     weight_bytes = sum(t.numel() * t.element_size() for t in [*network.parameters(), *buffers])
+    weight_bytes += block_bytes(network)  # weights held in GGML blocks
     per_block = kv_cache.num_bytes // kv_cache.num_blocks
     return {
         "weight_bytes": weight_bytes,

@@ -145,6 +145,12 @@ class BlockPlan:
             linear.use_blocks(QuantWeight([parts[i] for i in range(count)], linear.in_features))
 
 
+def block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the blocks `model`'s layers hold (its parameters leave them out)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is not None]
+    return sum(m.blocks.nbytes for m in layers if m.blocks is not None)
+
+
 def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     out = tensor.new_zeros(rows, tensor.shape[1])
     out[: tensor.shape[0]] = tensor
