@@ -21,6 +21,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
 from pagedkv.config import CPU_KV_MEMORY_CAP, CacheConfig, SchedulerConfig, parse_size
+from pagedkv.runtime.quant.formats import QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -52,6 +53,13 @@ class EngineArgs:
     )
     dtype: str = _option(
         "auto", "weights and KV cache dtype; auto is the checkpoint's", choices=DTYPES
+    )
+    quantization: str = _option(
+        "auto",
+        "weights in GGML blocks on the CPU: auto keeps a GGUF file's formats (Q8_0, Q4_0, "
+        "Q4_1, Q4_K, Q5_K, Q6_K), none dequantizes them, q8_0 / q4_0 quantize every "
+        "projection at load",
+        choices=QUANTIZATIONS,
     )
     device: str = _option("auto", "auto (CUDA when available), cpu, cuda, cuda:1, ...")
     kv_cache_dtype: str = _option(

@@ -36,6 +36,7 @@ from pagedkv.memory.groups import group_layers
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.loader import load_tokenizer
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
+from pagedkv.models.quantized import block_bytes
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.runtime.tuning import CpuTuning
 
@@ -115,7 +116,9 @@ def build_rank_runner(
     num_threads = torch.get_num_threads()
     if tp.size > 1 and not device.startswith("cuda"):
         share_cpu_threads(tp.size)
-    network = load_model(args.model, dtype=torch_dtype, device=device, tp=tp)
+    network = load_model(
+        args.model, dtype=torch_dtype, device=device, tp=tp, quantization=args.quantization
+    )
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
     windows = model_config.sliding_windows if config.cache.kv_cache_groups else ()
     groups = group_layers(windows, model_config.num_layers)
@@ -182,6 +185,7 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
     """
     buffers = [t for name, t in network.named_buffers() if "inv_freq" not in name]
     weight_bytes = sum(t.numel() * t.element_size() for t in [*network.parameters(), *buffers])
+    weight_bytes += block_bytes(network)  # weights held in GGML blocks
     per_block = kv_cache.num_bytes // kv_cache.num_blocks
     return {
         "weight_bytes": weight_bytes,

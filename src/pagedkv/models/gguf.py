@@ -10,7 +10,8 @@ its rotary kernel; transformers' GGUF loader undoes it the same way).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,8 @@ from torch import Tensor
 
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import GGUF_INSTALL_HINT, GGUFFile, GGUFTensorInfo
+from pagedkv.models.quantized import BlockTensor, layer_of
+from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
 
 # GGUF tensor name -> Hugging Face name: model-wide, then per layer (`blk.{i}.` prefix).
 _GLOBAL_NAMES = {
@@ -118,15 +121,22 @@ def dequantize(file: GGUFFile, info: GGUFTensorInfo, data: np.ndarray | None = N
     return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(info.shape[::-1])
 
 
-def _unpermute_rotary(weight: Tensor, num_heads: int) -> Tensor:
+def _unpermute_rotary(weight: Any, num_heads: int) -> Any:
     # llama.cpp stores each head's rows as (d/2, 2) pairs; Hugging Face as (2, d/2) halves.
+    # Rows move whole, so a weight's blocks move the same way.
+    if isinstance(weight, BlockTensor):
+        order = _unpermute_rotary(torch.arange(weight.blocks.shape[0]), num_heads).numpy()
+        return BlockTensor(weight.format, weight.blocks[order], weight.in_features)
     head_dim = weight.shape[0] // num_heads
     pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return pairs.transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """Every weight of `file` as (Hugging Face name, float32 tensor), ready for the loader.
+def iter_gguf_tensors(
+    file: GGUFFile, config: ModelConfig, blocks: Collection[str] = ()
+) -> Iterator[tuple[str, Any]]:
+    """Every weight of `file` as (Hugging Face name, float32 tensor), ready for the loader;
+    those named in `blocks` as their blocks (`BlockTensor`, a view of the mapped file).
 
     `rope_freqs.weight` is left out (see `rope_divisors`).
 
@@ -139,8 +149,8 @@ def iter_gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
     for info in file.tensors.values():
         if info.name == ROPE_FREQS or info.name in _NOT_WEIGHTS:
             continue
-        tensor = dequantize(file, info, data)
         name = hf_tensor_name(info.name, arch)
+        tensor: Any = _blocks(info, data) if name in blocks else dequantize(file, info, data)
         if arch in _NORM_SHIFTS and name.endswith("norm.weight"):
             tensor -= _NORM_SHIFTS[arch]
         if interleaved and ".self_attn.q_proj." in name:
@@ -148,6 +158,26 @@ def iter_gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str
         elif interleaved and ".self_attn.k_proj." in name:
             tensor = _unpermute_rotary(tensor, config.num_kv_heads)
         yield name, tensor
+
+
+def block_weights(file: GGUFFile, config: ModelConfig) -> dict[str, int]:
+    """The layers (`quantized.layer_of`) whose every part `file` stores in a block format
+    pagedkv multiplies in place, with their number of parts."""
+    kinds: dict[str, list[bool]] = {}
+    for info in file.tensors.values():
+        layer = layer_of(hf_tensor_name(info.name), config)
+        if layer is not None:
+            kinds.setdefault(layer[0], []).append(info.type_id in FORMATS_BY_TYPE)
+    return {path: len(kind) for path, kind in kinds.items() if all(kind)}
+
+
+def _blocks(info: GGUFTensorInfo, data: np.ndarray) -> BlockTensor:
+    """Tensor `info`'s bytes as rows of blocks, where they lie in the mapped file."""
+    fmt = FORMATS_BY_TYPE[info.type_id]
+    in_features, rows = info.shape[0], int(np.prod(info.shape[1:], dtype=np.int64))
+    row_bytes = fmt.row_bytes(in_features)
+    view = data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+    return BlockTensor(fmt, np.asarray(view), in_features)
 
 
 def rope_divisors(file: GGUFFile) -> Tensor | None:

@@ -89,7 +89,8 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             vocab = tp.vocab_part(config.vocab_size)
             self.lm_head = Linear(config.hidden_size, vocab, bias=False, dtype=dtype, device=device)
-        # A tied LM head as a layer of its own, sharing the embedding table (`use_cpu_runtime`).
+        # A tied LM head as a layer of its own, sharing the embedding table (`use_cpu_runtime`)
+        # or its blocks (`pagedkv.models.quantized`).
         self.tied_head: Linear | None = None
         self.executor: Executor = LayerExecutor(
             self._layers(), self.model.norm, self.compute_logits
@@ -221,10 +222,14 @@ class CausalLM(nn.Module):
         """
         tuning = tuning or CpuTuning()
         kernels = self.device.type == "cpu" and self.dtype in _KERNEL_DTYPES
+        # The compiled stack reads plain weights: a model with layers in blocks runs layer
+        # by layer, each product from its blocks.
+        in_blocks = any(isinstance(m, Linear) and m.blocks is not None for m in self.modules())
         fused = fused_decode and kernels and self.tp.size == 1 and fused_decode_applies(self.config)
+        fused &= not in_blocks
         dtype_name = str(self.dtype).removeprefix("torch.")
         few_rows = tuning.matvec_rows(dtype_name) if matvec and kernels else 0
-        if self.lm_head is None and (few_rows or onednn):
+        if self.lm_head is None and self.tied_head is None and (few_rows or onednn):
             embedding = self.model.embed_tokens.weight
             vocab, hidden = embedding.shape
             self.tied_head = Linear(hidden, vocab, bias=False, weight=embedding)

@@ -9,7 +9,7 @@ Under tensor parallelism a rank reads only its part of each tensor (`parallel.sh
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,24 +20,26 @@ from safetensors.torch import save_file
 from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.cache.kv_cache import DTYPES_BY_NAME
 from pagedkv.config import ModelConfig
-from pagedkv.gguf_file import is_gguf_path, read_gguf
+from pagedkv.gguf_file import GGUFFile, is_gguf_path, read_gguf
 from pagedkv.models.checkpoint_layout import canonical_tensors
 from pagedkv.models.decoder import Attention
-from pagedkv.models.gguf import iter_gguf_tensors, rope_divisors
+from pagedkv.models.gguf import block_weights, iter_gguf_tensors, rope_divisors
 from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
 from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.models.llama import CausalLM
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, shard_of
+from pagedkv.models.quantized import (
+    FUSED,
+    TIED_HEAD,
+    BlockPlan,
+    BlockTensor,
+    check_quantization,
+    layer_of,
+)
 from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.runtime.linear import Linear
+from pagedkv.runtime.quant.weight import QuantWeight
 
-# Checkpoint projection -> (fused parameter, index of its part in the fusion).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -99,9 +101,9 @@ def _target(model: CausalLM, name: str) -> torch.Tensor:
     """The slice of `model`'s parameters that checkpoint tensor `name` fills."""
     module_path, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj, weight
     parent, _, proj = module_path.rpartition(".")
-    if proj not in _FUSED:
+    if proj not in FUSED:
         return model.get_parameter(name)
-    fused_name, part = _FUSED[proj]
+    fused_name, part = FUSED[proj]
     fused = model.get_parameter(f"{parent}.{fused_name}.{leaf}")
     if fused_name == "qkv_proj":
         attn = cast(Attention, model.get_submodule(parent))
@@ -158,9 +160,10 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     tp: TensorParallel = NO_PARALLEL,
+    quantization: str = "auto",
 ) -> CausalLM:
     """Build the model `model_dir/config.json` describes and load its safetensors weights,
-    or the model of a `.gguf` file (dequantized; needs the `gguf` package).
+    or the model of a `.gguf` file (needs the `gguf` package).
 
     Args:
         model_dir: a directory with config.json and model.safetensors (or a sharded
@@ -169,14 +172,18 @@ def load_model(
             "float16" or a torch.dtype; weights are cast to it.
         device: where the parameters live ("auto": CUDA when available, else CPU).
         tp: load only rank `tp.rank`'s share of a model split over `tp.size` ranks.
+        quantization: which projections stay in (or go into) GGML blocks on the CPU
+            (`pagedkv.models.quantized`): "auto" (a GGUF file's formats), "none", "q8_0",
+            "q4_0".
 
     Returns:
         The model (or this rank's share) in eval mode.
 
     Raises:
         ValueError: no or broken config.json, an unsupported architecture, no weight files,
-            a missing, unexpected or misshapen weight (named, with expected/got shape), or a
-            model that does not split over `tp.size` ranks.
+            a missing, unexpected or misshapen weight (named, with expected/got shape), a
+            model that does not split over `tp.size` ranks, an unknown `quantization`, or
+            one that needs the CPU elsewhere.
     """
     model_dir = Path(model_dir)
     gguf_file = read_gguf(model_dir) if is_gguf_path(model_dir) else None
@@ -185,20 +192,25 @@ def load_model(
     config = ModelConfig.from_hf(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     device = resolve_device(device)
+    plan = _block_plan(check_quantization(quantization), gguf_file, config, device)
     if gguf_file is None:
         tensors = _iter_tensors(_checkpoint_files(model_dir))
     else:
-        tensors = iter_gguf_tensors(gguf_file, config)
+        names = {n for n in checkpoint_shapes(config) if plan.takes(n, config)}
+        tensors = iter_gguf_tensors(gguf_file, config, names)
     tensors = canonical_tensors(tensors, config)
     # Parameters start on the meta device: no time spent on a random init that the
     # checkpoint overwrites, and no second copy of the weights in memory.
     with torch.device("meta"):
         model = CausalLM(config, dtype=torch_dtype, tp=tp)
+        if TIED_HEAD in plan.layers:
+            rows = tp.vocab_part(config.vocab_size)
+            model.tied_head = Linear(config.hidden_size, rows, bias=False, dtype=torch_dtype)
     # The rotary buffers, no checkpoint tensors, are computed on the CPU even here: the huge
     # pages placement keeps them, `to_empty` leaves them uninitialized.
     rotary = {name: b.clone() for name, b in model.rotary_embs.named_buffers()}
     if torch.device(device).type == "cpu":
-        _place_on_huge_pages(model)
+        _place_on_huge_pages(model, skip=plan.weight_names())
     else:
         model.to_empty(device=device)
         for name, buffer in model.rotary_embs.named_buffers():
@@ -217,28 +229,77 @@ def load_model(
     with torch.no_grad():
         for name, source in checked_tensors(tensors, config):
             tensor = _read(source, shard_of(name, config, tp))
+            if plan.takes(name, config):
+                plan.add(name, tensor, config, _rows(model, name, tensor))
+                if layer_of(name, config) != (TIED_HEAD, 0):
+                    continue
+                tensor = _dense(tensor)  # the embedding table, beside the head's blocks
             # A vocabulary shard may be cut short (the last rank's padding rows).
             _target(model, name)[: tensor.shape[0]].copy_(tensor)
+    plan.finish(model)
     return model.eval()
 
 
-def _place_on_huge_pages(model: torch.nn.Module) -> None:
-    """Give every parameter and persistent buffer of `model` (on the meta device) its place
-    in one mapping on huge pages.
+def _block_plan(
+    quantization: str, gguf_file: GGUFFile | None, config: ModelConfig, device: str
+) -> BlockPlan:
+    """The layers held in blocks (`pagedkv.models.quantized`): only on the CPU."""
+    if quantization == "none" or (quantization == "auto" and gguf_file is None):
+        return BlockPlan({}, None)
+    if torch.device(device).type != "cpu":
+        if quantization == "auto":
+            return BlockPlan({}, None)  # other devices multiply dequantized weights
+        raise ValueError(
+            f"quantization: expected 'auto' or 'none' on {device}, got {quantization!r}"
+        )
+    if quantization == "auto":
+        assert gguf_file is not None, "auto quantization without a GGUF file"
+        layers = block_weights(gguf_file, config)
+        quantizer = None
+    else:
+        layers = {}
+        for name in checkpoint_shapes(config):
+            layer = layer_of(name, config)
+            if layer is not None:
+                layers[layer[0]] = layers.get(layer[0], 0) + 1
+        quantizer = quantization
+    if config.tie_word_embeddings:
+        layers.pop("lm_head", None)  # a stored copy of the tied head is never read
+    return BlockPlan(layers, quantizer)
+
+
+def _rows(model: CausalLM, name: str, tensor: Any) -> int:
+    """The rows of the layer part `name` fills: the tensor's, or a vocabulary shard's."""
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        return model.tp.vocab_part(model.config.vocab_size)
+    return int(tensor.get_shape()[0] if isinstance(tensor, BlockTensor) else tensor.shape[0])
+
+
+def _dense(tensor: Any) -> torch.Tensor:
+    """A float tensor, or a `BlockTensor` dequantized (float32)."""
+    if not isinstance(tensor, BlockTensor):
+        return tensor
+    rows = tensor.get_shape()[0]
+    return QuantWeight([tensor.part(rows)], tensor.in_features).dequantize()
+
+
+def _place_on_huge_pages(model: torch.nn.Module, skip: Collection[str] = ()) -> None:
+    """Give every parameter and persistent buffer of `model` (on the meta device) but those
+    named in `skip` (weights held in blocks) its place in one mapping on huge pages.
 
     A decode step reads every weight once, and with the products at the speed of memory
     the bfloat16 ones then stream faster (benchmarks.md). The views are assigned straight
     from the meta device: no storage is made and dropped, and no meta kernel runs
     (`to_empty` would initialize torch's meta-kernel machinery at every start).
     """
-    tensors = model.state_dict(keep_vars=True)
+    tensors = {k: t for k, t in model.state_dict(keep_vars=True).items() if k not in skip}
     aligned = {name: -(-t.nbytes // 64) * 64 for name, t in tensors.items()}  # cache lines
     memory = empty_on_huge_pages(sum(aligned.values()))
     views, offset = {}, 0
     for name, t in tensors.items():
         views[name] = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
         offset += aligned[name]
-    model.load_state_dict(views, assign=True)
+    model.load_state_dict(views, assign=True, strict=not skip)
 
 
 def checked_tensors(

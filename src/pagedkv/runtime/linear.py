@@ -11,6 +11,9 @@ compiled decoder stack and oneDNN all read that one tensor. oneDNN reorders a pl
 bfloat16 weight into its blocked layout on each call (a buffer freed after the call); a
 packed copy kept for it would sit beside the plain one, since the kernels read the plain
 one and the loader's single mapping of every weight keeps a replaced weight's pages.
+
+A weight held in GGML blocks (`use_blocks`, `pagedkv.runtime.quant`) has no plain copy:
+its few-row and many-row products are `QuantWeight`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.runtime.quant.weight import QuantWeight, few_rows_product
 from pagedkv.runtime.tuning import CpuTuning
 
 
@@ -71,10 +75,30 @@ class Linear(nn.Module):
         self.few_rows = 0  # products of at most this many rows go to `matvec`
         self.matvec: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
+        self.blocks: QuantWeight | None = None
+
+    def use_blocks(self, weight: QuantWeight) -> None:
+        """Hold the weight as `weight`'s blocks; the plain parameter is dropped (`weight`
+        stays as a shape on the meta device).
+
+        Raises:
+            ValueError: `weight`'s shape is not [out_features, in_features].
+        """
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight: expected shape {expected}, got {tuple(weight.shape)}")
+        dtype = self.weight.dtype
+        del self.weight
+        self.weight = torch.empty(expected, dtype=dtype, device="meta")
+        self.blocks = weight
 
     def use_products(self, few_rows: int, onednn: bool, tuning: CpuTuning | None = None) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
         never; its knobs from `tuning`), oneDNN past them (else torch); all read `weight`."""
+        if self.blocks is not None:
+            work = (tuning or CpuTuning()).parallel_work
+            self.few_rows, self.matvec = few_rows, few_rows_product(self.blocks, self.bias, work)
+            return
         weight = self.weight.detach()
         if few_rows:
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
@@ -89,6 +113,8 @@ class Linear(nn.Module):
         """x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features]."""
         if x.shape[0] <= self.few_rows:
             return self.matvec(x)  # type: ignore[misc]
+        if self.blocks is not None:
+            return self.blocks.matmul(x, self.bias)
         if self.onednn:
             return onednn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,95 @@
+"""GGML block formats held in place: dequantization against llama.cpp's own Python
+tooling (`gguf.quants`), and the products against the dequantized weight's product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.runtime.quant.formats import FORMATS, BlockFormat
+from pagedkv.runtime.quant.quantize import quantize
+from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
+
+gguf = pytest.importorskip("gguf")
+
+# Where each format keeps its fp16 scales (byte offsets in a block).
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}  # fmt: skip
+
+
+def random_blocks(fmt: BlockFormat, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Valid blocks of random bytes: every bit pattern is a valid block once the fp16 scales
+    are finite (small ones, so products stay in range)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = in_features // fmt.block_size
+    raw = rng.integers(0, 256, size=(rows, num_blocks, fmt.block_bytes), dtype=np.uint8)
+    for at in _SCALE_BYTES[fmt.name]:
+        scales = rng.uniform(-0.02, 0.02, size=(rows, num_blocks)).astype(np.float16)
+        raw[:, :, at : at + 2] = scales[..., None].view(np.uint8)
+    blocks = raw.reshape(rows, -1)
+    blocks.flags.writeable = False
+    return blocks
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantize_matches_gguf(name: str) -> None:
+    fmt = FORMATS[name]
+    blocks = random_blocks(fmt, 7, 512)
+    weight = QuantWeight([QuantPart(fmt, blocks)], 512)
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name])
+    torch.testing.assert_close(weight.dequantize(), torch.from_numpy(expected), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_products_match_dequantized(name: str, rows: int, parallel: bool) -> None:
+    fmt, in_features = FORMATS[name], 512
+    # Two parts, the second in another format: a fused projection of a mixed file.
+    other = FORMATS["Q6_K" if name != "Q6_K" else "Q8_0"]
+    parts = [QuantPart(fmt, random_blocks(fmt, 37, in_features)),
+             QuantPart(other, random_blocks(other, 5, in_features, seed=1))]  # fmt: skip
+    weight = QuantWeight(parts, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(42)
+    expected = x.double() @ weight.dequantize().double().T + bias.double()
+    scale = (x.double().abs() @ weight.dequantize().double().abs().T).max().item()
+    for got in (weight.few_rows(x, bias, 0 if parallel else float("inf")), weight.matmul(x, bias)):
+        assert got.shape == (rows, 42) and got.dtype == torch.float32
+        assert (got.double() - expected).abs().max().item() <= 1e-5 * scale
+
+
+def test_bfloat16_rows_give_the_float32_result_rounded() -> None:
+    fmt = FORMATS["Q4_K"]
+    weight = QuantWeight([QuantPart(fmt, random_blocks(fmt, 16, 256))], 256)
+    x = torch.randn(2, 256).bfloat16()
+    got = weight.few_rows(x, None, float("inf"))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, weight.few_rows(x.float(), None, float("inf")).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_quantize_matches_gguf_and_round_trips(name: str) -> None:
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    part = quantize(w, name)
+    qtype = gguf.GGMLQuantizationType[name.upper()]
+    reference = gguf.quants.quantize(w.numpy(), qtype)
+    # Ties may round either way in Q8_0; the bytes agree elsewhere.
+    assert (part.blocks != reference).mean() < 1e-3
+    step = w.abs().amax() / (127 if name == "q8_0" else 7)
+    error = (QuantWeight([part], 256).dequantize() - w).abs().max()
+    assert error <= step
+
+
+def test_bad_shapes_are_rejected() -> None:
+    fmt = FORMATS["Q4_K"]
+    with pytest.raises(ValueError, match="in_features: expected a multiple of 256"):
+        QuantWeight([QuantPart(fmt, random_blocks(fmt, 2, 256))], 300)
+    with pytest.raises(ValueError, match="blocks: expected"):
+        QuantWeight([QuantPart(fmt, random_blocks(fmt, 2, 512))], 256)
+    with pytest.raises(ValueError, match="quantization: expected one of"):
+        quantize(torch.zeros(2, 32), "q4_k")
+    weight = QuantWeight([QuantPart(fmt, random_blocks(fmt, 2, 256))], 256)
+    with pytest.raises(ValueError, match=r"x: expected \[num_tokens, 256\]"):
+        weight.matmul(torch.zeros(3, 128))
