@@ -41,16 +41,45 @@ def canonical_tensors(
         if name.startswith(_OTHER_PREFIXES):
             continue
         name = _text_name(name)
-        stem, _, suffix = name.rpartition(".")
-        fused = next((f for f in FUSED_PROJECTIONS if stem.endswith("." + f)), None)
+        fused = _fused_of(name)
         if fused is None:
             yield name, source
             continue
-        prefix = stem.removesuffix(fused)
         whole = source if isinstance(source, torch.Tensor) else source[:]
         parts = whole.split(_part_sizes(name, fused, config, whole.shape[0]), dim=0)
-        for part_name, part in zip(FUSED_PROJECTIONS[fused], parts, strict=True):
-            yield f"{prefix}{part_name}.{suffix}", part
+        yield from zip(part_names(name), parts, strict=True)
+
+
+def part_names(name: str) -> list[str]:
+    """The Llama-layout tensors that checkpoint tensor `name` holds: itself, or a fused
+    projection's parts."""
+    fused = _fused_of(name)
+    if fused is None:
+        return [name]
+    stem, _, suffix = name.rpartition(".")
+    prefix = stem.removesuffix(fused)
+    return [f"{prefix}{part}.{suffix}" for part in FUSED_PROJECTIONS[fused]]
+
+
+def _fused_of(name: str) -> str | None:
+    """The fused projection (a `FUSED_PROJECTIONS` key) tensor `name` is, or None."""
+    stem = name.rpartition(".")[0]
+    return next((f for f in FUSED_PROJECTIONS if stem.endswith("." + f)), None)
+
+
+def with_fused_names(names: set[str]) -> set[str]:
+    """`names` (Llama-layout tensor names) plus the fused checkpoint tensors whose every
+    part is among them (a GGUF file of Phi-3 stores q|k|v and gate|up fused)."""
+    fused = set()
+    for whole, parts in FUSED_PROJECTIONS.items():
+        for name in names:
+            stem, _, suffix = name.rpartition(".")
+            if not stem.endswith("." + parts[0]):
+                continue
+            prefix = stem.removesuffix(parts[0])
+            if all(f"{prefix}{part}.{suffix}" in names for part in parts):
+                fused.add(f"{prefix}{whole}.{suffix}")
+    return names | fused
 
 
 def _text_name(name: str) -> str:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import GGUF_INSTALL_HINT, GGUFFile, GGUFTensorInfo
+from pagedkv.models.checkpoint_layout import part_names
 from pagedkv.models.quantized import BlockTensor, layer_of
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
 
@@ -163,11 +164,13 @@ def iter_gguf_tensors(
 def block_weights(file: GGUFFile, config: ModelConfig) -> dict[str, int]:
     """The layers (`quantized.layer_of`) whose every part `file` stores in a block format
     pagedkv multiplies in place, with their number of parts."""
+    arch = file.metadata.get("general.architecture", "llama")
     kinds: dict[str, list[bool]] = {}
     for info in file.tensors.values():
-        layer = layer_of(hf_tensor_name(info.name), config)
-        if layer is not None:
-            kinds.setdefault(layer[0], []).append(info.type_id in FORMATS_BY_TYPE)
+        for name in part_names(hf_tensor_name(info.name, arch)):
+            layer = layer_of(name, config)
+            if layer is not None:
+                kinds.setdefault(layer[0], []).append(info.type_id in FORMATS_BY_TYPE)
     return {path: len(kind) for path, kind in kinds.items() if all(kind)}
 
 

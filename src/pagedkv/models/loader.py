@@ -21,7 +21,7 @@ from pagedkv.cache.huge_pages import empty_on_huge_pages
 from pagedkv.cache.kv_cache import DTYPES_BY_NAME
 from pagedkv.config import ModelConfig
 from pagedkv.gguf_file import GGUFFile, is_gguf_path, read_gguf
-from pagedkv.models.checkpoint_layout import canonical_tensors
+from pagedkv.models.checkpoint_layout import canonical_tensors, with_fused_names
 from pagedkv.models.decoder import Attention
 from pagedkv.models.gguf import block_weights, iter_gguf_tensors, rope_divisors
 from pagedkv.models.gguf_tokenizer import load_gguf_tokenizer
@@ -197,7 +197,7 @@ def load_model(
         tensors = _iter_tensors(_checkpoint_files(model_dir))
     else:
         names = {n for n in checkpoint_shapes(config) if plan.takes(n, config)}
-        tensors = iter_gguf_tensors(gguf_file, config, names)
+        tensors = iter_gguf_tensors(gguf_file, config, with_fused_names(names))
     tensors = canonical_tensors(tensors, config)
     # Parameters start on the meta device: no time spent on a random init that the
     # checkpoint overwrites, and no second copy of the weights in memory.

@@ -87,6 +87,17 @@ class BlockTensor:
         blocks = blocks[:, start // size * per : stop // size * per]
         return BlockTensor(self.format, blocks, stop - start)
 
+    def split(self, sizes: list[int], dim: int = 0) -> list[BlockTensor]:
+        """The tensor cut into consecutive row ranges of `sizes` (a fused projection's
+        parts; rows are independent in every block format)."""
+        assert dim == 0, "blocks split by rows only"
+        bounds = np.cumsum([0, *sizes])
+        return [self[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.blocks.shape[0]), self.in_features
+
     def part(self, rows: int) -> QuantPart:
         """The blocks as one layer part of `rows` rows (zero rows past the tensor's: a
         vocabulary shard's padding)."""
