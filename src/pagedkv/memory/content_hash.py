@@ -95,6 +95,8 @@ class ContentHashes:
         parent, tokens = key
         if not isinstance(tokens, bytes):
             return
+        if isinstance(parent, tuple):
+            return  # a later KV cache group's chain: the tier keeps one group only
         if isinstance(parent, str) or parent == ROOT_UID:
             parent_hash = root_hash(parent)
         else:
