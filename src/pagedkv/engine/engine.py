@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import EngineConfig, ModelConfig
 from pagedkv.engine.args import EngineArgs
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prefix_tier import create_prefix_tier, prefix_tier_applies
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.runner import ModelRunner
@@ -266,7 +266,7 @@ class LLMEngine:
             self._drop_failed_step(step)
             raise
         for seq_id, (start, rows) in self.runner.pop_prompt_logprobs().items():
-            _add_prompt_logprobs(live[seq_id[0]], start, rows)
+            live[seq_id[0]].add_prompt_logprobs(start, rows)
         outputs = failed + self._postprocess(step, results, live)
         if self.debug:
             self.kv_manager.check()
@@ -311,7 +311,7 @@ class LLMEngine:
             if request.is_finished:
                 request.metrics.finished_time = now
                 self.runner.release(request.request_id)
-            outputs.append(self.make_output(request))
+            outputs.append(request.output())
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -337,7 +337,7 @@ class LLMEngine:
             logger.warning("request %s ended: %s", request.request_id, error)
             request.seqs[0].finish_reason = "abort"
             request.metrics.finished_time = now
-            outputs.append(self.make_output(request))
+            outputs.append(request.output())
         return outputs
 
     def _detokenize(self, seq: Sequence) -> str:
@@ -346,38 +346,6 @@ class LLMEngine:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:-1])
         return seq.detokenizer.add(seq.token_ids[-1])
-
-    def make_output(self, request: Request) -> RequestOutput:
-        """The request's cumulative output now."""
-        has_logprobs = request.params.logprobs is not None
-        completions = [
-            CompletionOutput(
-                seq.index,
-                seq.text,
-                list(seq.output_token_ids),
-                seq.cumulative_logprob if has_logprobs else None,
-                list(seq.logprobs) if has_logprobs else None,
-                seq.finish_reason,
-                seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
-        for index in range(len(completions), request.n):
-            # Ended before the prompt was forked (aborted early): empty samples.
-            completions.append(
-                CompletionOutput(index, "", [], 0.0, None, request.seqs[0].finish_reason)
-            )
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            completions,
-            request.is_finished,
-            request.metrics,
-            prompt_logprobs=(
-                list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
-            ),
-        )
 
     # ---- life cycle ---------------------------------------------------------------------
 
@@ -412,14 +380,3 @@ class LLMEngine:
             num_steps=self.num_steps,
             **(self.prefix_tier.stats() if self.prefix_tier is not None else {}),
         )
-
-
-def _add_prompt_logprobs(request: Request, start: int, rows: list[dict[int, float]]) -> None:
-    """Place the rows of positions start.. as entries start+1.. (row p predicts token p+1).
-
-    A recomputed prompt (after a preemption) brings rows already placed: they are skipped.
-    """
-    entries = request.prompt_logprobs
-    assert entries is not None, "rows only for requests that asked for prompt logprobs"
-    assert start + 1 <= len(entries), f"prompt logprobs from {start + 1}, have {len(entries)}"
-    entries.extend(rows[len(entries) - (start + 1) :])

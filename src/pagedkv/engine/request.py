@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.engine.outputs import FinishReason, RequestMetrics
+from pagedkv.engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 
 SeqId = tuple[str, int]
@@ -156,6 +156,46 @@ class Request:
         # Before the fork only sequence 0 exists; if it ends there (abort, or no room to
         # grow), the request ends with it.
         return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """The request's cumulative output now."""
+        has_logprobs = self.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                seq.index,
+                seq.text,
+                list(seq.output_token_ids),
+                seq.cumulative_logprob if has_logprobs else None,
+                list(seq.logprobs) if has_logprobs else None,
+                seq.finish_reason,
+                seq.stop_reason,
+            )
+            for seq in self.seqs
+        ]
+        for index in range(len(completions), self.n):
+            # Ended before the prompt was forked (aborted early): empty samples.
+            completions.append(
+                CompletionOutput(index, "", [], 0.0, None, self.seqs[0].finish_reason)
+            )
+        prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.is_finished,
+            self.metrics,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def add_prompt_logprobs(self, start: int, rows: list[dict[int, float]]) -> None:
+        """Place the rows of positions start.. as entries start+1.. (row p predicts token
+        p+1). A recomputed prompt (after a preemption) brings rows already placed: they are
+        skipped."""
+        entries = self.prompt_logprobs
+        assert entries is not None, "rows only for requests that asked for prompt logprobs"
+        assert start + 1 <= len(entries), f"prompt logprobs from {start + 1}, have {len(entries)}"
+        entries.extend(rows[len(entries) - (start + 1) :])
 
     def __repr__(self) -> str:
         return (
