@@ -99,6 +99,19 @@ def anchor_group(windows: Sequence[int | None]) -> int:
     return max(range(len(windows)), key=lambda g: windows[g] or 0)
 
 
+def sequence_blocks(
+    windows: Sequence[int | None], num_tokens: int, block_size: int
+) -> tuple[int, ...]:
+    """Per group (`windows`: its window, None for full attention), the most blocks one
+    sequence of `num_tokens` tokens holds while it decodes: every block of a full-attention
+    group, at most ``ceil(window / block_size) + 1`` of a sliding one."""
+    blocks = -(-num_tokens // block_size)
+    return tuple(
+        blocks if window is None else min(blocks, -(-window // block_size) + 1)
+        for window in windows
+    )
+
+
 def first_needed_block(window: int | None, position: int, block_size: int) -> int:
     """The first block a token at `position` (and every later one) attends to."""
     return 0 if window is None else max(0, position - window + 1) // block_size
