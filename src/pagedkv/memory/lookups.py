@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
@@ -160,8 +160,8 @@ def window_hits(
     caches the blocks its window reaches (block i keyed under ``(group, uid of anchor hit
     i)``); the blocks before a group's window are NULL_BLOCK in its list::
 
-        anchor     [ a0 | a1 | a2 | a3 ]        all 4 hits
-        sliding g  [ -1 | -1 | s2 | s3 ]        s2, s3 cached: 4 hits; s3 missing: ask 3
+        anchor     [ a0 | a1 | a2 | a3 ]        4 hits
+        sliding g  [ -1 | -1 | s2 | s3 ]        s2, s3 cached: 4 hits; s3 evicted: at most 3
 
     Returns:
         One list per group, all of the hit's length.
@@ -175,19 +175,30 @@ def window_hits(
             found[group, i] = index.block_of((group, uids[i]), tokens)
         return found[group, i]
 
-    num = len(anchor_hits)
     others = [(g, w) for g, w in enumerate(windows) if g != anchor]
-    missing: int | None = -1
-    while missing is not None and num:
-        missing = None
-        for g, window in others:
-            first = first_needed_block(window, num * block_size, block_size)
-            missing = next((i for i in range(num - 1, first - 1, -1) if cached(g, i) is None), None)
-            if missing is not None:
-                num = missing  # no hit of more than `missing` blocks can skip that block
-                break
+    num = len(anchor_hits)
+    # A hit past a missing block would need it: the next candidate ends before it.
+    while num and (missing := _last_missing(cached, others, num, block_size)) is not None:
+        num = missing
     out = [anchor_hits[:num] if g == anchor else [] for g in range(len(windows))]
     for g, window in others:
         first = first_needed_block(window, num * block_size, block_size)
-        out[g] = [NULL_BLOCK] * first + [cached(g, i) for i in range(first, num)]  # type: ignore[misc]
+        held = [cached(g, i) for i in range(first, num)]
+        assert None not in held, "every block the hit's windows reach is cached"
+        out[g] = [NULL_BLOCK] * first + cast("list[int]", held)
     return out
+
+
+def _last_missing(
+    cached: Callable[[int, int], int | None],
+    groups: Sequence[tuple[int, int | None]],
+    num: int,
+    block_size: int,
+) -> int | None:
+    """The last block that a hit of `num` blocks needs in one of `groups` (``(group,
+    window)``) and that is not `cached`, or None."""
+    for g, window in groups:
+        for i in range(num - 1, first_needed_block(window, num * block_size, block_size) - 1, -1):
+            if cached(g, i) is None:
+                return i
+    return None
