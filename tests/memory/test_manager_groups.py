@@ -113,6 +113,29 @@ def test_sliding_group_hit_needs_only_its_window_blocks() -> None:
     m.check()
 
 
+def test_remembered_window_hits_follow_new_and_evicted_blocks() -> None:
+    m = KVCacheManager(24, 4, windows=(None, 4))
+    prompt = tokens(0, 40)
+    m.allocate("a", prompt)
+    m.append("a", [1])
+    m.allocate("c", tokens(100, 10))  # evicts the sliding group's blocks 8, 7, 6, 5
+    m.free("c")
+    m.free("a")
+    m.allocate("e", prompt[:23])
+    query = prompt[:28] + [7]  # the same list asked again, as a waiting prompt is
+    assert m.num_cached_tokens(query) == 20
+    evictions = m.stats()["num_evictions"]
+    # "e" fills its block 5, keyed in the sliding group too: after 6 blocks the window
+    # needs only block 5, so 24 tokens hit now, with no eviction in between.
+    m.append("e", prompt[23:24])
+    assert m.stats()["num_evictions"] == evictions
+    assert m.num_cached_tokens(query) == 24 == m.num_cached_tokens(list(query))
+    m.free("e")
+    m.allocate("f", tokens(200, 48))  # takes all 24 blocks: every cached one evicted
+    assert m.num_cached_tokens(query) == 0
+    m.check()
+
+
 def test_all_sliding_groups_chain_from_the_widest_window() -> None:
     # No full-attention group: the widest window's group (1) is the chain every hit walks.
     m = KVCacheManager(32, 4, windows=(4, 8))

@@ -93,6 +93,8 @@ class KVCacheManager:
         self._counts = EventCounts()
         # The group keyed as a chain; the others key their blocks under its uids.
         self._anchor = anchor_group(self.windows)
+        # The last `window_hits` answer: (token list, anchor hits, state, per-group hits).
+        self._window_memo: tuple[Any, ...] | None = None
         self._lookups = [
             PrefixLookups(self._index, self._pool, block_size, g) for g in range(len(windows))
         ]
@@ -163,10 +165,21 @@ class KVCacheManager:
 
     def _group_hits(self, token_ids: Sequence[Any], anchor_hits: list[int]) -> list[list[int]]:
         """Per group, the hits after the anchor group's `anchor_hits` (see `window_hits`)."""
-        if len(self.windows) == 1 or not anchor_hits or self._index is None:
+        index = self._index
+        if len(self.windows) == 1 or not anchor_hits or index is None:
             return [anchor_hits] * len(self.windows)
-        index, windows, anchor = self._index, self.windows, self._anchor
-        return window_hits(index, token_ids, anchor_hits, windows, anchor, self.block_size)
+        # A waiting prompt is asked about every step: the answer holds until a block is
+        # indexed or evicted (the anchor's memo hands back the same hits list till then).
+        state = (len(token_ids), self._pool.num_evictions, index.next_uid)
+        memo = self._window_memo
+        if memo is not None and memo[0] is token_ids and memo[1] is anchor_hits:
+            if memo[2] == state:
+                return memo[3]
+        hits = window_hits(
+            index, token_ids, anchor_hits, self.windows, self._anchor, self.block_size
+        )
+        self._window_memo = (token_ids, anchor_hits, state, hits)
+        return hits
 
     def num_blocks_to_allocate(
         self,

@@ -382,6 +382,11 @@ class PrefixIndex:
         entry = self._entries.get((parent, tokens))
         return None if entry is None else entry[0]
 
+    @property
+    def next_uid(self) -> int:
+        """The uid the next entry gets: it changes whenever an entry is added."""
+        return self._next_uid
+
     def fresh_uid(self) -> int:
         """A uid no entry has: blocks chained from it are unreachable (a chain with a gap)."""
         uid = self._next_uid
