@@ -179,3 +179,23 @@ def test_beam_search_keeps_the_beams(model_dir, batch) -> None:
             outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], params)
             beams[grouped] = [[s.tokens for s in o.sequences] for o in outputs]
     assert beams[True] == beams[False]
+
+
+def test_a_shared_prefix_hits_after_its_slid_out_blocks_were_evicted(model_dir) -> None:
+    rng = random.Random(6)
+    first = [rng.randrange(3, 512) for _ in range(400)]  # 25 blocks, far past the window
+    filler = [rng.randrange(3, 512) for _ in range(160)]
+    second = first + [rng.randrange(3, 512) for _ in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with make_llm(model_dir, num_blocks=200, enable_prefix_caching=False) as llm:
+        expected = [generated(llm, [p], params)[0] for p in (first, filler, second)]
+    with make_llm(model_dir, num_blocks=200) as llm:
+        assert generated(llm, [first], params)[0] == expected[0]
+        # The first prompt's blocks that slid out of the window were freed first: the
+        # filler's blocks evict them, while the full group's and the last window's stay.
+        assert generated(llm, [filler], params)[0] == expected[1]
+        stats = llm.stats()
+        assert stats["num_evictions"] > 0
+        hits = stats["prefix_cache_hits"]
+        assert generated(llm, [second], params)[0] == expected[2]
+        assert llm.stats()["prefix_cache_hits"] - hits == len(first)

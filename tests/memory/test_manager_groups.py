@@ -84,25 +84,73 @@ def test_prefix_hit_holds_only_the_window_blocks() -> None:
     m.check()
 
 
-def test_groups_hit_no_more_than_the_shortest_chain() -> None:
+def test_sliding_group_hit_needs_only_its_window_blocks() -> None:
     m = KVCacheManager(24, 4, windows=(None, 4))
     prompt = tokens(0, 40)
     m.allocate("a", prompt)  # 10 blocks per group
     m.append("a", [1])  # the sliding group leaves blocks 0..8 cached, holds 9 and 10
     assert m.stats()["num_cached_blocks"] == 9
-    # 2 free blocks and 4 evicted: the sliding chain's blocks 8, 7, 6, 5 (last ones first).
+    # 2 free blocks and 4 evicted: the sliding group's blocks 8, 7, 6, 5 (last ones first).
     m.allocate("c", tokens(100, 12))
     assert m.stats()["num_evictions"] == 4
-    # The full group still holds all 10 blocks, the sliding group's chain ends at block 4.
-    assert m.num_cached_tokens(prompt + [1]) == 20
-    shared = m.block_table("a")[0::2][:5]
+    m.check()
+    # Position 40 reads 37..40: sliding block 9, still held by "a", so all 10 blocks hit.
+    assert m.num_cached_tokens(prompt + [1]) == 40
+    # After 7 blocks the window needs block 6, after 6 block 5 (both evicted); after 5,
+    # block 4 (cached): the hit stops there, whatever the full group still holds.
+    assert m.num_cached_tokens(prompt[:28] + [7]) == 20
+    shared = m.block_table("a")[0::2]
+    m.free("c")
+    assert m.allocate("d", prompt[:28] + [7]) == 20
+    assert m.block_table("d")[1::2][:4] == [NULL_BLOCK] * 4
+    assert m.block_table("d")[0::2][:5] == shared[:5]
+    m.check()
+    m.free("d")
+    assert m.allocate("b", prompt + [1]) == 40
+    table = m.block_table("b")
+    assert table[0::2][:10] == shared[:10]
+    assert table[1::2][:9] == [NULL_BLOCK] * 9 and table[1::2][9] == m.block_table("a")[19]
+    m.check()
+
+
+def test_remembered_window_hits_follow_new_and_evicted_blocks() -> None:
+    m = KVCacheManager(24, 4, windows=(None, 4))
+    prompt = tokens(0, 40)
+    m.allocate("a", prompt)
+    m.append("a", [1])
+    m.allocate("c", tokens(100, 10))  # evicts the sliding group's blocks 8, 7, 6, 5
     m.free("c")
     m.free("a")
-    assert m.allocate("b", prompt + [1]) == 20
-    sliding = m.block_table("b")[1::2]
-    # The next token (position 20) reads 17..20: block 4 (a hit) and fresh ones after it.
-    assert sliding[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in sliding[4:]
-    assert m.block_table("b")[0::2][:5] == shared
+    m.allocate("e", prompt[:23])
+    query = prompt[:28] + [7]  # the same list asked again, as a waiting prompt is
+    assert m.num_cached_tokens(query) == 20
+    evictions = m.stats()["num_evictions"]
+    # "e" fills its block 5, keyed in the sliding group too: after 6 blocks the window
+    # needs only block 5, so 24 tokens hit now, with no eviction in between.
+    m.append("e", prompt[23:24])
+    assert m.stats()["num_evictions"] == evictions
+    assert m.num_cached_tokens(query) == 24 == m.num_cached_tokens(list(query))
+    m.free("e")
+    m.allocate("f", tokens(200, 48))  # takes all 24 blocks: every cached one evicted
+    assert m.num_cached_tokens(query) == 0
+    m.check()
+
+
+def test_all_sliding_groups_chain_from_the_widest_window() -> None:
+    # No full-attention group: the widest window's group (1) is the chain every hit walks.
+    m = KVCacheManager(32, 4, windows=(4, 8))
+    prompt = tokens(0, 24)
+    m.allocate("a", prompt)
+    m.append("a", [1])
+    m.check()
+    assert m.num_cached_tokens(prompt + [2]) == 24
+    index = m._index
+    assert index is not None
+    entry = index.block_entries[m.block_table("a")[2 * 5 + 1]]
+    seq = m._seqs["a"]
+    assert entry is not None and entry[1] == seq.prefix_uids[5]
+    m.free("a")
+    assert m.allocate("b", prompt + [2]) == 24
     m.check()
 
 

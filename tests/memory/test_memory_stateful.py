@@ -20,8 +20,9 @@ from pagedkv.memory.groups import first_needed_block
 
 PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # small vocab: many shared prefixes
 # KV cache groups: one full-attention group, or a full and a sliding-window group, or two
-# sliding groups of different windows.
-WINDOWS = st.sampled_from([(None,), (None, 1), (None, 3), (5, None), (2, 6)])
+# sliding groups of different windows, or sliding groups on both sides of the full one (the
+# anchor whose chain the others key under).
+WINDOWS = st.sampled_from([(None,), (None, 1), (None, 3), (5, None), (2, 6), (3, None, 1)])
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -100,9 +101,11 @@ class ManagerMachine(RuleBasedStateMachine):
         seq_id, m = self._new_id(), self.m
         num_cached, need, free = m.num_cached_tokens(prompt), m.num_blocks_to_allocate(prompt), \
             m.num_free_blocks  # fmt: skip
-        if not self._expect_unchanged(lambda: m.allocate(seq_id, prompt)):
+        hit: list[int] = []
+        if not self._expect_unchanged(lambda: hit.append(m.allocate(seq_id, prompt))):
             assert need > free, f"allocate failed with {need} needed, {free} free"
             return
+        assert hit == [num_cached], f"allocate hit {hit}, the query said {num_cached}"
         assert need <= free and m.num_free_blocks == free - need
         self.tokens[seq_id] = list(prompt)
         # Every prefix hit the next token can see points at blocks holding this prompt's values.

@@ -32,7 +32,7 @@ from pagedkv.engine.workers import (
     share_cpu_threads,
     start_workers,
 )
-from pagedkv.memory.groups import group_layers
+from pagedkv.memory.groups import KVGroups, group_layers, sequence_blocks
 from pagedkv.models import CausalLM, load_model, resolve_device, resolve_dtype
 from pagedkv.models.loader import load_tokenizer
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
@@ -120,17 +120,8 @@ def build_rank_runner(
         args.model, dtype=torch_dtype, device=device, tp=tp, quantization=args.quantization
     )
     num_kv_heads = model_config.kv_heads_per_rank(tp.size)
-    windows = model_config.sliding_windows if config.cache.kv_cache_groups else ()
-    groups = group_layers(windows, model_config.num_layers)
-    # Each rank holds (and quantizes) only its own KV heads.
-    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else torch_dtype
-    shape = (
-        groups.layers_per_group,
-        args.block_size,
-        num_kv_heads,
-        model_config.head_dim,
-        cache_dtype,
-    )
+    windows, groups, shape = kv_block_shape(args, config, num_kv_heads)
+    cache_dtype = shape[-1]
     sizes = None
     if tp.rank == 0:
         sizes = (
@@ -157,7 +148,7 @@ def build_rank_runner(
         num_host_blocks=num_host_blocks,
         sliding_windows=windows,
     )
-    _log_allocation(network, kv_cache)
+    _log_allocation(network, kv_cache, config.max_model_len)
     network.use_cpu_runtime(
         matvec=args.cpu_matvec,
         fused_decode=args.cpu_fused_decode,
@@ -174,6 +165,37 @@ def build_rank_runner(
         runner = TensorParallelRunner(network, kv_cache, workers, num_threads, **options)
     tp.barrier()  # every rank compiled and allocated: the engine may start
     return runner
+
+
+def kv_block_shape(
+    args: EngineArgs, config: EngineConfig, num_kv_heads: int
+) -> tuple[tuple[int | None, ...], KVGroups, tuple[Any, ...]]:
+    """The KV pool's layout on one rank holding `num_kv_heads` KV heads.
+
+    Returns:
+        ``(windows, groups, shape)``: the layers' sliding windows (empty: one group), their
+        KV cache groups, and `PagedKVCache`'s block shape ``(layers_per_group, block_size,
+        num_kv_heads, head_dim, dtype)``.
+    """
+    model_config = config.model
+    windows = model_config.sliding_windows if config.cache.kv_cache_groups else ()
+    groups = group_layers(windows, model_config.num_layers)
+    # Each rank holds (and quantizes) only its own KV heads.
+    torch_dtype = resolve_dtype(config.dtype)
+    cache_dtype = torch.int8 if args.kv_cache_dtype == "int8" else torch_dtype
+    shape = (groups.layers_per_group, args.block_size, num_kv_heads, model_config.head_dim,
+             cache_dtype)  # fmt: skip
+    return tuple(windows), groups, shape
+
+
+def kv_capacity(
+    windows: tuple[int | None, ...], num_blocks: int, block_size: int, max_model_len: int
+) -> dict[str, int]:
+    """What a pool of `num_blocks` holds of sequences of `max_model_len` tokens, in `pagedkv
+    plan`'s terms: blocks_per_sequence (over the groups of `windows`, see
+    `sequence_blocks`) and max_sequences_at_context."""
+    per_seq = sum(sequence_blocks(windows, max_model_len, block_size))
+    return {"blocks_per_sequence": per_seq, "max_sequences_at_context": num_blocks // per_seq}
 
 
 def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, int]:
@@ -198,7 +220,7 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
     }
 
 
-def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
+def _log_allocation(network: CausalLM, kv_cache: PagedKVCache, max_len: int) -> None:
     figures = allocation_figures(network, kv_cache)
     tp = network.tp
     logger.info(
@@ -210,9 +232,12 @@ def _log_allocation(network: CausalLM, kv_cache: PagedKVCache) -> None:
         figures["kv_bytes_per_block"], figures["kv_cache_bytes"] / 2**20,
     )  # fmt: skip
     groups = kv_cache.groups
+    capacity = kv_capacity(groups.windows, kv_cache.num_blocks, kv_cache.block_size, max_len)
     logger.info(
-        "KV cache groups: %d of %d layers (a block covers one group's layers), windows %s",
-        groups.num_groups, groups.layers_per_group, list(groups.windows),
+        "KV cache groups: %d of %d layers (a block covers one group's layers), windows %s; "
+        "a sequence of %d tokens holds %d blocks: %d such sequences fit",
+        groups.num_groups, groups.layers_per_group, list(groups.windows), max_len,
+        capacity["blocks_per_sequence"], capacity["max_sequences_at_context"],
     )  # fmt: skip
 
 

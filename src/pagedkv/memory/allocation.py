@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks, first_needed_block
-from pagedkv.memory.prefix import ChainRoot, PrefixIndex
+from pagedkv.memory.prefix import ChainRoot, group_root
 from pagedkv.memory.sequence import SeqState
 
 
@@ -41,40 +40,27 @@ def check_free(
         )
 
 
-def new_group(
+def new_groups(
     pool: BlockPool,
-    index: PrefixIndex | None,
-    tokens: Sequence[Any],
-    used: list[int],
+    used: list[list[int]],
     num_hits: int,
     num_fresh: int,
-    found: tuple[list[int], ChainRoot, Sequence[Any]],
     root: ChainRoot,
-    block_size: int,
-) -> GroupBlocks:
-    """A new sequence's blocks in one group: NULL_BLOCK before the `used` hits, then
-    `num_fresh` fresh blocks, its full blocks after the hits keyed.
-
-    Args:
-        found: the group's `PrefixLookups.lookup` (hits, chain uid after them, keys of the
-            full blocks after them); it may hold more than the `num_hits` every group has.
-        root: the group's chain root.
-    """
-    num_null = num_hits - len(used)
-    block_ids = array("i", [NULL_BLOCK]) * num_null + array("i", used)
-    block_ids += pool.allocate(num_fresh)
-    hits, chain_uid, keys = found
-    if index is None:
-        return GroupBlocks(block_ids, 0, chain_uid, num_null)
-    if len(hits) > num_hits:  # another group hit fewer: the chain goes on from there
-        chain_uid = root
-        if num_hits:
-            entry = index.block_entries[hits[num_hits - 1]]
-            assert entry is not None, "a hit is indexed"
-            chain_uid = entry[1]
-        keys = index.keys_of(tokens, block_size, num_hits)
-    chain_uid = index.insert_keys(chain_uid, keys, block_ids[num_hits : num_hits + len(keys)])
-    return GroupBlocks(block_ids, len(tokens) // block_size, chain_uid, num_null)
+    anchor: int,
+    uids: list[int],
+) -> list[GroupBlocks]:
+    """A new sequence's blocks, per group: NULL_BLOCK before its `used` hits, then
+    `num_fresh` fresh blocks; the first `num_hits` blocks count as keyed, the `anchor`
+    group's chain going on from the last hit's uid (``uids[-1]``, else the chain's `root`);
+    `SeqState.key_full_blocks` keys the rest."""
+    groups = []
+    for g, group_used in enumerate(used):
+        num_null = num_hits - len(group_used)
+        block_ids = array("i", [NULL_BLOCK]) * num_null + array("i", group_used)
+        block_ids += pool.allocate(num_fresh)
+        chain_uid = uids[-1] if g == anchor and uids else group_root(root, g)
+        groups.append(GroupBlocks(block_ids, num_hits, chain_uid, num_null))
+    return groups
 
 
 def append_costs(

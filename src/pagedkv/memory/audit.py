@@ -22,10 +22,16 @@ def _count(holders: list[int], block_ids: Sequence[int], seq_id: object) -> None
         holders[b] += 1
 
 
-def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState, g: int) -> None:
+def _check_keys(
+    index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState, g: int, anchor: int
+) -> None:
     """Each indexed block of the sequence's group `g` holds exactly its key's tokens and
-    parent (the group's chain root for the first block)."""
+    parent: in the `anchor` group its predecessor's uid (the group's chain root for the
+    first block), in another group ``(g, anchor uid of the prefix through it)``."""
     tokens, group = seq.token_ids, seq.groups[g]
+    assert len(seq.prefix_uids) == group.num_keyed, (
+        f"{seq_id!r}: {len(seq.prefix_uids)} prefix uids for {group.num_keyed} keyed blocks"
+    )
     parent_uid: ChainRoot | None = group_root(seq.chain_root, g)
     for i, b in enumerate(group.block_ids):
         entry = index.block_entries[b] if b != NULL_BLOCK else None
@@ -40,11 +46,18 @@ def _check_keys(index: PrefixIndex, block_size: int, seq_id: object, seq: SeqSta
         assert key_tokens == expected, (
             f"{seq_id!r}: block {b} (position {i}) is indexed under other tokens"
         )
+        if g != anchor:
+            parent_uid = (g, seq.prefix_uids[i])
         assert parent_uid is None or key_parent == parent_uid, (
-            f"{seq_id!r}: block {b} (position {i}) chains from uid {key_parent}, "
-            f"its predecessor is {parent_uid}"
+            f"{seq_id!r}: block {b} (position {i}) of group {g} chains from "
+            f"{key_parent}, expected {parent_uid}"
         )
         parent_uid = uid
+        if g == anchor:
+            assert uid == seq.prefix_uids[i], (
+                f"{seq_id!r}: block {b} (position {i}) has uid {uid}, the prefix is named "
+                f"{seq.prefix_uids[i]}"
+            )
 
 
 def _check_swapped(seq_id: object, seq: SeqState, block_size: int, holders: list[int]) -> None:
@@ -89,6 +102,7 @@ def _check_resident(
     index: PrefixIndex | None,
     holders: list[int],
     windows: Sequence[int | None],
+    anchor: int,
 ) -> None:
     for g, (group, window) in enumerate(zip(seq.groups, windows, strict=True)):
         _check_group(seq_id, seq, group, window, block_size)
@@ -97,7 +111,7 @@ def _check_resident(
             assert group.num_keyed == seq.num_tokens // block_size, (
                 f"{seq_id!r}: {group.num_keyed} blocks keyed, {seq.num_tokens // block_size} full"
             )
-            _check_keys(index, block_size, seq_id, seq, g)
+            _check_keys(index, block_size, seq_id, seq, g, anchor)
     assert seq.table is None or seq.table == table_of(replace(seq, table=None)), (
         f"{seq_id!r}: the block table handed out is {seq.table}, not its blocks"
     )
@@ -115,6 +129,7 @@ def check_state(
     copies: Sequence[tuple[int, int]],
     block_size: int,
     windows: Sequence[int | None] = (None,),
+    anchor: int = 0,
 ) -> None:
     """Prove a manager's state consistent, or raise AssertionError naming the first thing
     wrong.
@@ -122,9 +137,10 @@ def check_state(
     Every block's count equals its number of holders over every KV cache group; no block is
     both free and held; free + cached + held = num_blocks (device and host); each group's
     table covers the tokens, without the blocks that slid out of its `windows` entry; every
-    indexed block held by a sequence holds exactly its key's tokens after its key's parent
-    (the first after the group's chain root: ``ROOT_UID`` or its salt); queued copies name
-    device blocks.
+    indexed block held by a sequence holds exactly its key's tokens after its key's parent:
+    in the `anchor` group the block before it (the first: the group's chain root,
+    ``ROOT_UID`` or its salt), in the others the anchor's uid for the same prefix; queued
+    copies name device blocks.
     """
     holders = [0] * pool.num_blocks
     host_holders = [0] * host.num_blocks
@@ -136,7 +152,7 @@ def check_state(
         if seq.is_swapped:
             _check_swapped(seq_id, seq, block_size, host_holders)
         else:
-            _check_resident(seq_id, seq, block_size, index, holders, windows)
+            _check_resident(seq_id, seq, block_size, index, holders, windows, anchor)
     pool.check(holders)
     host.check(host_holders)
     if index is not None:

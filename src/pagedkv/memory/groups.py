@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import ChainRoot, PrefixIndex
+from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex
 
 # A block table entry of a block that slid out of its group's window.
 NULL_BLOCK = -1
@@ -81,6 +81,35 @@ def group_layers(sliding_windows: Sequence[int | None], num_layers: int) -> KVGr
         for i in range(0, len(layers), size)
     ]
     return KVGroups(tuple(w for w, _ in groups), tuple(ls for _, ls in groups), size)
+
+
+def anchor_group(windows: Sequence[int | None]) -> int:
+    """The group whose blocks are keyed as a chain from the prompt's root: the first
+    full-attention group, else (every group sliding) the one with the widest window.
+
+    A prefix hit spans the anchor's chain of cached blocks from the root; every other group
+    keys block i under the anchor's uid for the prefix through block i, so it needs only the
+    blocks its window reaches at the hit point. With no full-attention group the anchor's
+    own chain still needs every block from the root: a slid-out block that was evicted ends
+    the hits there (a name for a prefix that outlives its block would have to be kept
+    without bound).
+    """
+    if None in windows:
+        return windows.index(None)
+    return max(range(len(windows)), key=lambda g: windows[g] or 0)
+
+
+def sequence_blocks(
+    windows: Sequence[int | None], num_tokens: int, block_size: int
+) -> tuple[int, ...]:
+    """Per group (`windows`: its window, None for full attention), the most blocks one
+    sequence of `num_tokens` tokens holds while it decodes: every block of a full-attention
+    group, at most ``ceil(window / block_size) + 1`` of a sliding one."""
+    blocks = -(-num_tokens // block_size)
+    return tuple(
+        blocks if window is None else min(blocks, -(-window // block_size) + 1)
+        for window in windows
+    )
 
 
 def first_needed_block(window: int | None, position: int, block_size: int) -> int:
@@ -143,18 +172,29 @@ class GroupBlocks:
         self.num_dropped = first_needed
         return True
 
-    def key_full_blocks(self, index: PrefixIndex | None, token_ids: Sequence[object],
-                        block_size: int) -> None:  # fmt: skip
-        """Offer the newly full blocks to the prefix index (chained keys). Blocks that slid
-        out before they were keyed break the chain: the rest chain from a fresh uid, which
-        no lookup reaches."""
-        if index is None:
-            return
-        if self.num_keyed < self.num_dropped:
-            self.num_keyed, self.chain_uid = self.num_dropped, index.fresh_uid()
+    def key_chain(self, index: PrefixIndex, keys: Sequence[BlockTokens], uids: list[int]
+                  ) -> None:  # fmt: skip
+        """Key the full blocks from `num_keyed` on (`keys`, one per block) as a chain, and
+        append each one's uid (the prefix through it) to `uids`. Blocks that slid out before
+        they were keyed break the chain: the rest chain from a fresh uid, which no lookup
+        reaches (the blocks of the gap get it too)."""
         start = self.num_keyed
-        keys = index.keys_of(token_ids, block_size, start)
-        self.chain_uid = index.insert_keys(
-            self.chain_uid, keys, self.block_ids[start : start + len(keys)]
-        )
-        self.num_keyed = start + len(keys)
+        if start < self.num_dropped:
+            num_gap = self.num_dropped - start
+            fresh = self.chain_uid = index.fresh_uid()
+            uids += [fresh] * num_gap
+            keys, start = keys[num_gap:], self.num_dropped
+        end = start + len(keys)
+        self.chain_uid = index.insert_keys(self.chain_uid, keys, self.block_ids[start:end], uids)
+        self.num_keyed = end
+
+    def key_under(self, index: PrefixIndex, keys: Sequence[BlockTokens], uids: Sequence[int],
+                  group: int) -> None:  # fmt: skip
+        """Key the held full blocks from `num_keyed` on (`keys`, one per block), block i
+        under ``(group, uids[i])``: the anchor group's name of the prefix through it, so a
+        lookup needs only the blocks its window reaches (see `anchor_group`)."""
+        start, end = self.num_keyed, self.num_keyed + len(keys)
+        first = max(start, self.num_dropped)
+        parents = [(group, uid) for uid in uids[first:end]]
+        index.insert_under(parents, keys[first - start :], self.block_ids[first:end])
+        self.num_keyed = end

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.groups import NULL_BLOCK, first_needed_block
 from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex, chain_root, group_root
 
 
@@ -133,3 +134,71 @@ class PrefixLookups:
         """The index was cleared: no remembered answer holds."""
         self._num_resets += 1
         self._memo = self._evictable = None
+
+
+def hit_uids(index: PrefixIndex, hits: Sequence[int]) -> list[int]:
+    """The uids of the entries the hit blocks hold (each names the prefix through it)."""
+    uids = []
+    for block_id in hits:
+        entry = index.block_entries[block_id]
+        assert entry is not None, "a hit is indexed"
+        uids.append(entry[1])
+    return uids
+
+
+def window_hits(
+    index: PrefixIndex,
+    token_ids: Sequence[Any],
+    anchor_hits: list[int],
+    windows: Sequence[int | None],
+    anchor: int,
+    block_size: int,
+) -> list[list[int]]:
+    """Per group, the cached blocks a prompt reuses, given the `anchor` group's hits.
+
+    The hit is the longest prefix of `anchor_hits` at whose end every other group still
+    caches the blocks its window reaches (block i keyed under ``(group, uid of anchor hit
+    i)``); the blocks before a group's window are NULL_BLOCK in its list::
+
+        anchor     [ a0 | a1 | a2 | a3 ]        4 hits
+        sliding g  [ -1 | -1 | s2 | s3 ]        s2, s3 cached: 4 hits; s3 evicted: at most 3
+
+    Returns:
+        One list per group, all of the hit's length.
+    """
+    uids = hit_uids(index, anchor_hits)
+    found: dict[tuple[int, int], int | None] = {}
+
+    def cached(group: int, i: int) -> int | None:
+        if (group, i) not in found:
+            tokens = index.block_tokens(token_ids[i * block_size : (i + 1) * block_size])
+            found[group, i] = index.block_of((group, uids[i]), tokens)
+        return found[group, i]
+
+    others = [(g, w) for g, w in enumerate(windows) if g != anchor]
+    num = len(anchor_hits)
+    # A hit past a missing block would need it: the next candidate ends before it.
+    while num and (missing := _last_missing(cached, others, num, block_size)) is not None:
+        num = missing
+    out = [anchor_hits[:num] if g == anchor else [] for g in range(len(windows))]
+    for g, window in others:
+        first = first_needed_block(window, num * block_size, block_size)
+        held = [cached(g, i) for i in range(first, num)]
+        assert None not in held, "every block the hit's windows reach is cached"
+        out[g] = [NULL_BLOCK] * first + cast("list[int]", held)
+    return out
+
+
+def _last_missing(
+    cached: Callable[[int, int], int | None],
+    groups: Sequence[tuple[int, int | None]],
+    num: int,
+    block_size: int,
+) -> int | None:
+    """The last block that a hit of `num` blocks needs in one of `groups` (``(group,
+    window)``) and that is not `cached`, or None."""
+    for g, window in groups:
+        for i in range(num - 1, first_needed_block(window, num * block_size, block_size) - 1, -1):
+            if cached(g, i) is None:
+                return i
+    return None

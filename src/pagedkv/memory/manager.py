@@ -24,14 +24,14 @@ from pagedkv.memory.allocation import (
     grow,
     move_to_device,
     move_to_host,
-    new_group,
+    new_groups,
     used_hits,
 )
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import ContentHashes
-from pagedkv.memory.groups import first_needed_block
-from pagedkv.memory.lookups import PrefixLookups
+from pagedkv.memory.groups import anchor_group, first_needed_block
+from pagedkv.memory.lookups import PrefixLookups, hit_uids, window_hits
 from pagedkv.memory.prefix import PrefixIndex, chain_root, group_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
 
@@ -91,6 +91,10 @@ class KVCacheManager:
         self._seqs = SequenceTable()
         self._copies: list[tuple[int, int]] = []
         self._counts = EventCounts()
+        # The group keyed as a chain; the others key their blocks under its uids.
+        self._anchor = anchor_group(self.windows)
+        # The last `window_hits` answer: (token list, anchor hits, state, per-group hits).
+        self._window_memo: tuple[Any, ...] | None = None
         self._lookups = [
             PrefixLookups(self._index, self._pool, block_size, g) for g in range(len(windows))
         ]
@@ -153,8 +157,29 @@ class KVCacheManager:
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        num_hits = min(len(lookups.hits(token_ids, salt)) for lookups in self._lookups)
-        return num_hits * self.block_size
+        return len(self._hits(token_ids, salt)[self._anchor]) * self.block_size
+
+    def _hits(self, token_ids: Sequence[Any], salt: str | None) -> list[list[int]]:
+        """Per group, the cached blocks `allocate` would reuse now."""
+        return self._group_hits(token_ids, self._lookups[self._anchor].hits(token_ids, salt))
+
+    def _group_hits(self, token_ids: Sequence[Any], anchor_hits: list[int]) -> list[list[int]]:
+        """Per group, the hits after the anchor group's `anchor_hits` (see `window_hits`)."""
+        index = self._index
+        if len(self.windows) == 1 or not anchor_hits or index is None:
+            return [anchor_hits] * len(self.windows)
+        # A waiting prompt is asked about every step: the answer holds until a block is
+        # indexed or evicted (the anchor's memo hands back the same hits list till then).
+        state = (len(token_ids), self._pool.num_evictions, index.next_uid)
+        memo = self._window_memo
+        if memo is not None and memo[0] is token_ids and memo[1] is anchor_hits:
+            if memo[2] == state:
+                return memo[3]
+        hits = window_hits(
+            index, token_ids, anchor_hits, self.windows, self._anchor, self.block_size
+        )
+        self._window_memo = (token_ids, anchor_hits, state, hits)
+        return hits
 
     def num_blocks_to_allocate(
         self,
@@ -175,8 +200,8 @@ class KVCacheManager:
         if not use_prefix_cache:
             return num_blocks * len(self.windows)
         # Hits are matched block by block from the start: those of a prefix are a prefix.
-        hits = [lookups.hits(token_ids, salt) for lookups in self._lookups]
-        num = min(min(map(len, hits)), (end - 1) // self.block_size)
+        hits = self._hits(token_ids, salt)
+        num = min(len(hits[0]), (end - 1) // self.block_size)
         total = 0
         for window, lookups, group_hits in zip(self.windows, self._lookups, hits, strict=True):
             first = first_needed_block(window, num * self.block_size, self.block_size)
@@ -232,30 +257,30 @@ class KVCacheManager:
         tokens = token_ids if index is None and type(token_ids) is list else token_tuple(token_ids)
         if not tokens:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
-        # One pass over the prompt per group: its cached blocks and the keys after them.
-        root = chain_root(salt)
-        found = [
-            lookups.lookup(tokens, group_root(root, g), use_prefix_cache)
-            for g, lookups in enumerate(self._lookups)
-        ]
-        num_hits = min(len(hits) for hits, _, _ in found)
-        num_fresh = -(-len(tokens) // self.block_size) - num_hits
-        hits = [group_hits[:num_hits] for group_hits, _, _ in found]
-        used = used_hits(self.windows, hits, num_hits, self.block_size)
+        # One pass over the prompt in the anchor group: its cached blocks and the keys after.
+        root, anchor, block_size = chain_root(salt), self._anchor, self.block_size
+        anchor_root = group_root(root, anchor)
+        anchor_hits, _, keys = self._lookups[anchor].lookup(tokens, anchor_root, use_prefix_cache)
+        hits = self._group_hits(tokens, anchor_hits)
+        num_hits = len(hits[anchor])
+        num_fresh = -(-len(tokens) // block_size) - num_hits
+        used = used_hits(self.windows, hits, num_hits, block_size)
         check_free(self._pool, seq_id, num_fresh * len(used), used, num_hits)
         # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
         for group_hits in used:
             self._pool.touch(group_hits)
-        groups = [
-            new_group(self._pool, index, tokens, used[g], num_hits, num_fresh, found[g],
-                      group_root(root, g), self.block_size)
-            for g in range(len(used))
-        ]  # fmt: skip
+        uids = hit_uids(index, hits[anchor]) if index is not None else []
+        groups = new_groups(self._pool, used, num_hits, num_fresh, root, anchor, uids)
         if index is not None and use_prefix_cache:  # the counts of prefix lookups
             self._counts.prefix_cache_queries += len(tokens)
             self._counts.prefix_cache_hits += num_hits * self.block_size
         kept = tokens if index is not None else ()
-        self._seqs[seq_id] = SeqState(groups, kept, len(tokens), chain_root=root)
+        seq = self._seqs[seq_id] = SeqState(groups, kept, len(tokens), chain_root=root)
+        seq.prefix_uids = uids
+        # The lookup's keys start after the anchor's hits: of use if every group hit as many.
+        seq.key_full_blocks(
+            index, block_size, anchor, keys if num_hits == len(anchor_hits) else None
+        )
         return num_hits * self.block_size
 
     def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
@@ -328,7 +353,7 @@ class KVCacheManager:
                     tokens = seq.token_ids = list(tokens)
                 tokens += new
                 if num // block_size > num_cur // block_size:
-                    seq.key_full_blocks(index, block_size)
+                    seq.key_full_blocks(index, block_size, self._anchor)
             add_table(seq.table or table_of(seq))
         return tables
 
@@ -354,6 +379,7 @@ class KVCacheManager:
             parent,
             groups=[replace(group, block_ids=group.block_ids[:]) for group in parent.groups],
             token_ids=list(parent.token_ids),
+            prefix_uids=list(parent.prefix_uids),
         )
 
     def free(self, seq_id: Hashable) -> None:
@@ -411,7 +437,7 @@ class KVCacheManager:
         seq = self._seqs.swapped(seq_id, "swap_in")
         pairs = move_to_device(seq, self._pool, self._host)
         seq.unkey()
-        seq.key_full_blocks(self._index, self.block_size)
+        seq.key_full_blocks(self._index, self.block_size, self._anchor)
         self._counts.num_swapped_in_blocks += len(pairs)
         return pairs
 
@@ -448,6 +474,7 @@ class KVCacheManager:
             self._copies,
             self.block_size,
             self.windows,
+            self._anchor,
         )
 
     def stats(self) -> dict[str, int]:

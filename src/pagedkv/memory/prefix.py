@@ -22,6 +22,10 @@ The key is the dict key itself, so a lookup compares the stored tokens and paren
 prompt's (Python's dict checks equality after the hash matches): two prompts whose keys hash
 alike can never share a block. The hash is only an index.
 
+With several KV cache groups only the anchor group's blocks chain (see
+`pagedkv.memory.groups.anchor_group`); another group's block is keyed `insert_under` the pair
+``(group, anchor uid of the same prefix)``: found by `block_of` without a walk.
+
 Spans make a repeated hit cost less than one dict lookup per block: once a lookup has walked
 ``span_blocks`` aligned blocks of a chain, the next one matches them at once, comparing the
 bytes of all their tokens in one ``memcmp`` and checking in C that every block still holds
@@ -324,14 +328,21 @@ class PrefixIndex:
         return self.insert_keys(parent_uid, [self.block_tokens(tokens)], [block_id])
 
     def insert_keys(
-        self, parent_uid: ChainRoot, keys: Sequence[BlockTokens], block_ids: Sequence[int]
+        self,
+        parent_uid: ChainRoot,
+        keys: Sequence[BlockTokens],
+        block_ids: Sequence[int],
+        uids: list[int] | None = None,
     ) -> ChainRoot:
         """Index consecutive blocks: ``block_ids[i]`` holds ``keys[i]`` (from `keys_of`).
+
+        Args:
+            uids: if given, each block's uid (the prefix through it) is appended to it.
 
         Returns:
             The uid naming the prefix through the last block (see `insert`).
         """
-        entries, block_entries, content = self._entries, self.block_entries, self.content
+        entries, block_entries = self._entries, self.block_entries
         uid = parent_uid
         for tokens, block_id in zip(keys, block_ids, strict=True):
             assert block_entries[block_id] is None, f"block {block_id} is indexed already"
@@ -339,13 +350,42 @@ class PrefixIndex:
             entry = entries.get(key)
             if entry is not None:
                 uid = entry[1]
-                continue
-            uid = self._next_uid
-            self._next_uid = uid + 1
-            entries[key] = block_entries[block_id] = (block_id, uid, key)
-            if content is not None:
-                content.add(uid, key)
+            else:
+                uid = self._add(key, block_id)
+            if uids is not None:
+                uids.append(uid)
         return uid
+
+    def insert_under(
+        self, parents: Sequence[ChainRoot], keys: Sequence[BlockTokens], block_ids: Sequence[int]
+    ) -> None:
+        """Index blocks each under its own parent, not chained: ``block_ids[i]`` holds
+        ``keys[i]`` after ``parents[i]`` (a block already holding that key leaves it unindexed)."""
+        entries, block_entries = self._entries, self.block_entries
+        for parent, tokens, block_id in zip(parents, keys, block_ids, strict=True):
+            assert block_entries[block_id] is None, f"block {block_id} is indexed already"
+            key = (parent, tokens)
+            if key not in entries:
+                self._add(key, block_id)
+
+    def _add(self, key: BlockKey, block_id: int) -> int:
+        """A new entry: `block_id` holds `key`, under a fresh uid (returned)."""
+        uid = self._next_uid
+        self._next_uid = uid + 1
+        self._entries[key] = self.block_entries[block_id] = (block_id, uid, key)
+        if self.content is not None:
+            self.content.add(uid, key)
+        return uid
+
+    def block_of(self, parent: ChainRoot, tokens: BlockTokens) -> int | None:
+        """The block indexed under ``(parent, tokens)``, or None."""
+        entry = self._entries.get((parent, tokens))
+        return None if entry is None else entry[0]
+
+    @property
+    def next_uid(self) -> int:
+        """The uid the next entry gets: it changes whenever an entry is added."""
+        return self._next_uid
 
     def fresh_uid(self) -> int:
         """A uid no entry has: blocks chained from it are unreachable (a chain with a gap)."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.memory.groups import GroupBlocks
-from pagedkv.memory.prefix import ROOT_UID, ChainRoot, PrefixIndex, group_root
+from pagedkv.memory.prefix import ROOT_UID, BlockTokens, ChainRoot, PrefixIndex, group_root
 
 
 @dataclass(slots=True, eq=False)
@@ -27,14 +27,34 @@ class SeqState:
     # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
     chain_root: ChainRoot = ROOT_UID
 
-    def key_full_blocks(self, index: PrefixIndex | None, block_size: int) -> None:
-        """Offer each group's newly full blocks to the prefix index (chained keys)."""
-        for group in self.groups:
-            group.key_full_blocks(index, self.token_ids, block_size)
+    # Per keyed full block, the anchor group's uid for the prefix through it (the parent
+    # of the other groups' keys of that block, see `pagedkv.memory.groups.anchor_group`).
+    prefix_uids: list[int] = field(default_factory=list)
+
+    def key_full_blocks(
+        self,
+        index: PrefixIndex | None,
+        block_size: int,
+        anchor: int,
+        keys: Sequence[BlockTokens] | None = None,
+    ) -> None:
+        """Offer each group's newly full blocks to the prefix index: the `anchor` group's
+        as a chain, the others' under its uids. `keys`: their `keys_of`, if known."""
+        if index is None:
+            return
+        groups = self.groups
+        start = groups[anchor].num_keyed
+        if keys is None:
+            keys = index.keys_of(self.token_ids, block_size, start)
+        groups[anchor].key_chain(index, keys, self.prefix_uids)
+        for g, group in enumerate(groups):
+            if g != anchor:
+                group.key_under(index, keys, self.prefix_uids, g)
 
     def unkey(self) -> None:
         """Mark no block offered to the prefix index: the next `key_full_blocks` keys them all
         again from the chain's root (after a swap-in or a reset of the index)."""
+        self.prefix_uids = []
         for g, group in enumerate(self.groups):
             group.num_keyed, group.chain_uid = 0, group_root(self.chain_root, g)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config import DTYPE_BYTES, ModelConfig
-from pagedkv.memory.groups import group_layers
+from pagedkv.memory.groups import group_layers, sequence_blocks
 from pagedkv.sim.weight_formats import weight_bytes_by_format
 
 ACTIVATION_MARGIN = 0.10
@@ -256,15 +256,8 @@ def kv_groups(
     """Per KV cache group of `model`: its window (None: full attention), its layers, and the
     blocks one sequence of `context` tokens holds in it (at most the window's)."""
     groups = group_layers(model.sliding_windows, model.num_layers)
-    blocks = -(-context // block_size)
-    return tuple(
-        (
-            window,
-            len(layers),
-            blocks if window is None else min(blocks, -(-window // block_size) + 1),
-        )
-        for window, layers in zip(groups.windows, groups.layers, strict=True)
-    )
+    blocks = sequence_blocks(groups.windows, context, block_size)
+    return tuple(zip(groups.windows, map(len, groups.layers), blocks, strict=True))
 
 
 def _notes(model: ModelConfig, tp: int, heads: int) -> tuple[str, ...]:
