@@ -110,3 +110,23 @@ def test_bad_shapes_are_rejected() -> None:
     weight = QuantWeight([QuantPart(fmt, random_blocks(fmt, 2, 256))], 256)
     with pytest.raises(ValueError, match=r"x: expected \[num_tokens, 256\]"):
         weight.matmul(torch.zeros(3, 128))
+
+
+def test_half_scales_read_exactly() -> None:
+    """Every fp16 bit pattern (subnormals, infinities and NaNs among them) as float32."""
+    from numba import njit
+
+    from pagedkv.runtime.quant.vectors import half
+
+    @njit
+    def read_all(raw: np.ndarray, out: np.ndarray) -> None:
+        for i in range(out.shape[0]):
+            out[i] = half(raw, 2 * i)
+
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(len(patterns), dtype=np.float32)
+    read_all(patterns.view(np.uint8), got)
+    expected = patterns.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(expected)],
+                                  expected.view(np.uint32)[~np.isnan(expected)])  # fmt: skip
+    assert np.isnan(got[np.isnan(expected)]).all()

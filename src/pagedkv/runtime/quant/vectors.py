@@ -217,9 +217,21 @@ def dot_q8_0_row(typingctx, q, xq, xd):  # pragma: no cover
 
 
 def _half(builder, data, at):  # type: ignore[no-untyped-def]
-    """The IEEE half-precision number at byte `at` of a uint8 pointer, as a float."""
+    """The IEEE half-precision number at byte `at` of a uint8 pointer, as a float: its
+    magnitude's bits moved into a float's and scaled by 2^112 (exact for subnormals too),
+    infinities and NaNs kept, the sign put back. In integer registers: the conversion
+    instruction merges into a vector register and chained each Q8_0 block to the sum of the
+    one before."""
     bits = builder.load(builder.bitcast(builder.gep(data, [at]), _I16.as_pointer()), align=1)
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    wide = builder.zext(bits, _I32)
+    magnitude = builder.shl(builder.and_(wide, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13))
+    top = builder.icmp_unsigned(">=", magnitude, ir.Constant(_I32, 0x0F800000))
+    magnitude = builder.select(top, builder.or_(magnitude, ir.Constant(_I32, 0x7F800000)),
+                               magnitude)  # fmt: skip
+    scaled = builder.fmul(builder.bitcast(magnitude, ir.FloatType()),
+                          ir.Constant(ir.FloatType(), 2.0**112))  # fmt: skip
+    sign = builder.shl(builder.and_(wide, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16))
+    return builder.bitcast(builder.or_(builder.bitcast(scaled, _I32), sign), ir.FloatType())
 
 
 def _splat_float(builder, value):  # type: ignore[no-untyped-def]
@@ -237,7 +249,7 @@ def _float_sum(builder, vector):  # type: ignore[no-untyped-def]
 @intrinsic
 def half(typingctx, q, at):  # pragma: no cover
     """The IEEE half-precision number in bytes at, at + 1 of q (uint8, little-endian) as
-    float32: one conversion instruction where the CPU has F16C."""
+    float32, without branches."""
     if not _is_row(q, types.uint8):
         return None
 
