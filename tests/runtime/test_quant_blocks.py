@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedkv.runtime.quant import dots
 from pagedkv.runtime.quant.formats import FORMATS, BlockFormat
 from pagedkv.runtime.quant.quantize import quantize
 from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
@@ -53,11 +54,27 @@ def test_products_match_dequantized(name: str, rows: int, parallel: bool) -> Non
     weight = QuantWeight(parts, in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(42)
-    expected = x.double() @ weight.dequantize().double().T + bias.double()
-    scale = (x.double().abs() @ weight.dequantize().double().abs().T).max().item()
-    for got in (weight.few_rows(x, bias, 0 if parallel else float("inf")), weight.matmul(x, bias)):
-        assert got.shape == (rows, 42) and got.dtype == torch.float32
-        assert (got.double() - expected).abs().max().item() <= 1e-5 * scale
+    dense = weight.dequantize().double()
+    expected = x.double() @ dense.T + bias.double()
+    rounding = 1e-5 * (x.double().abs() @ dense.abs().T).max().item()
+    got = weight.matmul(x, bias)
+    assert got.shape == (rows, 42) and got.dtype == torch.float32
+    assert (got.double() - expected).abs().max().item() <= rounding
+    # The few-row product quantizes x to integers in groups of each part's block size: an
+    # element is off by at most half its group's step (largest magnitude / its levels).
+    groups = [part.format.block_size for part in parts]
+    steps = torch.cat([_activation_steps(x, groups[0]) @ dense[:37].abs().T,
+                       _activation_steps(x, groups[1]) @ dense[37:].abs().T], dim=1)  # fmt: skip
+    got = weight.few_rows(x, bias, 0 if parallel else float("inf"))
+    assert got.shape == (rows, 42) and got.dtype == torch.float32
+    error = (got.double() - expected).abs()
+    assert (error <= steps / 2 + rounding).all()
+
+
+def _activation_steps(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x: [rows, in_features] -> each element's quantization step, float64 [rows, in]."""
+    largest = x.double().abs().reshape(x.shape[0], -1, group).amax(dim=-1, keepdim=True)
+    return (largest / dots.LEVELS[group]).expand(-1, -1, group).reshape(x.shape)
 
 
 def test_bfloat16_rows_give_the_float32_result_rounded() -> None:
@@ -93,3 +110,23 @@ def test_bad_shapes_are_rejected() -> None:
     weight = QuantWeight([QuantPart(fmt, random_blocks(fmt, 2, 256))], 256)
     with pytest.raises(ValueError, match=r"x: expected \[num_tokens, 256\]"):
         weight.matmul(torch.zeros(3, 128))
+
+
+def test_half_scales_read_exactly() -> None:
+    """Every fp16 bit pattern (subnormals, infinities and NaNs among them) as float32."""
+    from numba import njit
+
+    from pagedkv.runtime.quant.vectors import half
+
+    @njit
+    def read_all(raw: np.ndarray, out: np.ndarray) -> None:
+        for i in range(out.shape[0]):
+            out[i] = half(raw, 2 * i)
+
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(len(patterns), dtype=np.float32)
+    read_all(patterns.view(np.uint8), got)
+    expected = patterns.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(expected)],
+                                  expected.view(np.uint32)[~np.isnan(expected)])  # fmt: skip
+    assert np.isnan(got[np.isnan(expected)]).all()

@@ -1,12 +1,18 @@
 """The product of a few input rows with rows of GGML blocks read in place
 (`block_products`): what a decode step's projections and LM head run.
 
-Each block's sub-blocks (16 or 32 weights under one scale) are multiplied by the
-activations as whole vectors (`vectors.py`) and scaled once: a weight costs a few vector
+The input rows are first quantized to integers (`quantize_rows`), as llama.cpp does: one
+float32 scale per group of a block's size (32 for Q8_0 / Q4_0 / Q4_1, 256 for the
+K-quants), the values rounded to the nearest integer in int16 lanes (`LEVELS`). Each
+block's sub-blocks (16 or 32 weights under one integer scale) are then multiplied by the
+activations as whole integer vectors (`vectors.py`), and a block's integer sum is scaled
+once, by the weight's and the activations' scales: a weight costs a few integer vector
 instructions and is read once, in its packed size, which is what bounds a decode step. A
-sub-block's offset (Q4_0 / Q4_1's -8 or m, the K-quants' mins) multiplies the sum of its
-activations, summed once per call (`x_sums`, per 16). Sums run in float32. NumPy and Numba
-only; compiled code cached as `pagedkv.runtime.kernel_cache` says.
+sub-block's float offset (Q4_1's m, the K-quants' mins) multiplies the sum of its float32
+activations, summed once per call (`x_sums`, per 16); integer offsets (Q4_0's -8, Q6_K's
+-32) are taken off the weights before the product. Each product differs from the float32
+one by at most half an activation step per element. NumPy and Numba only; compiled code cached
+as `pagedkv.runtime.kernel_cache` says.
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from pagedkv.runtime import kernel_cache
-from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, byte, half, scale_min
+from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, byte, scale_min
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
-from pagedkv.runtime.quant.vectors import dot_field, dot_int8, dot_nibbles, dot_six_bits
+from pagedkv.runtime.quant.vectors import dot_q8_0_row, half, idot_k_block, idot_nibbles
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
-# float32 constants: an int literal times a float32 is a float64 in Numba, and one such term
-# turns a whole sum float64.
-_EIGHT, _SIXTEEN, _THIRTY_TWO = np.float32(8), np.float32(16), np.float32(32)
+LEVELS = {32: 32767, 256: 2047}
+"""The largest activation integer, by group (block) size. The lanes are int16 either way,
+so more levels cost nothing; 8 bits (llama.cpp's 127) moved the real SmolLM2's logprobs
+past what its checks allow. A K-quant block's 256 products of weight (times its integer
+scale: at most 4096 in magnitude, Q6_K's) and activation are summed in an int32: 2047 is
+the most that cannot overflow it."""
 
 
 @njit(inline="always")
@@ -33,148 +42,160 @@ def _sum32(sums, base):  # pragma: no cover
 
 
 @njit(inline="always")
-def _q45_k(row, at, x, base, sums, fifth):  # pragma: no cover
+def _q45_k(row, at, xq, base, xd, sums, type_id):  # pragma: no cover
     """Q4_K or Q5_K (`blocks._q45_k` has the layout)."""
-    d, dmin = half(row, at), half(row, at + 2)
-    nibbles = at + 48 if fifth else at + 16
-    total = np.float32(0.0)
-    for c in range(4):
-        s1, m1 = scale_min(row, at + 4, 2 * c)
-        s2, m2 = scale_min(row, at + 4, 2 * c + 1)
-        first, second = base + 64 * c, base + 64 * c + 32
-        low = dot_field(row, nibbles + 32 * c, x, first, 32, 0, 15)
-        high = dot_field(row, nibbles + 32 * c, x, second, 32, 4, 15)
-        if fifth:
-            low += _SIXTEEN * dot_field(row, at + 16, x, first, 32, 2 * c, 1)
-            high += _SIXTEEN * dot_field(row, at + 16, x, second, 32, 2 * c + 1, 1)
-        total += d * (np.float32(s1) * low + np.float32(s2) * high)
-        total -= dmin * (
-            np.float32(m1) * _sum32(sums, first) + np.float32(m2) * _sum32(sums, second)
-        )
-    return total
+    s0, m0 = scale_min(row, at + 4, 0)
+    s1, m1 = scale_min(row, at + 4, 1)
+    s2, m2 = scale_min(row, at + 4, 2)
+    s3, m3 = scale_min(row, at + 4, 3)
+    s4, m4 = scale_min(row, at + 4, 4)
+    s5, m5 = scale_min(row, at + 4, 5)
+    s6, m6 = scale_min(row, at + 4, 6)
+    s7, m7 = scale_min(row, at + 4, 7)
+    products = idot_k_block(row, at, xq, base, (s0, s1, s2, s3, s4, s5, s6, s7), type_id)
+    mins = (m0, m1, m2, m3, m4, m5, m6, m7)
+    offsets = np.float32(0.0)
+    for j in range(8):
+        offsets += np.float32(mins[j]) * _sum32(sums, base + 32 * j)
+    return half(row, at) * xd * np.float32(products) - half(row, at + 2) * offsets
 
 
 @njit(inline="always")
-def _q6_scale(row, at):  # pragma: no cover
-    return np.float32((byte(row, at) ^ 128) - 128)
+def _q6_k(row, at, xq, base, xd, sums):  # pragma: no cover
+    """Q6_K (`blocks._q6_k` has the layout): a signed scale per 16 weights; the weights'
+    offset of 32 taken off before the product."""
+    c = at + 192
+    s = (byte(row, c), byte(row, c + 1), byte(row, c + 2), byte(row, c + 3),
+         byte(row, c + 4), byte(row, c + 5), byte(row, c + 6), byte(row, c + 7),
+         byte(row, c + 8), byte(row, c + 9), byte(row, c + 10), byte(row, c + 11),
+         byte(row, c + 12), byte(row, c + 13), byte(row, c + 14), byte(row, c + 15))  # fmt: skip
+    products = idot_k_block(row, at, xq, base, s, Q6_K)  # each byte read as an int8
+    return half(row, at + 208) * xd * np.float32(products)
 
 
 @njit(inline="always")
-def _q6_k(row, at, x, base, sums):  # pragma: no cover
-    """Q6_K (`blocks._q6_k` has the layout): 32 weights per `dot_six_bits`, a scale per 16;
-    the weights' offset of 32 times the activations' sums."""
-    total, offsets = np.float32(0.0), np.float32(0.0)
-    for part in range(2):
-        low, high, y = at + 64 * part, at + 128 + 32 * part, base + 128 * part
-        sc = at + 192 + 8 * part
-        s = (_q6_scale(row, sc), _q6_scale(row, sc + 1), _q6_scale(row, sc + 2),
-             _q6_scale(row, sc + 3), _q6_scale(row, sc + 4), _q6_scale(row, sc + 5),
-             _q6_scale(row, sc + 6), _q6_scale(row, sc + 7))  # fmt: skip
-        total += dot_six_bits(row, low, high, x, y, 0, 0, s[0], s[1])
-        total += dot_six_bits(row, low + 32, high, x, y + 32, 0, 2, s[2], s[3])
-        total += dot_six_bits(row, low, high, x, y + 64, 4, 4, s[4], s[5])
-        total += dot_six_bits(row, low + 32, high, x, y + 96, 4, 6, s[6], s[7])
-        for g in range(8):
-            offsets += s[g] * sums[y // 16 + g]
-    return (total - _THIRTY_TWO * offsets) * half(row, at + 208)
+def _q4_0(row, at, xq, base, xd, sums):  # pragma: no cover
+    return half(row, at) * xd * np.float32(idot_nibbles(row, at + 2, xq, base, 8))
 
 
 @njit(inline="always")
-def _q8_0(row, at, x, base, sums):  # pragma: no cover
-    return half(row, at) * dot_int8(row, at + 2, x, base, 32)
+def _q4_1(row, at, xq, base, xd, sums):  # pragma: no cover
+    products = np.float32(idot_nibbles(row, at + 4, xq, base, 0))
+    return half(row, at) * xd * products + half(row, at + 2) * _sum32(sums, base)
 
 
 @njit(inline="always")
-def _q4_0(row, at, x, base, sums):  # pragma: no cover
-    return half(row, at) * (dot_nibbles(row, at + 2, x, base) - _EIGHT * _sum32(sums, base))
+def _q4_k(row, at, xq, base, xd, sums):  # pragma: no cover
+    return _q45_k(row, at, xq, base, xd, sums, Q4_K)
 
 
 @njit(inline="always")
-def _q4_1(row, at, x, base, sums):  # pragma: no cover
-    return half(row, at) * dot_nibbles(row, at + 4, x, base) + half(row, at + 2) * _sum32(
-        sums, base
-    )
-
-
-@njit(inline="always")
-def _q4_k(row, at, x, base, sums):  # pragma: no cover
-    return _q45_k(row, at, x, base, sums, False)
-
-
-@njit(inline="always")
-def _q5_k(row, at, x, base, sums):  # pragma: no cover
-    return _q45_k(row, at, x, base, sums, True)
+def _q5_k(row, at, xq, base, xd, sums):  # pragma: no cover
+    return _q45_k(row, at, xq, base, xd, sums, Q5_K)
 
 
 def _rows(
-    type_id, x, sums, blocks, block_size, block_bytes, out, col, first, end
+    type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end
 ):  # pragma: no cover
     """`block_products` for one format, `type_id` a literal: compiled once per format."""
     raise NotImplementedError("compiled only")
 
 
-_DOTS = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_DOTS = {Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
 
 
 @overload(_rows, prefer_literal=True)
 def _rows_impl(
-    type_id, x, sums, blocks, block_size, block_bytes, out, col, first, end
+    type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end
 ):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
+    if type_id.literal_value == Q8_0:  # the whole row in one vector loop
+        return lambda type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, \
+            end: _q8_0_rows(xq, xd, blocks, out, col, first, end)  # fmt: skip
     block_dot = _DOTS[type_id.literal_value]
     fmt = FORMATS_BY_TYPE[type_id.literal_value]
     step, stride = fmt.block_size, fmt.block_bytes  # constants of the compiled variant
 
-    def rows_of(type_id, x, sums, blocks, block_size, block_bytes, out, col, first, end):
-        rows, size = x.shape
+    def rows_of(type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end):
+        rows, size = xq.shape
         for n in range(first, end):
             row = blocks[n]
             for m in range(rows):
-                xm, sm = x[m], sums[m]
+                xm, dm, sm = xq[m], xd[m], sums[m]
                 total = np.float32(0.0)
                 for b in range(size // step):
-                    total += block_dot(row, b * stride, xm, b * step, sm)
+                    total += block_dot(row, b * stride, xm, b * step, dm[b], sm)
                 out[m, col + n] = total
 
     return rows_of
 
 
+@njit(inline="always")
+def _q8_0_rows(xq, xd, blocks, out, col, first, end):  # pragma: no cover
+    for n in range(first, end):
+        for m in range(xq.shape[0]):
+            out[m, col + n] = dot_q8_0_row(blocks[n], xq[m], xd[m])
+
+
 @njit(cache=True, fastmath=True)
 def block_products(
-    x, sums, blocks, type_id, block_size, block_bytes, out, col, first, end
+    xq, xd, sums, blocks, type_id, block_size, block_bytes, out, col, first, end
 ):  # pragma: no cover
     """out[m, col + n] = x[m] . row n of `blocks` for every input row m and first <= n < end.
 
-    x: float32 [rows, in_features]; sums: float32 [rows, in_features // 16] (`x_sums`);
-    blocks: uint8 [num_out, row_bytes] in format `type_id`; out: float32 [rows, >= col +
-    num_out] (other columns untouched).
+    xq: int16 [rows, in_features], xd: float32 [rows, in_features // block_size] (x
+    quantized by `quantize_rows` in groups of the format's block size); sums: float32
+    [rows, in_features // 16] (`x_sums`); blocks: uint8 [num_out, row_bytes] in format
+    `type_id`; out: float32 [rows, >= col + num_out] (other columns untouched).
     """
     # The ids as literals: `_rows` compiles a variant for each.
     if type_id == 8:
-        _rows(8, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(8, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 2:
-        _rows(2, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(2, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 3:
-        _rows(3, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(3, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 12:
-        _rows(12, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(12, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 13:
-        _rows(13, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(13, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     else:
-        _rows(14, x, sums, blocks, block_size, block_bytes, out, col, first, end)
+        _rows(14, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
 def block_products_parallel(
-    x, sums, blocks, type_id, block_size, block_bytes, out, col, parts
+    xq, xd, sums, blocks, type_id, block_size, block_bytes, out, col, parts
 ):  # pragma: no cover
     """`block_products` over every row of `blocks`, cut into `parts` contiguous shares."""
     num_out = blocks.shape[0]
     share = -(-num_out // parts)
     for p in prange(parts):
         first, end = p * share, min(num_out, (p + 1) * share)
-        block_products(x, sums, blocks, type_id, block_size, block_bytes, out, col, first, end)
+        block_products(xq, xd, sums, blocks, type_id, block_size, block_bytes, out, col, first, end)
+
+
+@njit(cache=True)
+def quantize_rows(x, group, levels):  # pragma: no cover
+    """x: float32 [rows, in_features] -> (int16 [rows, in_features], float32 [rows,
+    in_features // group] scales): each group of `group` elements as its largest magnitude
+    over `levels` times integers rounded to nearest, so an element is off by at most half
+    its group's scale."""
+    rows, size = x.shape
+    xq = np.empty((rows, size), dtype=np.int16)
+    xd = np.empty((rows, size // group), dtype=np.float32)
+    for m in range(rows):
+        for g in range(size // group):
+            largest = np.float32(0.0)
+            for k in range(g * group, (g + 1) * group):
+                largest = max(largest, abs(x[m, k]))
+            scale = largest / np.float32(levels)
+            inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            xd[m, g] = scale
+            for k in range(g * group, (g + 1) * group):
+                xq[m, k] = np.int16(np.rint(x[m, k] * inverse))
+    return xq, xd
 
 
 def x_sums(x: np.ndarray) -> np.ndarray:

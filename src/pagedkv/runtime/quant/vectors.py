@@ -1,38 +1,71 @@
-"""Dot products of a few packed weights with float32 activations, as whole LLVM vectors.
+"""Integer products of packed weights with activations quantized to integers, as whole LLVM
+vectors: 32 Q4_0 / Q4_1 weights (`idot_nibbles`), a K-quant block (`idot_k_block`), a
+whole Q8_0 row (`dot_q8_0_row`), and a block's fp16 scale (`half`).
 
 A block format's sub-block is 16 or 32 weights. Written as a loop, LLVM either unrolls it
 into scalar code (it cannot prove that the two arrays do not overlap) or vectorizes it for
-more elements per iteration than the loop has, and the block stays scalar. Here each call
-is one vector load of the bytes, the field taken out of every byte (a shift and a mask, or
-a sign extension), a conversion, a multiply with the activations and a sum across the
-lanes. Numba's extension API only (`numba.extending.intrinsic`, llvmlite's IR builder).
+more elements per iteration than the loop has, and the block stays scalar. Here each line
+of 32 weights is one vector load of the bytes, the field taken out of every byte (a shift
+and a mask, or a sign extension) as 16-bit lanes, the sub-blocks' integer scales
+multiplied in, and one multiply-add of pairs with the activations (`vpmaddwd` where the
+CPU has AVX512-BW: 32 products summed into 16 int32 lanes). A K-quant block's lines are
+added as vectors and summed across the lanes once. The activations are int16 lanes
+(`dots.quantize_rows`, at most `dots.LEVELS` in magnitude, so that no sum overflows): the
+float scales are applied once per block. Numba's extension API only (`numba.extending.intrinsic`,
+llvmlite's IR builder).
 """
 
 from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils, codegen, config
 from numba.extending import intrinsic
 
-_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_N = 32
+_SHORTS, _INTS = ir.VectorType(_I16, _N), ir.VectorType(_I32, _N)
+_PAIRS, _FLOATS = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
+
+# The features Numba compiles for, as `pagedkv.ops.cpu.bf16.HAS_DOT` reads them.
+_FEATURES = config.CPU_FEATURES or codegen.get_host_cpu_features()  # type: ignore[attr-defined]
+HAS_MADD = "+avx512bw" in _FEATURES.split(",")
+"""Whether the CPU has AVX512-BW's `vpmaddwd` on 512-bit vectors; elsewhere LLVM lowers the
+same sum from 32-bit products."""
 
 
-def _element_pointer(context, builder, arr_type, arr, offset, offset_type, to):  # type: ignore[no-untyped-def]
-    """Address of element `offset` of a C-contiguous array, as a pointer to `to`."""
-    data = context.make_array(arr_type)(context, builder, arr).data
-    index = context.cast(builder, offset, offset_type, types.int64)
-    return builder.bitcast(builder.gep(data, [index]), to.as_pointer())
+def _declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
+    return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
 
 
-def _lane_sum(builder, vector, width):  # type: ignore[no-untyped-def]
-    """The float sum of a vector's lanes, halves added (log2(width) steps)."""
-    while width > 1:
-        width //= 2
-        halves = [builder.shuffle_vector(vector, vector, ir.Constant(
-            ir.VectorType(_I32, width), list(range(start, start + width))))
-            for start in (0, width)]  # fmt: skip
-        vector = builder.fadd(*halves)
-    return builder.extract_element(vector, ir.Constant(_I32, 0))
+def _load(context, builder, sig, args, arr, at, element, n=_N):  # type: ignore[no-untyped-def]
+    """n elements of the C-contiguous array args[arr] from offset args[at], as a vector."""
+    data = context.make_array(sig.args[arr])(context, builder, args[arr]).data
+    index = context.cast(builder, args[at], sig.args[at], types.int64)
+    pointer = builder.bitcast(builder.gep(data, [index]), ir.VectorType(element, n).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _madd(builder, weights, xs):  # type: ignore[no-untyped-def]
+    """16 int32 lanes, lane j = weights[2j] * xs[2j] + weights[2j + 1] * xs[2j + 1], from 32
+    int16 lanes (each product and pair sum fits an int32)."""
+    if HAS_MADD:
+        madd = _declare(builder.module, "llvm.x86.avx512.pmaddw.d.512", _PAIRS, [_SHORTS] * 2)
+        return builder.call(madd, [weights, xs])
+    products = builder.mul(builder.sext(weights, _INTS), builder.sext(xs, _INTS))
+    even, odd = (builder.shuffle_vector(products, products, ir.Constant(
+        ir.VectorType(_I32, 16), list(range(start, _N, 2)))) for start in (0, 1))  # fmt: skip
+    return builder.add(even, odd)
+
+
+def _int_sum(builder, pairs):  # type: ignore[no-untyped-def]
+    reduce = _declare(builder.module, "llvm.vector.reduce.add.v16i32", _I32, [_PAIRS])
+    return builder.call(reduce, [pairs])
+
+
+def _madd_sum(builder, weights, xs):  # type: ignore[no-untyped-def]
+    """The int32 sum of weights[k] * xs[k] over 32 int16 lanes."""
+    return _int_sum(builder, _madd(builder, weights, xs))
 
 
 def _is_row(arr, dtype) -> bool:  # type: ignore[no-untyped-def]
@@ -40,130 +73,188 @@ def _is_row(arr, dtype) -> bool:  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def dot_field(typingctx, q, q_at, x, x_at, width, shift, mask):  # pragma: no cover
-    """The float32 sum over k < width of ((q[q_at + k] >> shift) & mask) * x[x_at + k].
-
-    q: uint8, x: float32, both C-contiguous; width (16 or 32) and mask: literals; shift: a
-    literal where it can be (a constant vector; a run-time shift costs about twice)."""
-    if not (_is_row(q, types.uint8) and _is_row(x, types.float32)):
+def idot_nibbles(typingctx, q, q_at, xq, x_at, offset):  # pragma: no cover
+    """The int32 sum over k < 16 of ((q[q_at + k] & 15) - offset) * xq[x_at + k] +
+    ((q[q_at + k] >> 4) - offset) * xq[x_at + 16 + k]: 16 bytes of Q4_0 / Q4_1 nibbles, 32
+    weights (offset: a literal, 8 or 0)."""
+    if not (_is_row(q, types.uint8) and _is_row(xq, types.int16)):
         return None
-    if not (isinstance(width, types.IntegerLiteral) and isinstance(mask, types.IntegerLiteral)):
+    if not isinstance(offset, types.IntegerLiteral):
         return None
-    if width.literal_value not in (16, 32) or not isinstance(shift, types.Integer):
-        return None
-    n, fixed = width.literal_value, getattr(shift, "literal_value", None)
 
     def codegen(context, builder, sig, args):
-        ints = ir.VectorType(_I32, n)
-        raw = builder.load(
-            _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                             ir.VectorType(_I8, n)), align=1)  # fmt: skip
-        if fixed is None:
-            amount = builder.trunc(context.cast(builder, args[5], sig.args[5], types.int64), _I32)
-            one = builder.insert_element(ir.Constant(ints, None), amount, ir.Constant(_I32, 0))
-            shift_v = builder.shuffle_vector(one, one, ir.Constant(ints, [0] * n))
-        else:
-            shift_v = ir.Constant(ints, [fixed] * n)
-        field = builder.and_(
-            builder.lshr(builder.zext(raw, ints), shift_v),
-            ir.Constant(ints, [mask.literal_value] * n),
-        )
-        return _times_x(
-            context, builder, sig, args, builder.sitofp(field, ir.VectorType(_F32, n)), n
-        )
+        half_type = ir.VectorType(_I16, 16)
+        wide = builder.zext(_load(context, builder, sig, args, 0, 1, _I8, 16), half_type)
+        low = builder.and_(wide, ir.Constant(half_type, [15] * 16))
+        high = builder.lshr(wide, ir.Constant(half_type, [4] * 16))
+        both = builder.shuffle_vector(low, high, ir.Constant(_INTS, list(range(_N))))
+        weights = builder.sub(both, ir.Constant(_SHORTS, [offset.literal_value] * _N))
+        return _madd_sum(builder, weights, _load(context, builder, sig, args, 2, 3, _I16))
 
-    return types.float32(q, q_at, x, x_at, width, shift, mask), codegen
+    return types.int32(q, q_at, xq, x_at, offset), codegen
+
+
+# A K-quant block's lines of 32 weights, by format (GGML type id): (the low nibbles' byte
+# offset, their shift, the high bits' byte offset, their shift, the lines' activations'
+# offset, the scales' indices for the first and second 16). `blocks.py` has the layouts.
+_Q45_LINES = [(32 * c, 4 * h, 0, 2 * c + h, 64 * c + 32 * h, 2 * c + h, 2 * c + h)
+              for c in range(4) for h in range(2)]  # fmt: skip
+_Q6_LINES = [(64 * p + low, low_shift, 128 + 32 * p, high_shift, 128 * p + x,
+              8 * p + 2 * i, 8 * p + 2 * i + 1)
+             for p in range(2)
+             for i, (low, low_shift, high_shift, x) in enumerate(
+                 ((0, 0, 0, 0), (32, 0, 2, 32), (0, 4, 4, 64), (32, 4, 6, 96)))]  # fmt: skip
+# (the lines, the nibbles' and the high bits' offsets in a block, the high bits' mask (0:
+# none), the weights' offset)
+_K_BLOCKS = {
+    12: (_Q45_LINES, 16, 0, 0, 0),
+    13: (_Q45_LINES, 48, 16, 1, 0),
+    14: (_Q6_LINES, 0, 0, 3, 32),
+}
 
 
 @intrinsic
-def dot_int8(typingctx, q, q_at, x, x_at, width):  # pragma: no cover
-    """The float32 sum over k < width of int8(q[q_at + k]) * x[x_at + k] (q: uint8 bytes
-    read as int8; width a literal 32)."""
-    if not (_is_row(q, types.uint8) and _is_row(x, types.float32)):
+def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cover
+    """The int32 sum over the 256 weights of a K-quant block at byte `at` of q of s_k *
+    (w_k - offset) * xq[x_at + k]: w_k its 4-bit (Q4_K), 5-bit (Q5_K) or 6-bit (Q6_K)
+    weights, offset 32 for Q6_K (0 else), s_k the integer scale of weight k's run of 32
+    (Q4_K, Q5_K: `scales` has 8) or 16 (Q6_K: 16). type_id: a literal GGML type id. The
+    lines' products are summed as vectors and across the lanes once."""
+    if not (_is_row(q, types.uint8) and _is_row(xq, types.int16)):
         return None
-    if not isinstance(width, types.IntegerLiteral) or width.literal_value != 32:
+    if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in _K_BLOCKS):
         return None
-    n = 32
+    lines, nibbles, high_bits, mask, offset = _K_BLOCKS[type_id.literal_value]
 
     def codegen(context, builder, sig, args):
-        raw = builder.load(
-            _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                             ir.VectorType(_I8, n)), align=1)  # fmt: skip
-        values = builder.sitofp(raw, ir.VectorType(_F32, n))
-        return _times_x(context, builder, sig, args, values, n)
+        base = context.cast(builder, args[1], sig.args[1], types.int64)
+        x_base = context.cast(builder, args[3], sig.args[3], types.int64)
+        # Scales as int8 (Q6_K's are signed bytes; the others fit in 6 bits), then int16.
+        scale_of = [builder.sext(builder.trunc(builder.extract_value(args[4], j), _I8), _I16)
+                    for j in range(len(sig.args[4]))]  # fmt: skip
 
-    return types.float32(q, q_at, x, x_at, width), codegen
+        def field(at, shift, field_mask):
+            raw = builder.zext(_load_bytes(context, builder, sig, args, base, at), _SHORTS)
+            raw = builder.lshr(raw, ir.Constant(_SHORTS, [shift] * _N))
+            return builder.and_(raw, ir.Constant(_SHORTS, [field_mask] * _N))
+
+        total = None
+        for low, low_shift, high, high_shift, x, first, second in lines:
+            weights = field(nibbles + low, low_shift, 15)
+            if mask:
+                bits = field(high_bits + high, high_shift, mask)
+                weights = builder.or_(weights, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
+            weights = builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
+            scale = _two_scales(builder, scale_of[first], scale_of[second])
+            xs = _load_shorts(context, builder, sig, args, builder.add(x_base, _i64(x)))
+            pairs = _madd(builder, builder.mul(weights, scale), xs)
+            total = pairs if total is None else builder.add(total, pairs)
+        return _int_sum(builder, total)
+
+    return types.int32(q, at, xq, x_at, scales, type_id), codegen
 
 
-def _times_x(context, builder, sig, args, values, n, at=2):  # type: ignore[no-untyped-def]
-    """sum(values * x[x_at : x_at + n]) for the intrinsics' args (x at `at`, x_at next)."""
-    floats = ir.VectorType(_F32, n)
-    xs = builder.load(
-        _element_pointer(
-            context, builder, sig.args[at], args[at], args[at + 1], sig.args[at + 1], floats
-        ),
-        align=4,
-    )
-    return _lane_sum(builder, builder.fmul(values, xs), n)
+def _i64(value: int) -> ir.Constant:
+    return ir.Constant(ir.IntType(64), value)
+
+
+def _load_bytes(context, builder, sig, args, base, at):  # type: ignore[no-untyped-def]
+    """32 bytes of the uint8 array args[0] from offset base + at (an int64 and a constant)."""
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    pointer = builder.gep(data, [builder.add(base, _i64(at))])
+    return builder.load(builder.bitcast(pointer, ir.VectorType(_I8, _N).as_pointer()), align=1)
+
+
+def _load_shorts(context, builder, sig, args, index):  # type: ignore[no-untyped-def]
+    """32 int16 of args[2] from the int64 offset `index`."""
+    data = context.make_array(sig.args[2])(context, builder, args[2]).data
+    pointer = builder.bitcast(builder.gep(data, [index]), _SHORTS.as_pointer())
+    return builder.load(pointer, align=2)
+
+
+def _two_scales(builder, first, second):  # type: ignore[no-untyped-def]
+    """32 int16 lanes: `first` in the first 16, `second` in the rest."""
+    pair = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), None), first,
+                                  ir.Constant(_I32, 0))  # fmt: skip
+    pair = builder.insert_element(pair, second, ir.Constant(_I32, 1))
+    return builder.shuffle_vector(pair, pair, ir.Constant(_INTS, [0] * 16 + [1] * 16))
 
 
 @intrinsic
-def dot_nibbles(typingctx, q, q_at, x, x_at):  # pragma: no cover
-    """The float32 sum over k < 16 of (q[q_at + k] & 15) * x[x_at + k] +
-    (q[q_at + k] >> 4) * x[x_at + 16 + k]: 16 bytes of Q4_0 / Q4_1 nibbles, 32 weights."""
-    if not (_is_row(q, types.uint8) and _is_row(x, types.float32)):
+def dot_q8_0_row(typingctx, q, xq, xd):  # pragma: no cover
+    """The float32 sum over the Q8_0 blocks b of a row q (uint8 [blocks * 34]) of d_b *
+    xd[b] * sum_k int8(q[34 b + 2 + k]) * xq[32 b + k]: the row's product with activations
+    quantized in groups of 32 (xq: int16 [blocks * 32], xd: float32 [blocks]). Each block's
+    16 lanes of pair sums are converted and multiplied by the block's two scales into
+    float32 lanes, summed across the lanes once."""
+    if not (_is_row(q, types.uint8) and _is_row(xq, types.int16) and _is_row(xd, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
-        raw = builder.load(
-            _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                             ir.VectorType(_I8, 16)), align=1)  # fmt: skip
-        wide = builder.zext(raw, ir.VectorType(_I32, 16))
-        low = builder.and_(wide, ir.Constant(ir.VectorType(_I32, 16), [15] * 16))
-        high = builder.lshr(wide, ir.Constant(ir.VectorType(_I32, 16), [4] * 16))
-        both = builder.shuffle_vector(
-            low, high, ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+        data = [
+            context.make_array(t)(context, builder, a).data
+            for t, a in zip(sig.args, args, strict=True)
+        ]
+        count = builder.extract_value(
+            context.make_array(sig.args[2])(context, builder, args[2]).shape, 0
         )
-        return _times_x(
-            context, builder, sig, args, builder.sitofp(both, ir.VectorType(_F32, 32)), 32
-        )
+        total = cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None))
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.mul(loop.index, _i64(34))
+            scale = builder.fmul(_half(builder, data[0], at), builder.load(builder.gep(
+                data[2], [loop.index])))  # fmt: skip
+            pointer = builder.gep(data[0], [builder.add(at, _i64(2))])
+            weights = builder.load(builder.bitcast(pointer, ir.VectorType(_I8, _N).as_pointer()),
+                                   align=1)  # fmt: skip
+            pointer = builder.gep(data[1], [builder.mul(loop.index, _i64(_N))])
+            xs = builder.load(builder.bitcast(pointer, _SHORTS.as_pointer()), align=2)
+            pairs = builder.sitofp(_madd(builder, builder.sext(weights, _SHORTS), xs), _FLOATS)
+            scaled = builder.fmul(pairs, _splat_float(builder, scale))
+            builder.store(builder.fadd(builder.load(total), scaled), total)
+        return _float_sum(builder, builder.load(total))
 
-    return types.float32(q, q_at, x, x_at), codegen
+    return types.float32(q, xq, xd), codegen
+
+
+def _half(builder, data, at):  # type: ignore[no-untyped-def]
+    """The IEEE half-precision number at byte `at` of a uint8 pointer, as a float: its
+    magnitude's bits moved into a float's and scaled by 2^112 (exact for subnormals too),
+    infinities and NaNs kept, the sign put back. In integer registers: the conversion
+    instruction merges into a vector register and chained each Q8_0 block to the sum of the
+    one before."""
+    bits = builder.load(builder.bitcast(builder.gep(data, [at]), _I16.as_pointer()), align=1)
+    wide = builder.zext(bits, _I32)
+    magnitude = builder.shl(builder.and_(wide, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13))
+    top = builder.icmp_unsigned(">=", magnitude, ir.Constant(_I32, 0x0F800000))
+    magnitude = builder.select(top, builder.or_(magnitude, ir.Constant(_I32, 0x7F800000)),
+                               magnitude)  # fmt: skip
+    scaled = builder.fmul(builder.bitcast(magnitude, ir.FloatType()),
+                          ir.Constant(ir.FloatType(), 2.0**112))  # fmt: skip
+    sign = builder.shl(builder.and_(wide, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16))
+    return builder.bitcast(builder.or_(builder.bitcast(scaled, _I32), sign), ir.FloatType())
+
+
+def _splat_float(builder, value):  # type: ignore[no-untyped-def]
+    one = builder.insert_element(ir.Constant(_FLOATS, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+def _float_sum(builder, vector):  # type: ignore[no-untyped-def]
+    """The sum of 16 float lanes, in any order (LLVM adds halves)."""
+    name = "llvm.vector.reduce.fadd.v16f32"
+    reduce = _declare(builder.module, name, ir.FloatType(), [ir.FloatType(), _FLOATS])
+    return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), vector], fastmath=("reassoc",))
 
 
 @intrinsic
-def dot_six_bits(
-    typingctx, q, low_at, high_at, x, x_at, low_shift, high_shift, first, second
-):  # pragma: no cover
-    """Q6_K's 6-bit weights w_k = ((q[low_at + k] >> low_shift) & 15) |
-    (((q[high_at + k] >> high_shift) & 3) << 4) for k < 32: the float32 sum of s_k * w_k *
-    x[x_at + k], s_k = `first` for k < 16 and `second` past it (each run of 16 has its own
-    scale). Shifts are literals; the scales float32."""
-    if not (_is_row(q, types.uint8) and _is_row(x, types.float32)):
+def half(typingctx, q, at):  # pragma: no cover
+    """The IEEE half-precision number in bytes at, at + 1 of q (uint8, little-endian) as
+    float32, without branches."""
+    if not _is_row(q, types.uint8):
         return None
-    if not all(isinstance(s, types.IntegerLiteral) for s in (low_shift, high_shift)):
-        return None
-    shifts = (low_shift.literal_value, high_shift.literal_value)
-    n = 32
 
     def codegen(context, builder, sig, args):
-        ints, floats = ir.VectorType(_I32, n), ir.VectorType(_F32, n)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return _half(builder, data, context.cast(builder, args[1], sig.args[1], types.int64))
 
-        def field(at_index, shift, mask):
-            raw = builder.load(
-                _element_pointer(context, builder, sig.args[0], args[0], args[at_index],
-                                 sig.args[at_index], ir.VectorType(_I8, n)), align=1)  # fmt: skip
-            wide = builder.lshr(builder.zext(raw, ints), ir.Constant(ints, [shift] * n))
-            return builder.and_(wide, ir.Constant(ints, [mask] * n))
-
-        high = builder.shl(field(2, shifts[1], 3), ir.Constant(ints, [4] * n))
-        values = builder.sitofp(builder.or_(field(1, shifts[0], 15), high), floats)
-        pair = builder.insert_element(
-            ir.Constant(ir.VectorType(_F32, 2), None), args[7], ir.Constant(_I32, 0)
-        )
-        pair = builder.insert_element(pair, args[8], ir.Constant(_I32, 1))
-        scales = builder.shuffle_vector(pair, pair, ir.Constant(ints, [0] * 16 + [1] * 16))
-        return _times_x(context, builder, sig, args, builder.fmul(values, scales), n, at=3)
-
-    signature = types.float32(q, low_at, high_at, x, x_at, low_shift, high_shift, first, second)
-    return signature, codegen
+    return types.float32(q, at), codegen

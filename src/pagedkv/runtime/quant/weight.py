@@ -1,15 +1,16 @@
 """A linear layer's weight kept in GGML blocks (`QuantWeight`), and its products.
 
-    rows <= few_rows   `dots.block_products`: each block decoded once, multiplied by
-                       every input row while in the L1 cache (a decode step, bound by
+    rows <= few_rows   `dots.block_products`: the rows quantized to integers, integer
+                       products with each block read in place (a decode step, bound by
                        reading the weight: it is read in its packed size)
     otherwise          tiles of output rows dequantized to float32 and multiplied by torch's
                        matmul, one tile at a time (prefill, bound by arithmetic): no dense
                        copy of the whole weight is ever made
 
 A fused projection (q|k|v, gate|up) holds one part per checkpoint tensor, each in its own
-format (a Q4_K_M file mixes Q4_K and Q6_K within a layer). Sums run in float32; a
-bfloat16 input gives the float32 result rounded once.
+format (a Q4_K_M file mixes Q4_K and Q6_K within a layer). The many-row product sums in
+float32; the few-row one in integers, scaled in float32. A bfloat16 input gives the float32
+result rounded once.
 """
 
 from __future__ import annotations
@@ -128,10 +129,16 @@ class QuantWeight:
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         flat_out, parts, sums = out.numpy(), sync_threads(), dots.x_sums(x32)
         spread = parts > 1 and x.shape[0] * self.out_features * self.in_features >= parallel_work
+        quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by the group size
         start = 0
         for part in self.parts:
             f = part.format
-            args = (x32, sums, part.blocks, f.type_id, f.block_size, f.block_bytes, flat_out, start)
+            if f.block_size not in quantized:
+                levels = dots.LEVELS[f.block_size]
+                quantized[f.block_size] = dots.quantize_rows(x32, f.block_size, levels)
+            xq, xd = quantized[f.block_size]
+            args = (xq, xd, sums, part.blocks, f.type_id, f.block_size, f.block_bytes, flat_out,
+                    start)  # fmt: skip
             if spread:
                 dots.block_products_parallel(*args, parts)
             else:
