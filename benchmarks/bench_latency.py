@@ -213,7 +213,8 @@ def breakdown(args: argparse.Namespace, llm: LLM, vocab: int, rng: random.Random
     layers = layer_parts(llm.engine.runner.model, forward_args)
     layer_bytes, head_bytes = streamed_weight_bytes(llm.engine.runner.model)
     layers["matmuls GB/s"] = layer_bytes / layers["matmuls"] / 1e6
-    steps["LM head GB/s"] = head_bytes / steps["LM head"] / 1e6
+    if steps["LM head"] > 0:  # 0: the compiled decode stack computes the logits inside
+        steps["LM head GB/s"] = head_bytes / steps["LM head"] / 1e6
     for name, value in [*steps.items(), *layers.items()]:
         print(f"    {name:28s} {value:8.3f}")
     return {"step": steps, "layers": layers}

@@ -179,7 +179,7 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
         model.model.norm.forward(x)
 
     def rotary() -> None:
-        cos, sin = model.rotary_emb(positions, dtype)
+        cos, sin = model.rotary_embs[0](positions, dtype)
         for _ in layers:
             view = qkv[:, : attn0.q_size + attn0.kv_size].view(num_tokens, heads, attn0.head_dim)
             apply_rotary_(view, cos, sin)
@@ -211,11 +211,11 @@ def layer_parts(model: Any, forward_args: tuple) -> dict[str, float]:
 
     forward = 1e3 * timed(lambda: model.forward(*forward_args))
     if isinstance(model.executor, FusedDecodeExecutor):  # the compiled stack
-        cos, sin = model.rotary_emb(positions, dtype)
+        rope = [embedding(positions, dtype) for embedding in model.rotary_embs]
         rows = list(range(num_tokens))
 
         def stack() -> None:
-            model.executor.run(x.clone(), cos, sin, kv_cache, metadata, rows)
+            model.executor.run(x.clone(), rope, kv_cache, metadata, rows)
 
         ms = {"matmuls": 1e3 * timed(matmuls), "decoder stack": 1e3 * timed(stack)}
         ms["stack less matmuls"] = ms["decoder stack"] - ms["matmuls"]
