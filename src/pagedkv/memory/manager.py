@@ -31,8 +31,8 @@ from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import ContentHashes
 from pagedkv.memory.groups import anchor_group, first_needed_block
-from pagedkv.memory.lookups import PrefixLookups, hit_uids, window_hits
-from pagedkv.memory.prefix import PrefixIndex, chain_root, group_root
+from pagedkv.memory.lookups import PrefixLookups, window_hits
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex, chain_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
 
 
@@ -95,8 +95,10 @@ class KVCacheManager:
         self._anchor = anchor_group(self.windows)
         # The last `window_hits` answer: (token list, anchor hits, state, per-group hits).
         self._window_memo: tuple[Any, ...] | None = None
+        # A sliding anchor (no full-attention group) names prefixes by content.
         self._lookups = [
-            PrefixLookups(self._index, self._pool, block_size, g) for g in range(len(windows))
+            PrefixLookups(self._index, self._pool, block_size, g, w if g == self._anchor else None)
+            for g, w in enumerate(self.windows)
         ]
 
     @property
@@ -161,9 +163,12 @@ class KVCacheManager:
 
     def _hits(self, token_ids: Sequence[Any], salt: str | None) -> list[list[int]]:
         """Per group, the cached blocks `allocate` would reuse now."""
-        return self._group_hits(token_ids, self._lookups[self._anchor].hits(token_ids, salt))
+        anchor_hits = self._lookups[self._anchor].hits(token_ids, salt)
+        return self._group_hits(token_ids, anchor_hits, chain_root(salt))
 
-    def _group_hits(self, token_ids: Sequence[Any], anchor_hits: list[int]) -> list[list[int]]:
+    def _group_hits(
+        self, token_ids: Sequence[Any], anchor_hits: list[int], root: ChainRoot
+    ) -> list[list[int]]:
         """Per group, the hits after the anchor group's `anchor_hits` (see `window_hits`)."""
         index = self._index
         if len(self.windows) == 1 or not anchor_hits or index is None:
@@ -175,8 +180,11 @@ class KVCacheManager:
         if memo is not None and memo[0] is token_ids and memo[1] is anchor_hits:
             if memo[2] == state:
                 return memo[3]
+        lookups = self._lookups[self._anchor]
+        start = lookups.chain_start(root)
+        names = lookups.names(token_ids, anchor_hits, start)
         hits = window_hits(
-            index, token_ids, anchor_hits, self.windows, self._anchor, self.block_size
+            index, token_ids, anchor_hits, names, start, self.windows, self._anchor, self.block_size
         )
         self._window_memo = (token_ids, anchor_hits, state, hits)
         return hits
@@ -259,9 +267,10 @@ class KVCacheManager:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt in the anchor group: its cached blocks and the keys after.
         root, anchor, block_size = chain_root(salt), self._anchor, self.block_size
-        anchor_root = group_root(root, anchor)
-        anchor_hits, _, keys = self._lookups[anchor].lookup(tokens, anchor_root, use_prefix_cache)
-        hits = self._group_hits(tokens, anchor_hits)
+        lookups = self._lookups[anchor]
+        anchor_root = lookups.chain_start(root)
+        anchor_hits, _, keys = lookups.lookup(tokens, anchor_root, use_prefix_cache)
+        hits = self._group_hits(tokens, anchor_hits, root)
         num_hits = len(hits[anchor])
         num_fresh = -(-len(tokens) // block_size) - num_hits
         used = used_hits(self.windows, hits, num_hits, block_size)
@@ -269,8 +278,10 @@ class KVCacheManager:
         # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
         for group_hits in used:
             self._pool.touch(group_hits)
-        uids = hit_uids(index, hits[anchor]) if index is not None else []
-        groups = new_groups(self._pool, used, num_hits, num_fresh, root, anchor, uids)
+        uids = lookups.names(tokens, hits[anchor], anchor_root) if index is not None else []
+        groups = new_groups(
+            self._pool, used, num_hits, num_fresh, root, anchor, uids, lookups.hashed
+        )
         if index is not None and use_prefix_cache:  # the counts of prefix lookups
             self._counts.prefix_cache_queries += len(tokens)
             self._counts.prefix_cache_hits += num_hits * self.block_size

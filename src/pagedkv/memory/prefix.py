@@ -372,7 +372,7 @@ class PrefixIndex(BlockPacker):
             )
             chain = [e[2][0] for e in entries[1:]] + [last]
             assert chain == [e[1] for e in entries], (
-                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {last}"
+                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {last!r}"
             )
         num_keyed = sum(key is not None for key in self.block_entries)
         assert num_keyed == len(self._entries), (
