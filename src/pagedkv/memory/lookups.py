@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any, cast
 
-from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.block_tokens import BlockTokens
 from pagedkv.memory.content_hash import chain_start, content_names
@@ -173,40 +172,6 @@ class PrefixLookups:
         count = self.pool.num_evictable(hits[start:num])
         self._evictable = (hits, state, count)
         return count
-
-    def cache_blocks(
-        self, token_ids: Sequence[Any], root: ChainRoot, first_block: int, num_blocks: int
-    ) -> tuple[int, list[int]]:
-        """Take free blocks for full blocks ``first_block .. first_block + num_blocks - 1`` of
-        `token_ids`, index them as cached (free, evictable, most recently freed) and return
-        them: the caller writes their KV before anything else is allocated or computed.
-
-        Blocks are indexed only where they extend the cached chain: the leading
-        ``skipped`` of them are cached already, and none is taken if a block before
-        `first_block` is not cached (now) or the pool has too few free blocks::
-
-            prompt blocks  [ cached ... | first_block ... first_block + num_blocks ) ...
-                                        ^ skipped of these cached already, the rest taken
-
-        Returns:
-            ``(skipped, block_ids)``: block ``first_block + skipped + j`` goes to
-            ``block_ids[j]``; ``block_ids`` empty when nothing was taken.
-        """
-        hits, uid, keys = self.lookup(token_ids, root)
-        index, pool = self.index, self.pool
-        skipped = len(hits) - first_block
-        num = min(num_blocks - skipped, len(keys))
-        if index is None or skipped < 0 or num <= 0:
-            return max(skipped, 0), []
-        pool.touch(hits)  # held while allocating, so the new blocks cannot evict them
-        try:
-            block_ids = list(pool.allocate(num))
-        except OutOfBlocks:
-            block_ids = []
-        index.insert_keys(uid, keys[: len(block_ids)], block_ids)
-        pool.free(block_ids)  # evicted before the hits: a chain's tail goes first
-        pool.free(hits)
-        return skipped, block_ids
 
     def forget(self) -> None:
         """The index was cleared: no remembered answer holds."""

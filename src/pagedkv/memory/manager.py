@@ -31,6 +31,7 @@ from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import ContentHashes
 from pagedkv.memory.groups import anchor_group, first_needed_block
+from pagedkv.memory.loaded_blocks import cache_loaded
 from pagedkv.memory.lookups import PrefixLookups, window_hits
 from pagedkv.memory.prefix import ChainRoot, PrefixIndex, chain_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
@@ -82,8 +83,6 @@ class KVCacheManager:
         self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
         # Content hashes of the cached blocks, and the evicted ones queued (`hash_contents`).
         self.content_hashes: ContentHashes | None = None
-        if hash_contents and len(self.windows) > 1:
-            raise ValueError(f"hash_contents: expected one KV cache group, got {len(self.windows)}")
         if hash_contents and self._index is not None:
             self.content_hashes = self._index.content = ContentHashes(self._index.block_entries)
         self._pool = BlockPool(num_blocks, self._index)
@@ -410,13 +409,12 @@ class KVCacheManager:
         return copies
 
     def cache_blocks(
-        self, token_ids: Sequence[Any], *, salt: str | None, first_block: int, num_blocks: int
-    ) -> tuple[int, list[int]]:
-        """Index fresh blocks as cached blocks holding full blocks ``first_block ..
-        first_block + num_blocks - 1`` of `token_ids` (KV loaded from elsewhere), as
-        `PrefixLookups.cache_blocks` does. Returns ``(skipped, block_ids)``."""
-        lookups = self._lookups[0]  # a tier's blocks: one group only (`hash_contents`)
-        return lookups.cache_blocks(token_ids, chain_root(salt), first_block, num_blocks)
+        self, token_ids: Sequence[Any], *, salt: str | None, blocks: Sequence[tuple[int, int]]
+    ) -> list[int | None]:
+        """Index fresh blocks as cached blocks holding the full blocks ``(group, block
+        index)`` of `token_ids` (KV loaded from elsewhere), as `cache_loaded` does. Returns
+        per pair the block to write its KV into, or None where none was taken."""
+        return cache_loaded(self._lookups[self._anchor], token_ids, chain_root(salt), blocks)
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.

@@ -24,9 +24,9 @@ With several KV cache groups only the anchor group's blocks chain (see
 ``(group, anchor's name of the same prefix)``: found by `block_of` without a walk.
 
 A sliding-window anchor (no full-attention group) names prefixes by content instead
-(`pagedkv.memory.window_prefix`): block i is keyed ``(hash of blocks 0 .. i-1, block_tokens)``
-under `insert_under`, so it is found from the prompt's tokens alone, with no walk through
-blocks that slid out of the window and were evicted.
+(`pagedkv.memory.content_hash`): its block i is keyed ``(hash of blocks 0 .. i-1,
+block_tokens)`` with `insert_under`, so a lookup (`pagedkv.memory.lookups`) finds it from
+the prompt's tokens alone, with no walk through blocks that slid out and were evicted.
 
 Spans make a repeated hit cost less than one dict lookup per block: once a lookup has walked
 ``span_blocks`` aligned blocks of a chain, the next one matches them at once, comparing the
