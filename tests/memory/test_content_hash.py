@@ -10,7 +10,7 @@ import sys
 from memory_testing import tokens
 
 from pagedkv.memory import ROOT_UID, KVCacheManager, PrefixIndex
-from pagedkv.memory.content_hash import ContentHashes, chain_hashes, root_hash
+from pagedkv.memory.content_hash import ContentHashes, chain_hashes, group_hash, root_hash
 
 B = 4
 
@@ -73,33 +73,80 @@ def test_a_chain_from_an_unhashed_parent_is_not_hashed() -> None:
     assert len(content) == 0
 
 
+def anchor_blocks(first: int, num: int) -> list[tuple[int, int]]:
+    return [(0, i) for i in range(first, first + num)]
+
+
 def test_cache_blocks_indexes_loaded_blocks_that_later_prompts_hit() -> None:
     kv = KVCacheManager(32, B, hash_contents=True)
     prompt = tokens(0, 5 * B + 2)
-    skipped, block_ids = kv.cache_blocks(prompt, salt=None, first_block=0, num_blocks=3)
-    assert skipped == 0 and len(block_ids) == 3
+    block_ids = kv.cache_blocks(prompt, salt=None, blocks=anchor_blocks(0, 3))
+    assert None not in block_ids and len(block_ids) == 3
     assert kv.num_cached_tokens(prompt) == 3 * B
     assert kv.stats()["num_cached_blocks"] == 3  # free, evictable
     kv.check()
     # The next two blocks chain onto the three: an overlap is skipped.
-    skipped, more = kv.cache_blocks(prompt, salt=None, first_block=2, num_blocks=3)
-    assert skipped == 1 and len(more) == 2
+    more = kv.cache_blocks(prompt, salt=None, blocks=anchor_blocks(2, 3))
+    assert more[0] is None and None not in more[1:]
     assert kv.allocate("a", prompt) == 5 * B
-    assert kv.block_table("a")[:5] == block_ids + more
+    assert kv.block_table("a")[:5] == block_ids + more[1:]
     kv.check()
 
 
 def test_cache_blocks_takes_nothing_when_the_chain_before_is_not_cached() -> None:
     kv = KVCacheManager(32, B, hash_contents=True)
     prompt = tokens(0, 5 * B)
-    assert kv.cache_blocks(prompt, salt=None, first_block=2, num_blocks=2) == (0, [])
-    assert kv.cache_blocks(prompt, salt="x", first_block=0, num_blocks=2)[1]
+    assert kv.cache_blocks(prompt, salt=None, blocks=anchor_blocks(2, 2)) == [None, None]
+    assert None not in kv.cache_blocks(prompt, salt="x", blocks=anchor_blocks(0, 2))
     assert kv.num_cached_tokens(prompt) == 0  # another salt's chain
     assert kv.num_cached_tokens(prompt, salt="x") == 2 * B
     full = KVCacheManager(2, B, hash_contents=True)
     full.allocate("held", tokens(100, 2 * B))
-    assert full.cache_blocks(prompt, salt=None, first_block=0, num_blocks=2) == (0, [])
+    assert full.cache_blocks(prompt, salt=None, blocks=anchor_blocks(0, 2)) == [None, None]
     full.check()
+
+
+def test_grouped_blocks_are_hashed_per_group_and_loaded_back() -> None:
+    # A sliding group (window 4) beside the full anchor (group 1).
+    kv = KVCacheManager(64, B, hash_contents=True, windows=(4, None))
+    prompt = tokens(0, 6 * B)
+    kv.allocate("a", prompt)
+    kv.append("a", [1])  # the sliding group's blocks 0 .. 4 slide out, still indexed
+    hashes = chain_hashes(packed(prompt), B, ROOT_UID, 6)
+    saved = {(e.content_hash, e.parent_hash, e.tokens) for e in kv.content_hashes.indexed()}
+    for i, h in enumerate(hashes):
+        tokens_i = packed(prompt[i * B : (i + 1) * B])
+        assert (h, hashes[i - 1] if i else root_hash(ROOT_UID), tokens_i) in saved
+        assert (group_hash(0, h), h, tokens_i) in saved
+    assert len(saved) == 12
+    # A fresh manager loads the anchor's blocks and the window's: the prompt hits them all.
+    fresh = KVCacheManager(64, B, hash_contents=True, windows=(4, None))
+    query = prompt + [1]
+    loaded = [(1, i) for i in range(6)] + [(0, 5)]
+    block_ids = fresh.cache_blocks(query, salt=None, blocks=loaded)
+    assert None not in block_ids
+    assert fresh.num_cached_tokens(query) == 6 * B
+    assert fresh.cache_blocks(query, salt=None, blocks=loaded) == [None] * 7  # cached now
+    fresh.check()
+    # Without the sliding group's block the window needs, the hit stops before it.
+    other = KVCacheManager(64, B, hash_contents=True, windows=(4, None))
+    other.cache_blocks(query, salt=None, blocks=[(1, i) for i in range(6)] + [(0, 3)])
+    assert other.num_cached_tokens(query) == 4 * B
+    other.check()
+
+
+def test_all_sliding_blocks_load_with_no_block_before_the_window() -> None:
+    kv = KVCacheManager(32, B, hash_contents=True, windows=(2 * B,))
+    prompt = tokens(0, 8 * B + 1)
+    block_ids = kv.cache_blocks(prompt, salt=None, blocks=anchor_blocks(5, 3))
+    assert None not in block_ids
+    # The window at 8 blocks reads blocks 6 and 7; at 7 blocks, 5 and 6.
+    assert kv.num_cached_tokens(prompt) == 8 * B
+    assert kv.num_cached_tokens(prompt[: 7 * B + 1]) == 7 * B
+    assert kv.num_cached_tokens(prompt[: 6 * B + 1]) == 0
+    evicted = {e.content_hash for e in kv.content_hashes.indexed()}
+    assert evicted == set(chain_hashes(packed(prompt), B, ROOT_UID, 8)[5:])
+    kv.check()
 
 
 def test_content_hash_imports_no_torch() -> None:

@@ -3,10 +3,13 @@ prefix hits, fork, swap and the audit work per group."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from memory_testing import tokens
 
-from pagedkv.memory import KVCacheManager
+from pagedkv.memory import ROOT_UID, KVCacheManager
+from pagedkv.memory.content_hash import chain_hashes
 from pagedkv.memory.groups import NULL_BLOCK, group_layers
 
 
@@ -136,8 +139,8 @@ def test_remembered_window_hits_follow_new_and_evicted_blocks() -> None:
     m.check()
 
 
-def test_all_sliding_groups_chain_from_the_widest_window() -> None:
-    # No full-attention group: the widest window's group (1) is the chain every hit walks.
+def test_all_sliding_groups_key_the_widest_window_by_content() -> None:
+    # No full-attention group: the widest window's group (1) names prefixes by content hash.
     m = KVCacheManager(32, 4, windows=(4, 8))
     prompt = tokens(0, 24)
     m.allocate("a", prompt)
@@ -147,10 +150,61 @@ def test_all_sliding_groups_chain_from_the_widest_window() -> None:
     index = m._index
     assert index is not None
     entry = index.block_entries[m.block_table("a")[2 * 5 + 1]]
-    seq = m._seqs["a"]
-    assert entry is not None and entry[1] == seq.prefix_uids[5]
+    names = m._seqs["a"].prefix_uids
+    assert names == chain_hashes(struct.pack("=24i", *prompt), 4, ROOT_UID, 6)
+    assert entry is not None and entry[2][0] == names[4]  # block 5 under blocks 0..4's hash
     m.free("a")
     assert m.allocate("b", prompt + [2]) == 24
+    m.check()
+
+
+def test_all_sliding_hit_needs_only_the_window_blocks() -> None:
+    # Mistral's shape: one group, every layer sliding (window 8, blocks of 4).
+    m = KVCacheManager(16, 4, windows=(8,))
+    prompt = tokens(0, 40)  # 10 blocks
+    m.allocate("a", prompt)
+    m.append("a", [1])  # the window at 40 reads 33..40: blocks 0..7 slid out, cached
+    m.free("a")
+    # 6 free blocks, then 4 cached ones evicted: the slid-out 7, 6, 5, 4 (last freed first).
+    m.allocate("filler", tokens(500, 10 * 4))
+    assert m.stats()["num_evictions"] == 4
+    m.check()
+    # Blocks 8 and 9, the window at 40, are still cached: a hit with no block before them.
+    assert m.num_cached_tokens(prompt + [1]) == 40
+    assert m.num_blocks_to_allocate(prompt + [1]) == 1 + 2  # token 40's, the 2 cached hits
+    assert m.allocate("b", prompt + [1]) == 40
+    table = m.block_table("b")
+    assert table[:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in table[8:]
+    m.check()
+    # "b"'s fresh block evicted block 3 too. After 5 blocks the window needs blocks 3 and
+    # 4, after 4 blocks 2 and 3 (both cut by an evicted block); after 3, blocks 1 and 2.
+    assert m.num_cached_tokens(prompt[:20] + [3]) == 12
+    m.free("filler")
+    assert m.allocate("c", prompt[:20] + [3]) == 12
+    assert m.block_table("c")[:1] == [NULL_BLOCK] and NULL_BLOCK not in m.block_table("c")[1:]
+    m.check()
+    m.free("c")
+    m.free("b")
+    m.allocate("all", tokens(900, 64))  # every cached block evicted
+    assert m.num_cached_tokens(prompt + [1]) == 0
+    m.free("all")
+    m.check()
+
+
+def test_all_sliding_hits_keep_salts_apart_and_survive_swap() -> None:
+    m = KVCacheManager(32, 4, num_host_blocks=32, windows=(8,))
+    prompt = tokens(0, 30)
+    m.allocate("a", prompt, salt="s")
+    m.append("a", [1, 2])
+    assert m.num_cached_tokens(prompt + [1, 2, 3]) == 0  # another salt's chain
+    assert m.num_cached_tokens(prompt + [1, 2, 3], salt="s") == 32
+    m.swap_out("a")
+    m.check()
+    m.swap_in("a")  # re-keyed from the salted chain's start
+    m.check()
+    m.allocate("b", prompt + [1, 2, 3], salt="s")
+    m.fork("b", "c")
+    m.append("c", [4])
     m.check()
 
 

@@ -22,7 +22,7 @@ PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # small vocab: ma
 # KV cache groups: one full-attention group, or a full and a sliding-window group, or two
 # sliding groups of different windows, or sliding groups on both sides of the full one (the
 # anchor whose chain the others key under).
-WINDOWS = st.sampled_from([(None,), (None, 1), (None, 3), (5, None), (2, 6), (3, None, 1)])
+WINDOWS = st.sampled_from([(None,), (None, 1), (None, 3), (5, None), (2, 6), (3, None, 1), (3,)])
 
 
 class ManagerMachine(RuleBasedStateMachine):

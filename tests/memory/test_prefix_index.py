@@ -6,7 +6,7 @@ import pytest
 from memory_testing import tokens
 
 from pagedkv.memory import ROOT_UID, KVCacheManager, PrefixIndex
-from pagedkv.memory.prefix import iter_full_blocks
+from pagedkv.memory.block_tokens import iter_full_blocks
 
 
 class CollidingToken:

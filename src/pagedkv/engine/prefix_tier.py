@@ -32,8 +32,9 @@ from pagedkv.cache.block_store import BlockStore
 from pagedkv.config import EngineConfig
 from pagedkv.engine.model_identity import model_identity
 from pagedkv.engine.request import Request
+from pagedkv.engine.tier_reads import BlockRead, plan_reads
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.content_hash import EvictedBlock, chain_hashes, root_hash
+from pagedkv.memory.content_hash import EvictedBlock
 from pagedkv.memory.prefix import PrefixIndex, chain_root
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,10 @@ _IDLE_WAIT_S = 0.05
 
 @dataclass
 class _Load:
-    """A request waiting for its blocks ``first_block ..`` to be read."""
+    """A request waiting for its blocks (`reads`) to be read."""
 
     request: Request
-    first_block: int
+    reads: list[BlockRead]
     future: Future[list[bytearray]]
 
 
@@ -114,25 +115,21 @@ class PrefixTier:
         packed = self._packer.pack(tokens)
         if first >= max_blocks or packed is None:
             return False
-        hashes = chain_hashes(packed, self.block_size, chain_root(salt), max_blocks)
-        num = self.store.num_present(hashes[first:])
-        if not num:
+        windows = self.kv_manager.windows
+        reads = plan_reads(windows, self.block_size, packed, chain_root(salt), first, max_blocks,
+                           self.store.contains)  # fmt: skip
+        if not reads:
             self.num_misses += 1
             return False
-        parents = [root_hash(chain_root(salt)), *hashes][first : first + num]
-        width = 4 * self.block_size
-        blocks = [packed[i * width : (i + 1) * width] for i in range(first, first + num)]
-        future = self._reader.submit(self._read, hashes[first : first + num], parents, blocks)
-        self._loads[request.request_id] = _Load(request, first, future)
+        future = self._reader.submit(self._read, reads)
+        self._loads[request.request_id] = _Load(request, reads, future)
         return True
 
-    def _read(
-        self, hashes: list[bytes], parents: list[bytes], blocks: list[bytes]
-    ) -> list[bytearray]:
+    def _read(self, reads: list[BlockRead]) -> list[bytearray]:
         """The reader thread: the leading blocks that read back whole and verified."""
         out: list[bytearray] = []
-        for content_hash, parent_hash, tokens in zip(hashes, parents, blocks, strict=True):
-            data = self.store.read(content_hash, parent_hash, tokens)
+        for read in reads:
+            data = self.store.read(read.content_hash, read.parent_hash, read.tokens)
             if data is None or len(data) != self.kv_cache.bytes_per_stored_block:
                 break
             out.append(data)
@@ -174,20 +171,20 @@ class PrefixTier:
             blocks = []
         if not blocks:  # a file gone or failing verification (counted by the store)
             return
-        self.num_hits += len(blocks)
-        self.bytes_read += sum(len(b) for b in blocks)
+        found = list(zip(load.reads, blocks, strict=False))
+        self.num_hits += len(found)
+        self.bytes_read += sum(len(row) for _, row in found)
         request = load.request
-        skipped, block_ids = self.kv_manager.cache_blocks(
+        block_ids = self.kv_manager.cache_blocks(
             request.prompt_token_ids,
             salt=request.params.cache_salt,
-            first_block=load.first_block,
-            num_blocks=len(blocks),
+            blocks=[(read.group, read.index) for read, _ in found],
         )
         self.save_evicted()  # the blocks just taken may have been evicted: out before written
-        if block_ids:
-            rows = blocks[skipped : skipped + len(block_ids)]
-            data = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for row in rows])
-            self.kv_cache.write_blocks(block_ids, data)
+        placed = [(b, row) for b, (_, row) in zip(block_ids, found, strict=True) if b is not None]
+        if placed:
+            data = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for _, row in placed])
+            self.kv_cache.write_blocks([b for b, _ in placed], data)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop waiting for `request_id`'s blocks; its request, or None if not waiting."""
@@ -280,9 +277,6 @@ def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache, tp_size: i
     if tp_size > 1:
         logger.warning("prefix_cache_dir: not supported with tensor parallelism; tier off")
         return False
-    if kv_cache.groups.num_groups > 1:
-        logger.warning("prefix_cache_dir: not supported with KV cache groups; tier off")
-        return False
     return True
 
 
@@ -308,8 +302,11 @@ def namespace_description(
     config: EngineConfig, kv_cache: PagedKVCache, *, rank: int, tp_size: int
 ) -> dict[str, Any]:
     """What makes two processes' KV blocks interchangeable: the model's files, the KV
-    dtype and layout, the block size and the tensor-parallel rank."""
-    return {
+    dtype and layout (with KV cache groups, the layers a block holds), the block size and
+    the tensor-parallel rank."""
+    groups = kv_cache.groups
+    layout = {"kv_cache_groups": [list(g) for g in groups.layers]} if groups.num_groups > 1 else {}
+    return layout | {
         "format": _FORMAT,
         "model": model_identity(config.model_path),
         "dtype": config.dtype,

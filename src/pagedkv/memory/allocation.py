@@ -8,8 +8,9 @@ from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import OutOfBlocks
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.content_hash import chain_start
 from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks, first_needed_block
-from pagedkv.memory.prefix import ChainRoot, group_root
+from pagedkv.memory.prefix import ChainRoot, PrefixName
 from pagedkv.memory.sequence import SeqState
 
 
@@ -47,19 +48,21 @@ def new_groups(
     num_fresh: int,
     root: ChainRoot,
     anchor: int,
-    uids: list[int],
+    uids: list[PrefixName],
+    hashed: bool = False,
 ) -> list[GroupBlocks]:
     """A new sequence's blocks, per group: NULL_BLOCK before its `used` hits, then
     `num_fresh` fresh blocks; the first `num_hits` blocks count as keyed, the `anchor`
-    group's chain going on from the last hit's uid (``uids[-1]``, else the chain's `root`);
-    `SeqState.key_full_blocks` keys the rest."""
+    group's chain going on from the last hit's name (``uids[-1]``, else its `chain_start`,
+    by content hash if `hashed`); `SeqState.key_full_blocks` keys the rest."""
     groups = []
     for g, group_used in enumerate(used):
         num_null = num_hits - len(group_used)
         block_ids = array("i", [NULL_BLOCK]) * num_null + array("i", group_used)
         block_ids += pool.allocate(num_fresh)
-        chain_uid = uids[-1] if g == anchor and uids else group_root(root, g)
-        groups.append(GroupBlocks(block_ids, num_hits, chain_uid, num_null))
+        is_hashed = hashed and g == anchor
+        chain_uid = uids[-1] if g == anchor and uids else chain_start(root, g, is_hashed)
+        groups.append(GroupBlocks(block_ids, num_hits, chain_uid, num_null, hashed=is_hashed))
     return groups
 
 

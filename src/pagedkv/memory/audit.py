@@ -8,8 +8,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.content_hash import chain_start, content_names
 from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks
-from pagedkv.memory.prefix import ChainRoot, PrefixIndex, group_root
+from pagedkv.memory.prefix import PrefixIndex
 from pagedkv.memory.sequence import SeqState, table_of
 
 
@@ -26,17 +27,17 @@ def _check_keys(
     index: PrefixIndex, block_size: int, seq_id: object, seq: SeqState, g: int, anchor: int
 ) -> None:
     """Each indexed block of the sequence's group `g` holds exactly its key's tokens and
-    parent: in the `anchor` group its predecessor's uid (the group's chain root for the
-    first block), in another group ``(g, anchor uid of the prefix through it)``."""
-    tokens, group = seq.token_ids, seq.groups[g]
-    assert len(seq.prefix_uids) == group.num_keyed, (
-        f"{seq_id!r}: {len(seq.prefix_uids)} prefix uids for {group.num_keyed} keyed blocks"
+    parent: in the `anchor` group the name of the prefix before it (the group's chain start
+    for the first block), in another group ``(g, anchor's name of the prefix through it)``;
+    the anchor's names are its entries' uids, or (`hashed`) the content hashes."""
+    tokens, group, names = seq.token_ids, seq.groups[g], seq.prefix_uids
+    assert len(names) == group.num_keyed, (
+        f"{seq_id!r}: {len(names)} prefix names for {group.num_keyed} keyed blocks"
     )
-    parent_uid: ChainRoot | None = group_root(seq.chain_root, g)
+    start = chain_start(seq.chain_root, g, group.hashed)
     for i, b in enumerate(group.block_ids):
         entry = index.block_entries[b] if b != NULL_BLOCK else None
         if entry is None:
-            parent_uid = None
             continue
         _, uid, (key_parent, key_tokens) = entry
         assert i < len(tokens) // block_size, (
@@ -46,18 +47,15 @@ def _check_keys(
         assert key_tokens == expected, (
             f"{seq_id!r}: block {b} (position {i}) is indexed under other tokens"
         )
-        if g != anchor:
-            parent_uid = (g, seq.prefix_uids[i])
-        assert parent_uid is None or key_parent == parent_uid, (
+        parent = (g, names[i]) if g != anchor else names[i - 1] if i else start
+        assert key_parent == parent, (
             f"{seq_id!r}: block {b} (position {i}) of group {g} chains from "
-            f"{key_parent}, expected {parent_uid}"
+            f"{key_parent!r}, expected {parent!r}"
         )
-        parent_uid = uid
-        if g == anchor:
-            assert uid == seq.prefix_uids[i], (
-                f"{seq_id!r}: block {b} (position {i}) has uid {uid}, the prefix is named "
-                f"{seq.prefix_uids[i]}"
-            )
+        name = content_names(parent, [key_tokens]) if group.hashed else [uid]
+        assert g != anchor or name in ([], [names[i]]), (
+            f"{seq_id!r}: block {b} (position {i}) is named {name}, the prefix {names[i]!r}"
+        )
 
 
 def _check_swapped(seq_id: object, seq: SeqState, block_size: int, holders: list[int]) -> None:

@@ -10,9 +10,15 @@ so two blocks share a hash only if their whole prefixes and salts are equal (up 
 sha256 collision, which the tier still catches: it stores and compares the tokens and the
 parent's hash). Only blocks whose tokens pack as int32 (`PrefixIndex.pack`) get a hash.
 
+The same hashes name the prefixes of a sliding-window anchor group in memory (see
+`chain_start`): its block i is keyed under the hash of blocks 0 .. i-1, found from the
+tokens alone.
+
 `ContentHashes` follows the index: the hash of every indexed block is computed when the
 block is indexed (its parent's hash is known then), and a block the pool evicts is queued
-with its hash for the engine to save before the block is written again.
+with its hash for the engine to save before the block is written again. With several KV
+cache groups the anchor group's block holds the prefix's hash; group g's block for the same
+prefix gets `group_hash` of it, its parent being the prefix's hash.
 
 Standard library only.
 """
@@ -20,9 +26,19 @@ Standard library only.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.memory.prefix import ROOT_UID, BlockKey, ChainRoot, Entry
+from pagedkv.memory.block_tokens import BlockTokens
+from pagedkv.memory.prefix import (
+    ROOT_UID,
+    BlockKey,
+    ChainRoot,
+    Entry,
+    PrefixIndex,
+    PrefixName,
+    group_root,
+)
 
 HASH_BYTES = 32
 
@@ -37,6 +53,40 @@ def root_hash(root: ChainRoot) -> bytes:
         return hashlib.sha256(b"pagedkv.salt\0" + root.encode("utf-8", "surrogatepass")).digest()
     assert root == ROOT_UID, f"a chain roots at ROOT_UID or a salt, got {root!r}"
     return hashlib.sha256(b"pagedkv.root").digest()
+
+
+def group_hash(group: int, prefix_hash: bytes) -> bytes:
+    """The hash naming KV cache group `group`'s block of the prefix hashed `prefix_hash`
+    (the anchor group's block is named by `prefix_hash` itself)."""
+    return hashlib.sha256(b"pagedkv.group\0" + group.to_bytes(4, "little") + prefix_hash).digest()
+
+
+def chain_start(root: ChainRoot, group: int, hashed: bool) -> ChainRoot:
+    """The parent of the key of group `group`'s first block: `root_hash` of `root` in a
+    group whose prefixes are named by content (`hashed`), else `group_root`."""
+    return root_hash(root) if hashed else group_root(root, group)
+
+
+def next_name(index: PrefixIndex, parent: ChainRoot, tokens: BlockTokens) -> PrefixName:
+    """The content name of the prefix `parent` + `tokens`: their chained hash, or a fresh uid
+    (reached by no lookup) when either is not bytes (tokens that do not pack as int32)."""
+    if isinstance(parent, bytes) and isinstance(tokens, bytes):
+        return hashlib.sha256(parent + tokens).digest()
+    return index.fresh_uid()
+
+
+def content_names(start: ChainRoot, keys: Sequence[BlockTokens]) -> list[bytes]:
+    """The content names of the prefixes through each leading block of `keys` (block tokens
+    from `PrefixIndex.keys_of`) chained from `start`: up to the first block that does not
+    pack as int32 (`next_name` gives it a fresh uid, which no lookup reaches)."""
+    names: list[bytes] = []
+    parent = start
+    for tokens in keys:
+        if not isinstance(parent, bytes) or not isinstance(tokens, bytes):
+            break
+        parent = hashlib.sha256(parent + tokens).digest()
+        names.append(parent)
+    return names
 
 
 def chain_hashes(packed: bytes, block_size: int, root: ChainRoot, num_blocks: int) -> list[bytes]:
@@ -95,16 +145,28 @@ class ContentHashes:
         parent, tokens = key
         if not isinstance(tokens, bytes):
             return
+        # ``(group, root)`` starts an anchor chain outside group 0; ``(group, name)`` keys
+        # another group's block of the prefix `name` (a uid > ROOT_UID, or a hash).
+        if isinstance(parent, tuple) and (isinstance(parent[1], str) or parent[1] == ROOT_UID):
+            parent = parent[1]
         if isinstance(parent, tuple):
-            return  # a later KV cache group's chain: the tier keeps one group only
-        if isinstance(parent, str) or parent == ROOT_UID:
-            parent_hash = root_hash(parent)
-        else:
-            known = self._hashes.get(parent)
-            if known is None:
-                return
-            parent_hash = known[0]
-        self._hashes[uid] = (hashlib.sha256(parent_hash + tokens).digest(), parent_hash)
+            prefix_hash = self._hash_of_name(parent[1])
+            if prefix_hash is not None:
+                self._hashes[uid] = (group_hash(parent[0], prefix_hash), prefix_hash)
+            return
+        parent_hash = self._hash_of_name(parent)
+        if parent_hash is not None:
+            self._hashes[uid] = (hashlib.sha256(parent_hash + tokens).digest(), parent_hash)
+
+    def _hash_of_name(self, name: int | str | bytes) -> bytes | None:
+        """The content hash of the prefix named `name`: a chain root's, a content name
+        itself, an indexed entry's (None: not hashed)."""
+        if isinstance(name, bytes):
+            return name
+        if isinstance(name, str) or name == ROOT_UID:
+            return root_hash(name)
+        known = self._hashes.get(name)
+        return None if known is None else known[0]
 
     def evict(self, entry: Entry) -> None:
         """The pool evicted `entry`'s block: queue it (if hashed) and forget its hash."""

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.memory.block_pool import BlockPool
-from pagedkv.memory.prefix import BlockTokens, ChainRoot, PrefixIndex
+from pagedkv.memory.block_tokens import BlockTokens
+from pagedkv.memory.content_hash import next_name
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex, PrefixName
 
 # A block table entry of a block that slid out of its group's window.
 NULL_BLOCK = -1
@@ -87,12 +89,12 @@ def anchor_group(windows: Sequence[int | None]) -> int:
     """The group whose blocks are keyed as a chain from the prompt's root: the first
     full-attention group, else (every group sliding) the one with the widest window.
 
-    A prefix hit spans the anchor's chain of cached blocks from the root; every other group
-    keys block i under the anchor's uid for the prefix through block i, so it needs only the
-    blocks its window reaches at the hit point. With no full-attention group the anchor's
-    own chain still needs every block from the root: a slid-out block that was evicted ends
-    the hits there (a name for a prefix that outlives its block would have to be kept
-    without bound).
+    A full-attention anchor names the prefix through block i by its entry's uid, so a hit
+    spans its chain of cached blocks from the root; every other group keys block i under
+    that name, so it needs only the blocks its window reaches at the hit point. With no
+    full-attention group the anchor names prefixes by their content hash instead
+    (`pagedkv.memory.content_hash.chain_start`): a name computed from the tokens alone, so
+    the anchor too needs only the blocks its window reaches, evicted ones before it aside.
     """
     if None in windows:
         return windows.index(None)
@@ -123,13 +125,15 @@ class GroupBlocks:
 
     # Device blocks in logical order; the leading `num_dropped` are NULL_BLOCK (slid out).
     block_ids: array[int]
-    # Leading full blocks already offered to the prefix index, and the uid naming the
-    # prefix through the last of them (the parent of the next full block's key).
+    # Leading full blocks already offered to the prefix index, and the name of the prefix
+    # through the last of them (the parent of the next full block's key).
     num_keyed: int
     chain_uid: ChainRoot
     num_dropped: int = 0
     # The held blocks (those after the dropped ones) while swapped out, else None.
     host_block_ids: array[int] | None = None
+    # Whether this (anchor) group names prefixes by content hash, not by entry uid.
+    hashed: bool = False
 
     @property
     def held(self) -> array[int]:
@@ -172,12 +176,15 @@ class GroupBlocks:
         self.num_dropped = first_needed
         return True
 
-    def key_chain(self, index: PrefixIndex, keys: Sequence[BlockTokens], uids: list[int]
+    def key_chain(self, index: PrefixIndex, keys: Sequence[BlockTokens], uids: list[PrefixName]
                   ) -> None:  # fmt: skip
         """Key the full blocks from `num_keyed` on (`keys`, one per block) as a chain, and
-        append each one's uid (the prefix through it) to `uids`. Blocks that slid out before
-        they were keyed break the chain: the rest chain from a fresh uid, which no lookup
-        reaches (the blocks of the gap get it too)."""
+        append each one's name (of the prefix through it) to `uids`. By uid, blocks that slid
+        out before they were keyed break the chain: the rest chain from a fresh uid, which no
+        lookup reaches (the blocks of the gap get it too)."""
+        if self.hashed:
+            self._key_hashed(index, keys, uids)
+            return
         start = self.num_keyed
         if start < self.num_dropped:
             num_gap = self.num_dropped - start
@@ -188,13 +195,28 @@ class GroupBlocks:
         self.chain_uid = index.insert_keys(self.chain_uid, keys, self.block_ids[start:end], uids)
         self.num_keyed = end
 
-    def key_under(self, index: PrefixIndex, keys: Sequence[BlockTokens], uids: Sequence[int],
-                  group: int) -> None:  # fmt: skip
+    def _key_hashed(self, index: PrefixIndex, keys: Sequence[BlockTokens],
+                    names: list[PrefixName]) -> None:  # fmt: skip
+        """`key_chain` by content: block i keyed under the name of blocks 0 .. i-1, held
+        blocks only (a slid-out block's name is still computed from its tokens)."""
+        start, parent = self.num_keyed, self.chain_uid
+        parents: list[ChainRoot] = []
+        for tokens in keys:
+            parents.append(parent)
+            parent = next_name(index, parent, tokens)
+            names.append(parent)
+        first = max(start, self.num_dropped) - start
+        end = start + len(keys)
+        index.insert_under(parents[first:], keys[first:], self.block_ids[start + first : end])
+        self.chain_uid, self.num_keyed = parent, end
+
+    def key_under(self, index: PrefixIndex, keys: Sequence[BlockTokens],
+                  uids: Sequence[PrefixName], group: int) -> None:  # fmt: skip
         """Key the held full blocks from `num_keyed` on (`keys`, one per block), block i
         under ``(group, uids[i])``: the anchor group's name of the prefix through it, so a
         lookup needs only the blocks its window reaches (see `anchor_group`)."""
         start, end = self.num_keyed, self.num_keyed + len(keys)
         first = max(start, self.num_dropped)
-        parents = [(group, uid) for uid in uids[first:end]]
+        parents: list[ChainRoot] = [(group, uid) for uid in uids[first:end]]
         index.insert_under(parents, keys[first - start :], self.block_ids[first:end])
         self.num_keyed = end

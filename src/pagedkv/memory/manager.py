@@ -31,8 +31,9 @@ from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import ContentHashes
 from pagedkv.memory.groups import anchor_group, first_needed_block
-from pagedkv.memory.lookups import PrefixLookups, hit_uids, window_hits
-from pagedkv.memory.prefix import PrefixIndex, chain_root, group_root
+from pagedkv.memory.loaded_blocks import cache_loaded
+from pagedkv.memory.lookups import PrefixLookups, window_hits
+from pagedkv.memory.prefix import ChainRoot, PrefixIndex, chain_root
 from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
 
 
@@ -82,8 +83,6 @@ class KVCacheManager:
         self._index = PrefixIndex(num_blocks) if enable_prefix_caching else None
         # Content hashes of the cached blocks, and the evicted ones queued (`hash_contents`).
         self.content_hashes: ContentHashes | None = None
-        if hash_contents and len(self.windows) > 1:
-            raise ValueError(f"hash_contents: expected one KV cache group, got {len(self.windows)}")
         if hash_contents and self._index is not None:
             self.content_hashes = self._index.content = ContentHashes(self._index.block_entries)
         self._pool = BlockPool(num_blocks, self._index)
@@ -95,8 +94,10 @@ class KVCacheManager:
         self._anchor = anchor_group(self.windows)
         # The last `window_hits` answer: (token list, anchor hits, state, per-group hits).
         self._window_memo: tuple[Any, ...] | None = None
+        # A sliding anchor (no full-attention group) names prefixes by content.
         self._lookups = [
-            PrefixLookups(self._index, self._pool, block_size, g) for g in range(len(windows))
+            PrefixLookups(self._index, self._pool, block_size, g, w if g == self._anchor else None)
+            for g, w in enumerate(self.windows)
         ]
 
     @property
@@ -161,9 +162,12 @@ class KVCacheManager:
 
     def _hits(self, token_ids: Sequence[Any], salt: str | None) -> list[list[int]]:
         """Per group, the cached blocks `allocate` would reuse now."""
-        return self._group_hits(token_ids, self._lookups[self._anchor].hits(token_ids, salt))
+        anchor_hits = self._lookups[self._anchor].hits(token_ids, salt)
+        return self._group_hits(token_ids, anchor_hits, chain_root(salt))
 
-    def _group_hits(self, token_ids: Sequence[Any], anchor_hits: list[int]) -> list[list[int]]:
+    def _group_hits(
+        self, token_ids: Sequence[Any], anchor_hits: list[int], root: ChainRoot
+    ) -> list[list[int]]:
         """Per group, the hits after the anchor group's `anchor_hits` (see `window_hits`)."""
         index = self._index
         if len(self.windows) == 1 or not anchor_hits or index is None:
@@ -175,8 +179,11 @@ class KVCacheManager:
         if memo is not None and memo[0] is token_ids and memo[1] is anchor_hits:
             if memo[2] == state:
                 return memo[3]
+        lookups = self._lookups[self._anchor]
+        start = lookups.chain_start(root)
+        names = lookups.names(token_ids, anchor_hits, start)
         hits = window_hits(
-            index, token_ids, anchor_hits, self.windows, self._anchor, self.block_size
+            index, token_ids, anchor_hits, names, start, self.windows, self._anchor, self.block_size
         )
         self._window_memo = (token_ids, anchor_hits, state, hits)
         return hits
@@ -259,9 +266,10 @@ class KVCacheManager:
             raise ValueError("allocate: expected at least one token, got an empty prompt")
         # One pass over the prompt in the anchor group: its cached blocks and the keys after.
         root, anchor, block_size = chain_root(salt), self._anchor, self.block_size
-        anchor_root = group_root(root, anchor)
-        anchor_hits, _, keys = self._lookups[anchor].lookup(tokens, anchor_root, use_prefix_cache)
-        hits = self._group_hits(tokens, anchor_hits)
+        lookups = self._lookups[anchor]
+        anchor_root = lookups.chain_start(root)
+        anchor_hits, _, keys = lookups.lookup(tokens, anchor_root, use_prefix_cache)
+        hits = self._group_hits(tokens, anchor_hits, root)
         num_hits = len(hits[anchor])
         num_fresh = -(-len(tokens) // block_size) - num_hits
         used = used_hits(self.windows, hits, num_hits, block_size)
@@ -269,8 +277,10 @@ class KVCacheManager:
         # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
         for group_hits in used:
             self._pool.touch(group_hits)
-        uids = hit_uids(index, hits[anchor]) if index is not None else []
-        groups = new_groups(self._pool, used, num_hits, num_fresh, root, anchor, uids)
+        uids = lookups.names(tokens, hits[anchor], anchor_root) if index is not None else []
+        groups = new_groups(
+            self._pool, used, num_hits, num_fresh, root, anchor, uids, lookups.hashed
+        )
         if index is not None and use_prefix_cache:  # the counts of prefix lookups
             self._counts.prefix_cache_queries += len(tokens)
             self._counts.prefix_cache_hits += num_hits * self.block_size
@@ -399,13 +409,12 @@ class KVCacheManager:
         return copies
 
     def cache_blocks(
-        self, token_ids: Sequence[Any], *, salt: str | None, first_block: int, num_blocks: int
-    ) -> tuple[int, list[int]]:
-        """Index fresh blocks as cached blocks holding full blocks ``first_block ..
-        first_block + num_blocks - 1`` of `token_ids` (KV loaded from elsewhere), as
-        `PrefixLookups.cache_blocks` does. Returns ``(skipped, block_ids)``."""
-        lookups = self._lookups[0]  # a tier's blocks: one group only (`hash_contents`)
-        return lookups.cache_blocks(token_ids, chain_root(salt), first_block, num_blocks)
+        self, token_ids: Sequence[Any], *, salt: str | None, blocks: Sequence[tuple[int, int]]
+    ) -> list[int | None]:
+        """Index fresh blocks as cached blocks holding the full blocks ``(group, block
+        index)`` of `token_ids` (KV loaded from elsewhere), as `cache_loaded` does. Returns
+        per pair the block to write its KV into, or None where none was taken."""
+        return cache_loaded(self._lookups[self._anchor], token_ids, chain_root(salt), blocks)
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.

@@ -12,11 +12,8 @@ block chains from a uid of the salted chain), while prompts with the same salt s
 unsalted ones do. The salt is part of the key itself, compared in full on every hit like the
 tokens, so two salts whose hashes collide still never share a block.
 
-``block_tokens`` is canonical for the block's tokens alone: the bytes of the tokens packed as
-int32 when every token is an int that fits (the usual case), else the tuple of the tokens
-(a bytes key never equals a tuple key). Packing a whole prompt is one ``struct`` call and
-cutting it into blocks another; bytes compare with ``memcmp``, so every token of a hit is
-still compared with the cached one, at C speed.
+``block_tokens`` is the block's tokens in canonical form (`pagedkv.memory.block_tokens`):
+int32 bytes, compared with ``memcmp``, so every token of a hit is compared with the cached one.
 
 The key is the dict key itself, so a lookup compares the stored tokens and parent uid with the
 prompt's (Python's dict checks equality after the hash matches): two prompts whose keys hash
@@ -24,7 +21,12 @@ alike can never share a block. The hash is only an index.
 
 With several KV cache groups only the anchor group's blocks chain (see
 `pagedkv.memory.groups.anchor_group`); another group's block is keyed `insert_under` the pair
-``(group, anchor uid of the same prefix)``: found by `block_of` without a walk.
+``(group, anchor's name of the same prefix)``: found by `block_of` without a walk.
+
+A sliding-window anchor (no full-attention group) names prefixes by content instead
+(`pagedkv.memory.content_hash`): its block i is keyed ``(hash of blocks 0 .. i-1,
+block_tokens)`` with `insert_under`, so a lookup (`pagedkv.memory.lookups`) finds it from
+the prompt's tokens alone, with no walk through blocks that slid out and were evicted.
 
 Spans make a repeated hit cost less than one dict lookup per block: once a lookup has walked
 ``span_blocks`` aligned blocks of a chain, the next one matches them at once, comparing the
@@ -37,18 +39,20 @@ Standard library only.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any, Protocol
+
+from pagedkv.memory.block_tokens import BlockPacker, BlockTokens
 
 # The uid a sequence's first block chains from; entries get uids 1, 2, 3, ...
 ROOT_UID = 0
 
-# The parent of a chain's first block: ROOT_UID, or a salt; ``(group, either)`` in a KV
-# cache group after the first.
-ChainRoot = int | str | tuple[int, int | str]
-BlockTokens = bytes | tuple[Any, ...]
+# The name of a prefix: an entry's uid, or (a sliding anchor's) the content hash of its blocks.
+PrefixName = int | bytes
+# The parent of a block's key: ROOT_UID, a salt or a prefix's name; ``(group, any of these)``
+# in a KV cache group other than the anchor (or after the first).
+ChainRoot = int | str | bytes | tuple[int, int | str | bytes]
 BlockKey = tuple[ChainRoot, BlockTokens]
 # (block_id, uid, key): one tuple per indexed block, never reused (its uid is fresh).
 Entry = tuple[int, int, BlockKey]
@@ -67,8 +71,6 @@ class EntryObserver(Protocol):
 # Blocks matched by one span lookup (see PrefixIndex._spans): 16 blocks of 16 tokens are 256
 # tokens, shorter than most system prompts; longer spans save little more per block.
 SPAN_BLOCKS = 16
-# Cached struct formats, per length; cleared past this many (lengths are bounded by prompts).
-_MAX_FORMATS = 4096
 
 
 def chain_root(salt: str | None) -> ChainRoot:
@@ -83,21 +85,7 @@ def group_root(root: ChainRoot, group: int) -> ChainRoot:
     return root if group == 0 else (group, root)  # type: ignore[return-value]
 
 
-def iter_full_blocks(
-    token_ids: Sequence[Any], block_size: int, start: int = 0, stop: int | None = None
-) -> Iterator[tuple[Any, ...]]:
-    """Yield the token tuples of full blocks ``start <= i < stop`` (stop None: every full
-    block), each exactly ``block_size`` tokens (a partial last block is skipped)."""
-    num_full = len(token_ids) // block_size
-    stop = num_full if stop is None else min(stop, num_full)
-    if stop <= start:
-        return iter(())
-    # zip over one iterator taken block_size times cuts the list into tuples in C.
-    tokens = iter(token_ids[start * block_size : stop * block_size])
-    return zip(*[tokens] * block_size, strict=False)
-
-
-class PrefixIndex:
+class PrefixIndex(BlockPacker):
     """Map chained block keys to the blocks that hold them.
 
     Invariants (checked by `check`): each entry's block points back at the entry's key
@@ -107,12 +95,12 @@ class PrefixIndex:
     same text) are not indexed; they share the first entry's uid as their chain position.
     """
 
-    __slots__ = ("_entries", "block_entries", "_next_uid", "_spans", "span_blocks", "_packers",
-                 "_splitters", "content")  # fmt: skip
+    __slots__ = ("_entries", "block_entries", "_next_uid", "_spans", "span_blocks", "content")
 
     def __init__(self, num_blocks: int, span_blocks: int = SPAN_BLOCKS) -> None:
         if span_blocks < 2:
             raise ValueError(f"span_blocks: expected >= 2, got {span_blocks}")
+        super().__init__()
         # key -> (block_id, uid, key); one Python tuple per cached block (the index, not the
         # pool). An entry compares equal only to itself (its uid is never reused).
         self._entries: dict[BlockKey, Entry] = {}
@@ -125,70 +113,11 @@ class PrefixIndex:
         # `span_blocks` >= 2 (tests lower it).
         self._spans: dict[BlockKey, tuple[Any, bytes, tuple[Entry, ...], list[int], ChainRoot]] = {}
         self.span_blocks = span_blocks
-        # struct.Struct per token count (packing) and per (block count, block bytes) (cutting).
-        self._packers: dict[int, struct.Struct] = {}
-        self._splitters: dict[tuple[int, int], struct.Struct] = {}
         # Content hashes of the entries, for a tier that outlives the process (None: off).
         self.content: EntryObserver | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    # ----- canonical block tokens -----------------------------------------------------------
-    def _pack(self, token_ids: Sequence[Any]) -> bytes | None:
-        """The tokens as int32 bytes, or None if one is not an int in int32 range."""
-        packer = self._packers.get(len(token_ids))
-        if packer is None:
-            if len(self._packers) >= _MAX_FORMATS:
-                self._packers.clear()
-            packer = self._packers[len(token_ids)] = struct.Struct(f"={len(token_ids)}i")
-        try:
-            return packer.pack(*token_ids)
-        except (struct.error, TypeError):
-            return None
-
-    def pack(self, token_ids: Sequence[Any]) -> bytes | None:
-        """The tokens as int32 bytes (see the module docstring), or None if one does not fit."""
-        return self._pack(token_ids)
-
-    def block_tokens(self, tokens: Sequence[Any]) -> BlockTokens:
-        """The canonical form of one block's tokens (int32 bytes, else a tuple)."""
-        packed = self._pack(tokens)
-        return tuple(tokens) if packed is None else packed
-
-    def _split(self, packed: bytes, width: int, start: int, stop: int) -> tuple[bytes, ...]:
-        """Blocks ``start <= i < stop`` of `packed` (`width` bytes each), cut in one C call."""
-        if stop <= start:
-            return ()
-        shape = (stop - start, width)
-        splitter = self._splitters.get(shape)
-        if splitter is None:
-            if len(self._splitters) >= _MAX_FORMATS:
-                self._splitters.clear()
-            splitter = self._splitters[shape] = struct.Struct(f"{width}s" * shape[0])
-        return splitter.unpack_from(packed, start * width)
-
-    def keys_of(
-        self, token_ids: Sequence[Any], block_size: int, start: int = 0
-    ) -> Sequence[BlockTokens]:
-        """Canonical tokens of the full blocks from block `start` on.
-
-        Returns:
-            One `block_tokens` per full block, equal to what `block_tokens` gives for each
-            block alone (so keys never depend on the rest of the prompt).
-        """
-        stop = len(token_ids) // block_size
-        if stop <= start:
-            return ()
-        packed = self._pack(token_ids[start * block_size : stop * block_size])
-        if packed is None:  # some block holds a non-int32 token: block by block
-            blocks = iter_full_blocks(token_ids, block_size, start)
-            if stop - start == 1:  # that block, whose packing just failed (a decode step's)
-                return list(blocks)
-            return [self.block_tokens(block) for block in blocks]
-        if stop - start == 1:  # a decode step's newly full block: nothing to cut
-            return (packed,)
-        return self._split(packed, 4 * block_size, 0, stop - start)
 
     # ----- lookups and updates --------------------------------------------------------------
     def match(
@@ -332,7 +261,7 @@ class PrefixIndex:
         parent_uid: ChainRoot,
         keys: Sequence[BlockTokens],
         block_ids: Sequence[int],
-        uids: list[int] | None = None,
+        uids: list[PrefixName] | None = None,
     ) -> ChainRoot:
         """Index consecutive blocks: ``block_ids[i]`` holds ``keys[i]`` (from `keys_of`).
 
@@ -443,7 +372,7 @@ class PrefixIndex:
             )
             chain = [e[2][0] for e in entries[1:]] + [last]
             assert chain == [e[1] for e in entries], (
-                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {last}"
+                f"prefix index: span at blocks {block_ids} is not one chain ending at uid {last!r}"
             )
         num_keyed = sum(key is not None for key in self.block_entries)
         assert num_keyed == len(self._entries), (

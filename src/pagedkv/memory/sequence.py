@@ -6,8 +6,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.memory.block_tokens import BlockTokens
+from pagedkv.memory.content_hash import chain_start
 from pagedkv.memory.groups import GroupBlocks
-from pagedkv.memory.prefix import ROOT_UID, BlockTokens, ChainRoot, PrefixIndex, group_root
+from pagedkv.memory.prefix import ROOT_UID, ChainRoot, PrefixIndex, PrefixName
 
 
 @dataclass(slots=True, eq=False)
@@ -27,9 +29,9 @@ class SeqState:
     # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
     chain_root: ChainRoot = ROOT_UID
 
-    # Per keyed full block, the anchor group's uid for the prefix through it (the parent
+    # Per keyed full block, the anchor group's name of the prefix through it (the parent
     # of the other groups' keys of that block, see `pagedkv.memory.groups.anchor_group`).
-    prefix_uids: list[int] = field(default_factory=list)
+    prefix_uids: list[PrefixName] = field(default_factory=list)
 
     def key_full_blocks(
         self,
@@ -56,7 +58,7 @@ class SeqState:
         again from the chain's root (after a swap-in or a reset of the index)."""
         self.prefix_uids = []
         for g, group in enumerate(self.groups):
-            group.num_keyed, group.chain_uid = 0, group_root(self.chain_root, g)
+            group.num_keyed, group.chain_uid = 0, chain_start(self.chain_root, g, group.hashed)
 
 
 class SequenceTable(dict[Hashable, SeqState]):
