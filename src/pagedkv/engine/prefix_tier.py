@@ -1,13 +1,14 @@
-"""The prefix cache's disk tier: evicted cached blocks saved to files, read back on a miss.
+"""The prefix cache's tiers below the pool: evicted cached blocks kept in host memory and
+in files, read back on a miss (`TieredStore`: host memory, then the disk).
 
 Three paths, none of them on the step's critical path but the copy out of evicted blocks:
 
 - save: the pool evicts a cached block when it needs a free one; the manager queues it
   with its content hash (`ContentHashes.pop_evicted`). Before the step's forward pass
   (or any copy into the pool) `save_evicted` copies those blocks' KV out in one gather
-  (`PagedKVCache.read_blocks`) and a writer thread stores the files (`BlockStore`).
+  (`PagedKVCache.read_blocks`) and a writer thread stores them (`TieredStore.write`).
 - load: `start_load` hashes a new request's full prompt blocks; if the next blocks after
-  its in-memory hits have files, a reader thread reads and verifies them while the request
+  its in-memory hits are in a tier, a reader thread reads and verifies them while the request
   waits outside the scheduler (other requests keep stepping). `pop_loaded` takes free pool
   blocks for the loaded ones, writes their KV (`PagedKVCache.write_blocks`) and indexes
   them as cached blocks; the request then enters the scheduler and hits them in memory.
@@ -29,6 +30,8 @@ import torch
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.cache.block_store import BlockStore
+from pagedkv.cache.host_store import HostStore
+from pagedkv.cache.tiered_store import TieredStore
 from pagedkv.config import EngineConfig
 from pagedkv.engine.model_identity import model_identity
 from pagedkv.engine.request import Request
@@ -51,20 +54,20 @@ class _Load:
 
     request: Request
     first_block: int
-    future: Future[list[bytearray]]
+    future: Future[list[torch.Tensor]]
 
 
 class PrefixTier:
-    """Saves evicted cached blocks to a `BlockStore` and loads them back for new prompts.
+    """Saves evicted cached blocks to a `TieredStore` and loads them back for new prompts.
 
     Args:
-        store: the block files.
+        store: host memory and/or block files.
         kv_manager: built with ``hash_contents=True``.
         kv_cache: the pool whose block ids `kv_manager` hands out.
     """
 
     def __init__(
-        self, store: BlockStore, kv_manager: KVCacheManager, kv_cache: PagedKVCache
+        self, store: TieredStore, kv_manager: KVCacheManager, kv_cache: PagedKVCache
     ) -> None:
         self.store = store
         self.kv_manager = kv_manager
@@ -81,8 +84,7 @@ class PrefixTier:
         self._writing: set[bytes] = set()
         self._pending_bytes = 0
         self.is_writable = True
-        self.num_hits = self.num_misses = self.num_dropped = 0
-        self.bytes_read = self.bytes_written = 0
+        self.num_dropped = 0
         self._packer = PrefixIndex(1)
 
     # ---- loads --------------------------------------------------------------------------
@@ -98,7 +100,7 @@ class PrefixTier:
         """Start reading the blocks of `request`'s prompt that follow its in-memory hits.
 
         Returns:
-            True if some are on disk: the request waits here (see `pop_loaded`); False if
+            True if some are in a tier: the request waits here (see `pop_loaded`); False if
             none is, so it goes to the scheduler now.
 
         Raises:
@@ -117,7 +119,6 @@ class PrefixTier:
         hashes = chain_hashes(packed, self.block_size, chain_root(salt), max_blocks)
         num = self.store.num_present(hashes[first:])
         if not num:
-            self.num_misses += 1
             return False
         parents = [root_hash(chain_root(salt)), *hashes][first : first + num]
         width = 4 * self.block_size
@@ -128,9 +129,9 @@ class PrefixTier:
 
     def _read(
         self, hashes: list[bytes], parents: list[bytes], blocks: list[bytes]
-    ) -> list[bytearray]:
+    ) -> list[torch.Tensor]:
         """The reader thread: the leading blocks that read back whole and verified."""
-        out: list[bytearray] = []
+        out: list[torch.Tensor] = []
         for content_hash, parent_hash, tokens in zip(hashes, parents, blocks, strict=True):
             data = self.store.read(content_hash, parent_hash, tokens)
             if data is None or len(data) != self.kv_cache.bytes_per_stored_block:
@@ -174,8 +175,6 @@ class PrefixTier:
             blocks = []
         if not blocks:  # a file gone or failing verification (counted by the store)
             return
-        self.num_hits += len(blocks)
-        self.bytes_read += sum(len(b) for b in blocks)
         request = load.request
         skipped, block_ids = self.kv_manager.cache_blocks(
             request.prompt_token_ids,
@@ -185,8 +184,7 @@ class PrefixTier:
         )
         self.save_evicted()  # the blocks just taken may have been evicted: out before written
         if block_ids:
-            rows = blocks[skipped : skipped + len(block_ids)]
-            data = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for row in rows])
+            data = torch.stack(blocks[skipped : skipped + len(block_ids)])
             self.kv_cache.write_blocks(block_ids, data)
 
     def abort(self, request_id: str) -> Request | None:
@@ -202,7 +200,7 @@ class PrefixTier:
         self._save(self._content.pop_evicted())
 
     def _save(self, evicted: list[EvictedBlock]) -> None:
-        """Copy `evicted` blocks out of the pool (one gather) and queue their files."""
+        """Copy `evicted` blocks out of the pool (one gather) and queue their writes."""
         if not self.is_writable:
             return
         with self._lock:
@@ -221,23 +219,32 @@ class PrefixTier:
         self._writer.submit(self._write, evicted, data)
 
     def _write(self, evicted: list[EvictedBlock], data: Any) -> None:
-        """The writer thread: one file per block; the first failure turns writes off."""
+        """The writer thread: one block at a time; the first failure turns writes off."""
         try:
             for block, row in zip(evicted, data, strict=True):
                 if self.is_writable:
-                    self.bytes_written += self.store.write(
-                        block.content_hash, block.parent_hash, block.tokens, row
-                    )
+                    self.store.write(block.content_hash, block.parent_hash, block.tokens, row)
         except OSError as exc:
-            self.is_writable = False
-            logger.warning(
-                "prefix cache dir %s: writing a block failed (%s); evicted blocks are no "
-                "longer saved", self.store.directory, exc,
-            )  # fmt: skip
+            self._write_failed(exc)
         finally:
             with self._lock:
                 self._writing.difference_update(block.content_hash for block in evicted)
                 self._pending_bytes -= data.nbytes
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.is_writable = False
+        logger.warning(
+            "prefix cache dir %s: writing a block failed (%s); evicted blocks are no "
+            "longer saved", self.store, exc,
+        )  # fmt: skip
+
+    def _spill(self) -> None:
+        """The writer thread at close: host memory's blocks to the disk."""
+        try:
+            if self.is_writable:
+                self.store.spill()
+        except OSError as exc:
+            self._write_failed(exc)
 
     def flush(self) -> None:
         """Wait for the queued writes (tests, shutdown)."""
@@ -246,42 +253,37 @@ class PrefixTier:
     # ---- life cycle and counters --------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Disk-tier counters: hits and misses in blocks, bytes, evictions, files held."""
-        return {
-            "prefix_cache_disk_hits": self.num_hits,
-            "prefix_cache_disk_misses": self.num_misses + self.store.num_failed_reads,
-            "prefix_cache_disk_bytes_read": self.bytes_read,
-            "prefix_cache_disk_bytes_written": self.bytes_written,
-            "prefix_cache_disk_evictions": self.store.num_evictions,
-            "prefix_cache_disk_blocks": len(self.store),
-            "prefix_cache_disk_dropped": self.num_dropped,
-        }
+        """Each tier's counters (`TieredStore.stats`) as ``prefix_cache_{tier}_{name}``,
+        and the evicted blocks dropped before reaching a tier."""
+        counters = {f"prefix_cache_{name}": value for name, value in self.store.stats().items()}
+        return counters | {"prefix_cache_disk_dropped": self.num_dropped}
 
     def stop_writes(self, why: str) -> None:
         """Save no more blocks (the pool may hold blocks whose KV was never written)."""
         if self.is_writable:
-            logger.warning(
-                "prefix cache dir %s: no longer saving blocks: %s", self.store.directory, why
-            )
+            logger.warning("prefix cache dir %s: no longer saving blocks: %s", self.store, why)
         self.is_writable = False
 
     def close(self) -> None:
-        """Save every cached block still in the pool, finish the writes, stop the threads."""
+        """Save every cached block still in the pool (host memory's blocks go on to the
+        disk), finish the writes, stop the threads."""
         self._save(self._content.indexed())
+        self._writer.submit(self._spill)
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
 
 
 def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache, tp_size: int) -> bool:
-    """Whether the disk tier `config.cache` asks for can run here (a logged warning when
-    it cannot: the engine serves without it)."""
-    if config.cache.prefix_cache_dir is None:
+    """Whether the tiers `config.cache` asks for can run here (a logged warning when they
+    cannot: the engine serves without them)."""
+    cache = config.cache
+    if cache.prefix_cache_dir is None and not cache.prefix_cache_host_size:
         return False
     if tp_size > 1:
-        logger.warning("prefix_cache_dir: not supported with tensor parallelism; tier off")
+        logger.warning("prefix cache tiers: not supported with tensor parallelism; off")
         return False
     if kv_cache.groups.num_groups > 1:
-        logger.warning("prefix_cache_dir: not supported with KV cache groups; tier off")
+        logger.warning("prefix cache tiers: not supported with KV cache groups; off")
         return False
     return True
 
@@ -289,19 +291,51 @@ def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache, tp_size: i
 def create_prefix_tier(
     config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache
 ) -> PrefixTier | None:
-    """The disk tier `config.cache` asks for (`prefix_tier_applies` said it can run), or
-    None: the directory is unusable (a logged warning; the engine serves without it)."""
+    """The tiers `config.cache` asks for (`prefix_tier_applies` said they can run), or
+    None: only a directory was asked for and it is unusable (a logged warning; the engine
+    serves without it).
+
+    Raises:
+        ValueError: `prefix_cache_host_size` holds no block.
+    """
+    host = create_host_store(config, kv_cache)
+    disk = create_block_store(config, kv_cache, rank=0, tp_size=1)
+    if host is None and disk is None:
+        return None
+    return PrefixTier(TieredStore(host, disk), kv_manager, kv_cache)
+
+
+def create_host_store(config: EngineConfig, kv_cache: PagedKVCache) -> HostStore | None:
+    """The host-memory tier `prefix_cache_host_size` asks for (None: 0), page-locked for a
+    pool on a GPU.
+
+    Raises:
+        ValueError: the size holds no block.
+    """
+    size = config.cache.prefix_cache_host_size
+    if not size:
+        return None
+    on_gpu = kv_cache.device.type == "cuda"
+    return HostStore(size, kv_cache.bytes_per_stored_block, pin_memory=on_gpu)
+
+
+def create_block_store(
+    config: EngineConfig, kv_cache: PagedKVCache, *, rank: int, tp_size: int
+) -> BlockStore | None:
+    """The block files of this rank's namespace under `prefix_cache_dir` (None: no
+    directory, or an unusable one, with a logged warning)."""
     directory = config.cache.prefix_cache_dir
-    assert directory is not None, "called only when prefix_tier_applies"
+    if directory is None:
+        return None
     try:
-        description = namespace_description(config, kv_cache, rank=0, tp_size=1)
+        description = namespace_description(config, kv_cache, rank=rank, tp_size=tp_size)
         text = json.dumps(description, sort_keys=True)
         namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
-        store = BlockStore(directory, namespace, config.cache.prefix_cache_disk_size, description)
+        size = config.cache.prefix_cache_disk_size
+        return BlockStore(directory, namespace, size, description)
     except OSError as exc:
         logger.warning("prefix cache dir %s is unusable (%s); serving without it", directory, exc)
         return None
-    return PrefixTier(store, kv_manager, kv_cache)
 
 
 def namespace_description(
