@@ -189,3 +189,31 @@ def test_processes_writing_one_directory_leave_only_whole_blocks(tmp_path) -> No
         h, parent, tokens, data = block(i, size=200_000)
         assert bytes(store.read(h, parent, tokens)) == data
     assert not list(tmp_path.glob("ns/*/*.tmp"))
+
+
+_FILLER = """
+import hashlib, struct, sys
+from pagedkv.cache.block_store import BlockStore
+root, namespace, capacity, first = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = BlockStore(root, namespace, capacity)
+for i in range(first, first + 40):  # distinct blocks, both processes at once
+    h = hashlib.sha256(b"block %d" % i).digest()
+    store.write(h, h, struct.pack("=4i", i, i, i, i), bytes(20_000))
+"""
+
+
+def test_processes_writing_one_directory_keep_its_one_budget(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    capacity = 30 * 20_200
+    fillers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILLER, str(tmp_path), name, str(capacity), str(first)]
+        )
+        for name, first in (("a", 0), ("b", 1000))
+    ]
+    assert [filler.wait(timeout=300) for filler in fillers] == [0, 0]
+    assert 0 < directory_bytes(tmp_path) <= capacity
+    # A file counted by a scan and then by its writer is counted twice, never less.
+    assert int((tmp_path / "budget").read_text()) >= directory_bytes(tmp_path)
