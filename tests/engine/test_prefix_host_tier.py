@@ -44,6 +44,7 @@ def test_blocks_evicted_while_serving_come_back_from_host_memory(model_dir, bloc
         metrics = ServerMetrics(llm.stats).render().decode()
     hits = stats["prefix_cache_host_hits"]
     assert hits > 0 and stats["prefix_cache_host_bytes_read"] == hits * block_bytes
+    assert stats["prefix_cache_host_misses"] >= len(prompts)  # the first pass found none
     assert "prefix_cache_disk_hits" not in stats
     assert f"pagedkv_prefix_cache_host_hits_blocks_total {float(hits)}" in metrics
     for name in ("misses", "read_bytes", "written_bytes", "evictions_blocks"):
