@@ -102,3 +102,21 @@ def test_an_aborted_load_leaves_the_ranks_in_step(model_dir, tmp_path) -> None:
         assert set(outputs) == {"loading"} and llm.stats()["prefix_cache_hits"] > 0
         again = one_by_one(llm, prompts[:1], params)  # the aborted prompt, loaded now
     assert_same_tokens_close_logprobs(cold, again + [outputs["loading"]])
+
+
+def test_each_rank_keeps_its_share_in_host_memory(model_dir) -> None:
+    params, prompts = SAMPLINGS["greedy"], make_prompts(34, 6)
+    with make_llm(model_dir, tensor_parallel_size=2, enable_prefix_caching=False) as llm:
+        cold = one_by_one(llm, prompts, params)
+    host = {"tensor_parallel_size": 2, "num_blocks": 16, "prefix_cache_host_size": "8MiB"}
+    with make_llm(model_dir, **host) as llm:
+        one_by_one(llm, prompts, params)  # a pool of 16 blocks: earlier prompts evicted
+        hits = llm.stats()["prefix_cache_hits"]
+        again = one_by_one(llm, prompts, params)
+        stats = llm.stats()
+    num_blocks = sum((len(p) - 1) // BLOCK_SIZE for p in prompts)
+    assert stats["prefix_cache_host_hits"] > 0
+    # Every prompt block hit again: those rank 0 and rank 1 both placed, and the few
+    # still in the pool (a block placed on rank 0 alone would not be hit).
+    assert stats["prefix_cache_hits"] - hits == num_blocks * BLOCK_SIZE, (stats, hits)
+    assert_same_tokens_close_logprobs(cold, again)
