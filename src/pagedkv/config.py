@@ -304,11 +304,17 @@ class CacheConfig:
     # A directory for evicted cached blocks (the disk tier), and its size in bytes.
     prefix_cache_dir: str | None = None
     prefix_cache_disk_size: int = 20 << 30
+    # Bytes of host memory for evicted cached blocks, a tier before the disk (0: none).
+    prefix_cache_host_size: int = 0
 
     def __post_init__(self) -> None:
         if self.prefix_cache_disk_size <= 0:
             raise ValueError(
                 f"prefix_cache_disk_size: expected > 0 bytes, got {self.prefix_cache_disk_size}"
+            )
+        if self.prefix_cache_host_size < 0:
+            raise ValueError(
+                f"prefix_cache_host_size: expected >= 0 bytes, got {self.prefix_cache_host_size}"
             )
         if self.block_size <= 0:
             raise ValueError(f"block_size: expected > 0, got {self.block_size}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import struct
@@ -68,13 +69,50 @@ def test_the_least_recently_used_files_go_past_the_capacity(tmp_path) -> None:
         store.write(*block(i))
     h0, p0, t0, _ = block(0)
     assert store.read(h0, p0, t0) is not None  # 0 is now the most recently used
-    store.write(*block(3))
-    assert store.num_evictions == 1 and len(store) == 3
-    assert store.contains(h0) and not store.contains(block(1)[0])
-    assert not os.path.exists(path_of(store, block(1)[0]))
+    store.write(*block(3))  # over: down to the low-water mark, so 1 and 2 go
+    assert store.num_evictions == 2 and len(store) == 2
+    assert store.contains(h0) and store.contains(block(3)[0])
+    for gone in (1, 2):
+        assert not store.contains(block(gone)[0])
+        assert not os.path.exists(path_of(store, block(gone)[0]))
     assert store.num_bytes <= capacity
     smaller = BlockStore(str(tmp_path), "ns", 2 * size)  # a restart with less room
     assert len(smaller) == 2 and smaller.contains(block(3)[0])
+
+
+def directory_bytes(root) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(str(root), "*", "*", "*.kvb")))
+
+
+def test_stores_sharing_a_directory_keep_one_budget_and_evict_each_others_files(
+    tmp_path,
+) -> None:
+    size = BlockStore(str(tmp_path / "probe"), "ns", 1 << 20).write(*block(0))
+    capacity = 10 * size
+    first = BlockStore(str(tmp_path / "tier"), "model-a", capacity)
+    second = BlockStore(str(tmp_path / "tier"), "model-b", capacity)
+    for i in range(8):  # 8 blocks of the first, the oldest
+        first.write(*block(i))
+    for i in range(100, 106):  # together past the capacity: the first's oldest go
+        second.write(*block(i))
+        assert directory_bytes(tmp_path / "tier") <= capacity
+    assert second.num_evictions > 0 and first.num_evictions == 0
+    assert not os.path.exists(path_of(first, block(0)[0]))
+    assert all(os.path.exists(path_of(second, block(i)[0])) for i in range(100, 106))
+    h0, p0, t0, _ = block(0)
+    assert first.read(h0, p0, t0) is None and not first.contains(h0)  # learnt: a miss
+    third = BlockStore(str(tmp_path / "tier"), "model-a", capacity)  # a restart counts anew
+    assert len(third) == len(glob.glob(os.path.join(first.directory, "*", "*.kvb")))
+
+
+def test_a_start_evicts_a_directory_other_processes_filled_past_its_capacity(tmp_path) -> None:
+    big = BlockStore(str(tmp_path), "a", 1 << 20)
+    size = big.write(*block(0))
+    for i in range(1, 6):
+        big.write(*block(i))
+    small = BlockStore(str(tmp_path), "b", 3 * size)  # a smaller budget for the directory
+    assert small.num_evictions >= 3 and directory_bytes(tmp_path) <= 3 * size
+    assert os.path.exists(path_of(big, block(5)[0]))  # the newest stay
 
 
 def test_a_block_another_process_wrote_is_found(tmp_path) -> None:
@@ -82,7 +120,7 @@ def test_a_block_another_process_wrote_is_found(tmp_path) -> None:
     second = BlockStore(str(tmp_path), "ns", 1 << 20)
     h, parent, tokens, data = block(4)
     second.write(h, parent, tokens, data)
-    assert first.num_present([h, block(5)[0]]) == 1
+    assert first.contains(h) and not first.contains(block(5)[0])
     assert bytes(first.read(h, parent, tokens)) == data
 
 
@@ -151,3 +189,31 @@ def test_processes_writing_one_directory_leave_only_whole_blocks(tmp_path) -> No
         h, parent, tokens, data = block(i, size=200_000)
         assert bytes(store.read(h, parent, tokens)) == data
     assert not list(tmp_path.glob("ns/*/*.tmp"))
+
+
+_FILLER = """
+import hashlib, struct, sys
+from pagedkv.cache.block_store import BlockStore
+root, namespace, capacity, first = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = BlockStore(root, namespace, capacity)
+for i in range(first, first + 40):  # distinct blocks, both processes at once
+    h = hashlib.sha256(b"block %d" % i).digest()
+    store.write(h, h, struct.pack("=4i", i, i, i, i), bytes(20_000))
+"""
+
+
+def test_processes_writing_one_directory_keep_its_one_budget(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    capacity = 30 * 20_200
+    fillers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILLER, str(tmp_path), name, str(capacity), str(first)]
+        )
+        for name, first in (("a", 0), ("b", 1000))
+    ]
+    assert [filler.wait(timeout=300) for filler in fillers] == [0, 0]
+    assert 0 < directory_bytes(tmp_path) <= capacity
+    # A file counted by a scan and then by its writer is counted twice, never less.
+    assert int((tmp_path / "budget").read_text()) >= directory_bytes(tmp_path)

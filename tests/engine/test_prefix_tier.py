@@ -192,8 +192,8 @@ def test_a_failing_write_turns_saving_off_and_serving_goes_on(model_dir, tmp_pat
     with caplog.at_level(logging.WARNING, logger=TIER_LOGGER):
         with make_llm(model_dir, num_blocks=16, prefix_cache_dir=str(tmp_path)) as llm:
             tier = llm.engine.prefix_tier
-            shutil.rmtree(tier.store.directory)  # a file in its place: every write fails
-            open(tier.store.directory, "w").close()
+            shutil.rmtree(tier.store.disk.directory)  # a file in its place: writes fail
+            open(tier.store.disk.directory, "w").close()
             served = one_by_one(llm, prompts, params)
             tier.flush()
             assert not tier.is_writable

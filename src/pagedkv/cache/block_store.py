@@ -16,10 +16,11 @@ that hash, parent and tokens are the ones asked for: anything else is a miss and
 is deleted. Processes sharing a directory never write the same temporary name, and a
 rename replaces a file atomically, so they do not corrupt each other's blocks.
 
-The index of what is on disk (name -> size, least recently used first) is rebuilt from the
-directory at start, oldest modification time first; a hit refreshes the file's time. Each
-process keeps the bytes it knows of within the capacity by deleting the least recently used
-files (blocks another process wrote after this one started are learnt when looked up).
+The index of what is on disk (name -> size) is read from the namespace at start; blocks
+other processes write later are learnt when looked up. The capacity is the directory's, all
+namespaces and processes together (`DirectoryBudget`): the least recently used files go,
+whichever process wrote them (a write stamps a file's time and a hit refreshes it). A file
+another process deleted stays in this index until a read of it fails (a miss).
 
 Standard library only.
 """
@@ -34,9 +35,10 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+from pagedkv.cache.disk_budget import DirectoryBudget
 
 _MAGIC = b"PKVB"
 _VERSION = 1
@@ -49,13 +51,14 @@ _STALE_TMP_SECONDS = 3600.0
 
 
 class BlockStore:
-    """Files of KV blocks under ``root/namespace``, at most `capacity` bytes (LRU).
+    """Files of KV blocks under ``root/namespace``; `root` holds at most `capacity` bytes
+    of them (LRU, shared with every store on `root`).
 
     Args:
         root: the directory (created if missing).
         namespace: a name for what makes KV comparable (model, dtype, block size, ...):
             blocks of other namespaces are never read.
-        capacity: bytes of files to keep at most (> 0).
+        capacity: bytes of block files to keep under `root` at most (> 0).
         description: written as ``namespace.json`` beside the blocks, for people.
 
     Raises:
@@ -71,18 +74,21 @@ class BlockStore:
         self.directory = os.path.join(root, namespace)
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, LRU first
+        self._files: dict[str, int] = {}  # name -> bytes
         self._tmp_names = itertools.count()
         self.num_bytes = 0
-        self.num_evictions = 0
+        self.num_evictions = 0  # files this process deleted for room (any namespace's)
         self.num_corrupt = 0
         self.num_failed_reads = 0  # corrupt, or gone since it was found
+        self.num_hits = self.num_misses = self.bytes_read = self.bytes_written = 0
         os.makedirs(self.directory, exist_ok=True)
         self._write_atomic(
             os.path.join(self.directory, "namespace.json"),
             [json.dumps(description or {}, indent=1, sort_keys=True).encode()],
         )
+        self._budget = DirectoryBudget(root, capacity)
         self._scan()
+        self._evicted(self._budget.rescan())
 
     # ----- the index ------------------------------------------------------------------------
 
@@ -90,8 +96,7 @@ class BlockStore:
         return os.path.join(self.directory, name[:2], name + _SUFFIX)
 
     def _scan(self) -> None:
-        """Index the block files on disk, least recently used first; drop dead temporaries."""
-        found: list[tuple[float, str, int]] = []
+        """Index the namespace's block files; drop dead temporaries."""
         for sub in os.scandir(self.directory):
             if not sub.is_dir():
                 continue
@@ -101,15 +106,11 @@ class BlockStore:
                 except OSError:
                     continue
                 if item.name.endswith(_SUFFIX):
-                    found.append((info.st_mtime, item.name[: -len(_SUFFIX)], info.st_size))
+                    self._files[item.name[: -len(_SUFFIX)]] = info.st_size
+                    self.num_bytes += info.st_size
                 elif item.name.endswith(".tmp") and _is_stale(item.name, info.st_mtime):
                     with contextlib.suppress(OSError):
                         os.unlink(item.path)
-        found.sort()
-        for _, name, size in found:
-            self._files[name] = size
-            self.num_bytes += size
-        self._evict_to(self.capacity)
 
     def __len__(self) -> int:
         return len(self._files)
@@ -130,26 +131,18 @@ class BlockStore:
                 self.num_bytes += size
         return True
 
-    def num_present(self, content_hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of `content_hashes` have a file."""
-        for i, content_hash in enumerate(content_hashes):
-            if not self.contains(content_hash):
-                return i
-        return len(content_hashes)
-
     def _forget(self, name: str) -> None:
         size = self._files.pop(name, None)
         if size is not None:
             self.num_bytes -= size
 
-    def _evict_to(self, budget: int) -> None:
-        """Delete least recently used files until the known bytes are within `budget`."""
-        while self.num_bytes > budget and self._files:
-            name, size = self._files.popitem(last=False)
-            self.num_bytes -= size
-            self.num_evictions += 1
-            with contextlib.suppress(OSError):
-                os.unlink(self._path(name))
+    def _evicted(self, paths: list[str]) -> None:
+        """Count the files the budget deleted; forget those of this namespace."""
+        with self._lock:
+            self.num_evictions += len(paths)
+            for path in paths:
+                if os.path.dirname(os.path.dirname(path)) == self.directory:
+                    self._forget(os.path.basename(path).removesuffix(_SUFFIX))
 
     # ----- writes and reads -----------------------------------------------------------------
 
@@ -184,7 +177,8 @@ class BlockStore:
             if name not in self._files:
                 self._files[name] = size
                 self.num_bytes += size
-            self._evict_to(self.capacity)
+            self.bytes_written += size
+        self._evicted(self._budget.add(size))
         return size
 
     def _write_atomic(self, path: str, parts: Sequence[Any]) -> int:
@@ -195,6 +189,7 @@ class BlockStore:
                 for part in parts:
                     file.write(part)
                 size = file.tell()
+            _touch(tmp)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -226,14 +221,15 @@ class BlockStore:
                 self._forget(name)
                 self.num_corrupt += 1
                 self.num_failed_reads += 1
-            elif name in self._files:
-                self._files.move_to_end(name)
+            else:
+                self.num_hits += 1
+                self.bytes_read += len(data)
         if data is None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return None
-        with contextlib.suppress(OSError):  # the least recently used order after a restart
-            os.utime(path)
+        with contextlib.suppress(OSError):  # the least recently used order, for every process
+            _touch(path)
         return data
 
 
@@ -255,6 +251,13 @@ def _verified(
     del raw[start + num_data :]
     del raw[:start]
     return raw
+
+
+def _touch(path: str) -> None:
+    """Stamp `path` with the time now, to the nanosecond: the file system's own stamps are
+    as coarse as the kernel's tick, which would tie blocks written in one burst."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _is_stale(name: str, mtime: float) -> bool:

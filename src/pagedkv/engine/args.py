@@ -94,7 +94,18 @@ class EngineArgs:
         metavar="DIR",
     )
     prefix_cache_disk_size: int | str = _option(
-        "20GiB", "bytes of block files kept in prefix_cache_dir (least recently used go)"
+        "20GiB",
+        "bytes of block files kept in prefix_cache_dir, by every process using it together "
+        "(least recently used go)",
+    )
+    # Off by default, as vLLM's --kv-offloading-size is (and LMCache's CPU buffer is sized
+    # by whoever turns LMCache on): the tier takes its host memory up front, page-locked
+    # on a GPU, which is the machine's owner to give. On the CPU the pool is host memory
+    # already, so a larger pool (kv_cache_memory) serves better than a tier beside it.
+    prefix_cache_host_size: int | str = _option(
+        0,
+        "host memory for cached blocks the pool evicts, a tier before prefix_cache_dir, "
+        "e.g. 8GiB (needs prefix caching; 0: off)",
     )
     preemption_mode: str = _option(
         "recompute",
@@ -155,6 +166,11 @@ class EngineArgs:
                 "prefix_cache_dir: expected enable_prefix_caching on (the tier holds cached "
                 f"blocks), got a directory {self.prefix_cache_dir!r} with prefix caching off"
             )
+        if self.prefix_cache_host_size and not self.enable_prefix_caching:
+            raise ValueError(
+                "prefix_cache_host_size: expected enable_prefix_caching on (the tier holds "
+                f"cached blocks), got {self.prefix_cache_host_size} bytes with it off"
+            )
         # The layer configs check their own ranges (block_size > 0, ...).
         self.create_cache_config()
         self.create_scheduler_config()
@@ -170,6 +186,7 @@ class EngineArgs:
             kv_cache_groups=self.kv_cache_groups,
             prefix_cache_dir=self.prefix_cache_dir,
             prefix_cache_disk_size=typing.cast(int, self.prefix_cache_disk_size),
+            prefix_cache_host_size=typing.cast(int, self.prefix_cache_host_size),
         )
 
     def create_scheduler_config(self) -> SchedulerConfig:

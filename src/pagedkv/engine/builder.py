@@ -20,7 +20,9 @@ from pagedkv.config import (
     SchedulerConfig,
 )
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.prefix_tier import create_rank_tier
 from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.engine.workers import (
     Launch,
     TensorParallelRunner,
@@ -81,8 +83,13 @@ def serve_rank(args: EngineArgs, launch: Launch) -> None:
     tp = join_group(launch, device, [])
     config = create_engine_config(args, ModelConfig.from_hf(args.model), device)
     runner = build_rank_runner(args, config, tp)
-    while (step := tp.broadcast_object()) is not None:
-        runner.execute(step)
+    tier = create_rank_tier(config, runner.kv_cache, tp)
+    while (message := tp.broadcast_object()) is not None:
+        if isinstance(message, SchedulerOutput):
+            runner.execute(message)
+        else:  # rank 0 sends tier messages only with its tier on, as this rank's is
+            assert tier is not None, f"a prefix cache tier message without a tier: {message}"
+            tier.handle(message)
     dist.destroy_process_group()
     tp.store.set(left_key(tp.rank), "1")  # rank 0 may leave now (`workers._shut_down`)
 

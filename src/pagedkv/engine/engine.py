@@ -49,7 +49,7 @@ class LLMEngine:
         """
         self.config = config
         self.runner = runner
-        tiered = prefix_tier_applies(config, runner.kv_cache, config.tensor_parallel_size)
+        tiered = prefix_tier_applies(config, runner.kv_cache)
         self.kv_manager = KVCacheManager(
             runner.kv_cache.num_blocks,
             config.cache.block_size,
@@ -58,9 +58,11 @@ class LLMEngine:
             windows=runner.kv_cache.groups.windows,
             hash_contents=tiered,
         )
-        # The disk tier of the prefix cache (None: off or unusable).
+        # The prefix cache's host and disk tiers (None: off or unusable).
         self.prefix_tier = (
-            create_prefix_tier(config, self.kv_manager, runner.kv_cache) if tiered else None
+            create_prefix_tier(config, self.kv_manager, runner.kv_cache, runner.model.tp)
+            if tiered
+            else None
         )
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len

@@ -1,18 +1,21 @@
-"""The prefix cache's disk tier: evicted cached blocks saved to files, read back on a miss.
+"""The prefix cache's tiers below the pool: evicted cached blocks kept in host memory and
+in files, read back on a miss (`TieredStore`: host memory, then the disk).
 
 Three paths, none of them on the step's critical path but the copy out of evicted blocks:
 
 - save: the pool evicts a cached block when it needs a free one; the manager queues it
   with its content hash (`ContentHashes.pop_evicted`). Before the step's forward pass
   (or any copy into the pool) `save_evicted` copies those blocks' KV out in one gather
-  (`PagedKVCache.read_blocks`) and a writer thread stores the files (`BlockStore`).
+  (`PagedKVCache.read_blocks`) and a writer thread stores them (`TieredStore.write`).
 - load: `start_load` hashes a new request's full prompt blocks; if the next blocks after
-  its in-memory hits have files, a reader thread reads and verifies them while the request
+  its in-memory hits are in a tier, a reader thread reads and verifies them while the request
   waits outside the scheduler (other requests keep stepping). `pop_loaded` takes free pool
   blocks for the loaded ones, writes their KV (`PagedKVCache.write_blocks`) and indexes
   them as cached blocks; the request then enters the scheduler and hits them in memory.
 - faults: an unusable directory at start, or a failed write (a full disk), is a logged
   warning; the engine keeps serving, without the tier or without its writes.
+- tensor parallelism: every rank stores its own heads' share of each block; rank 0 sends
+  each decision above to the others (`pagedkv.engine.rank_tier`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,19 +31,29 @@ import torch
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.cache.block_store import BlockStore
+from pagedkv.cache.host_store import HostStore
+from pagedkv.cache.tiered_store import TieredStore
 from pagedkv.config import EngineConfig
 from pagedkv.engine.model_identity import model_identity
+from pagedkv.engine.rank_tier import (
+    DropBlocks,
+    FetchBlocks,
+    RankTier,
+    SaveBlocks,
+    TierPeers,
+    WriteBlocks,
+    write_placed,
+)
 from pagedkv.engine.request import Request
+from pagedkv.engine.tier_io import TierIO
 from pagedkv.engine.tier_reads import BlockRead, plan_reads
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.content_hash import EvictedBlock
 from pagedkv.memory.prefix import PrefixIndex, chain_root
+from pagedkv.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# Bytes of evicted blocks copied out and not yet written; past it, evicted blocks are
-# dropped rather than let a slow disk grow the process.
-_MAX_PENDING_WRITE_BYTES = 256 << 20
 _FORMAT = 1
 _IDLE_WAIT_S = 0.05
 
@@ -52,39 +64,40 @@ class _Load:
 
     request: Request
     reads: list[BlockRead]
-    future: Future[list[bytearray]]
+    future: Future[list[torch.Tensor]]
 
 
 class PrefixTier:
-    """Saves evicted cached blocks to a `BlockStore` and loads them back for new prompts.
+    """Saves evicted cached blocks to a `TieredStore` and loads them back for new prompts.
 
     Args:
-        store: the block files.
+        store: host memory and/or block files.
         kv_manager: built with ``hash_contents=True``.
-        kv_cache: the pool whose block ids `kv_manager` hands out.
+        kv_cache: the pool whose block ids `kv_manager` hands out (rank 0's share).
+        peers: the other ranks' tiers under tensor parallelism (None: one rank).
     """
 
     def __init__(
-        self, store: BlockStore, kv_manager: KVCacheManager, kv_cache: PagedKVCache
+        self,
+        store: TieredStore,
+        kv_manager: KVCacheManager,
+        kv_cache: PagedKVCache,
+        peers: TierPeers | None = None,
     ) -> None:
         self.store = store
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
+        self.peers = peers
         assert kv_manager.content_hashes is not None, "the manager must hash contents"
         self._content = kv_manager.content_hashes
         self.block_size = kv_cache.block_size
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-write")
+        self.io = TierIO(store, kv_cache)
         self._loads: dict[str, _Load] = {}
-        # Hashes copied out whose files are not written yet, and their bytes (the writer
-        # thread removes what it wrote, under the lock).
-        self._lock = threading.Lock()
-        self._writing: set[bytes] = set()
-        self._pending_bytes = 0
-        self.is_writable = True
-        self.num_hits = self.num_misses = self.num_dropped = 0
-        self.bytes_read = self.bytes_written = 0
         self._packer = PrefixIndex(1)
+
+    @property
+    def is_writable(self) -> bool:
+        return self.io.is_writable
 
     # ---- loads --------------------------------------------------------------------------
 
@@ -99,7 +112,7 @@ class PrefixTier:
         """Start reading the blocks of `request`'s prompt that follow its in-memory hits.
 
         Returns:
-            True if some are on disk: the request waits here (see `pop_loaded`); False if
+            True if some are in a tier: the request waits here (see `pop_loaded`); False if
             none is, so it goes to the scheduler now.
 
         Raises:
@@ -118,22 +131,18 @@ class PrefixTier:
         windows = self.kv_manager.windows
         reads = plan_reads(windows, self.block_size, packed, chain_root(salt), first, max_blocks,
                            self.store.contains)  # fmt: skip
+        self.store.count_lookup([read.content_hash for read in reads])
         if not reads:
-            self.num_misses += 1
             return False
-        future = self._reader.submit(self._read, reads)
-        self._loads[request.request_id] = _Load(request, reads, future)
+        chain = (
+            [read.content_hash for read in reads],
+            [read.parent_hash for read in reads],
+            [read.tokens for read in reads],
+        )
+        self._loads[request.request_id] = _Load(request, reads, self.io.read(*chain))
+        if self.peers is not None:
+            self.peers.send(FetchBlocks(request.request_id, *chain))
         return True
-
-    def _read(self, reads: list[BlockRead]) -> list[bytearray]:
-        """The reader thread: the leading blocks that read back whole and verified."""
-        out: list[bytearray] = []
-        for read in reads:
-            data = self.store.read(read.content_hash, read.parent_hash, read.tokens)
-            if data is None or len(data) != self.kv_cache.bytes_per_stored_block:
-                break
-            out.append(data)
-        return out
 
     def pop_loaded(self, wait_one: bool) -> list[Request]:
         """The requests whose reads ended, their blocks now cached in the pool.
@@ -169,133 +178,145 @@ class PrefixTier:
         except OSError as exc:
             logger.warning("prefix cache dir: a read failed (%s); computing the prompt", exc)
             blocks = []
+        request = load.request
+        if self.peers is not None:  # the blocks every rank read whole
+            blocks = blocks[: self.peers.agree(request.request_id, len(blocks))]
         if not blocks:  # a file gone or failing verification (counted by the store)
             return
-        found = list(zip(load.reads, blocks, strict=False))
-        self.num_hits += len(found)
-        self.bytes_read += sum(len(row) for _, row in found)
-        request = load.request
         block_ids = self.kv_manager.cache_blocks(
             request.prompt_token_ids,
             salt=request.params.cache_salt,
-            blocks=[(read.group, read.index) for read, _ in found],
+            blocks=[(read.group, read.index) for read in load.reads[: len(blocks)]],
         )
         self.save_evicted()  # the blocks just taken may have been evicted: out before written
-        placed = [(b, row) for b, (_, row) in zip(block_ids, found, strict=True) if b is not None]
-        if placed:
-            data = torch.stack([torch.frombuffer(row, dtype=torch.uint8) for _, row in placed])
-            self.kv_cache.write_blocks([b for b, _ in placed], data)
+        if self.peers is not None:
+            self.peers.send(WriteBlocks(request.request_id, block_ids))
+        write_placed(self.kv_cache, block_ids, blocks)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop waiting for `request_id`'s blocks; its request, or None if not waiting."""
         load = self._loads.pop(request_id, None)
+        if load is not None and self.peers is not None:
+            self.peers.send(DropBlocks(request_id))
         return None if load is None else load.request
 
     # ---- saves --------------------------------------------------------------------------
 
     def save_evicted(self) -> None:
         """Copy the blocks evicted since the last call out of the pool and queue their
-        files: call it before anything writes into the pool."""
+        writes: call it before anything writes into the pool."""
         self._save(self._content.pop_evicted())
 
     def _save(self, evicted: list[EvictedBlock]) -> None:
-        """Copy `evicted` blocks out of the pool (one gather) and queue their files."""
-        if not self.is_writable:
-            return
-        with self._lock:
-            evicted = [e for e in evicted if e.content_hash not in self._writing]
-            room = _MAX_PENDING_WRITE_BYTES - self._pending_bytes
-        evicted = [e for e in evicted if not self.store.contains(e.content_hash)]
-        room = max(0, room // self.kv_cache.bytes_per_stored_block)
-        self.num_dropped += max(0, len(evicted) - room)
-        evicted = evicted[:room]
-        if not evicted:
-            return
-        data = self.kv_cache.read_blocks([e.block_id for e in evicted]).numpy()
-        with self._lock:
-            self._writing.update(e.content_hash for e in evicted)
-            self._pending_bytes += data.nbytes
-        self._writer.submit(self._write, evicted, data)
-
-    def _write(self, evicted: list[EvictedBlock], data: Any) -> None:
-        """The writer thread: one file per block; the first failure turns writes off."""
-        try:
-            for block, row in zip(evicted, data, strict=True):
-                if self.is_writable:
-                    self.bytes_written += self.store.write(
-                        block.content_hash, block.parent_hash, block.tokens, row
-                    )
-        except OSError as exc:
-            self.is_writable = False
-            logger.warning(
-                "prefix cache dir %s: writing a block failed (%s); evicted blocks are no "
-                "longer saved", self.store.directory, exc,
-            )  # fmt: skip
-        finally:
-            with self._lock:
-                self._writing.difference_update(block.content_hash for block in evicted)
-                self._pending_bytes -= data.nbytes
+        """Copy `evicted` blocks out of every rank's pool and queue their writes."""
+        if self.peers is not None and evicted and self.io.is_writable:
+            self.peers.send(SaveBlocks(evicted))
+        self.io.save(evicted)
 
     def flush(self) -> None:
-        """Wait for the queued writes (tests, shutdown)."""
-        self._writer.submit(lambda: None).result()
+        """Wait for this rank's queued writes (tests)."""
+        self.io.flush()
 
     # ---- life cycle and counters --------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Disk-tier counters: hits and misses in blocks, bytes, evictions, files held."""
-        return {
-            "prefix_cache_disk_hits": self.num_hits,
-            "prefix_cache_disk_misses": self.num_misses + self.store.num_failed_reads,
-            "prefix_cache_disk_bytes_read": self.bytes_read,
-            "prefix_cache_disk_bytes_written": self.bytes_written,
-            "prefix_cache_disk_evictions": self.store.num_evictions,
-            "prefix_cache_disk_blocks": len(self.store),
-            "prefix_cache_disk_dropped": self.num_dropped,
-        }
+        """Each tier's counters (`TieredStore.stats`) as ``prefix_cache_{tier}_{name}``,
+        and the evicted blocks dropped before reaching a tier (rank 0's)."""
+        counters = {f"prefix_cache_{name}": value for name, value in self.store.stats().items()}
+        return counters | {"prefix_cache_disk_dropped": self.io.num_dropped}
 
     def stop_writes(self, why: str) -> None:
-        """Save no more blocks (the pool may hold blocks whose KV was never written)."""
-        if self.is_writable:
-            logger.warning(
-                "prefix cache dir %s: no longer saving blocks: %s", self.store.directory, why
-            )
-        self.is_writable = False
+        """Save no more blocks, on any rank (the pool may hold blocks whose KV was never
+        written)."""
+        self.io.stop_writes(why)
 
     def close(self) -> None:
-        """Save every cached block still in the pool, finish the writes, stop the threads."""
+        """Save every cached block still in the pool (host memory's blocks go on to the
+        disk), finish the writes on every rank, stop the threads."""
         self._save(self._content.indexed())
-        self._reader.shutdown(wait=True, cancel_futures=True)
-        self._writer.shutdown(wait=True)
+        self.io.close()
+        if self.peers is not None:
+            self.peers.close()
 
 
-def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache, tp_size: int) -> bool:
-    """Whether the disk tier `config.cache` asks for can run here (a logged warning when
-    it cannot: the engine serves without it)."""
-    if config.cache.prefix_cache_dir is None:
-        return False
-    if tp_size > 1:
-        logger.warning("prefix_cache_dir: not supported with tensor parallelism; tier off")
+def prefix_tier_applies(config: EngineConfig, kv_cache: PagedKVCache) -> bool:
+    """Whether the tiers `config.cache` asks for can run here (a logged warning when they
+    cannot: the engine serves without them). The same answer on every rank."""
+    cache = config.cache
+    if cache.prefix_cache_dir is None and not cache.prefix_cache_host_size:
         return False
     return True
 
 
 def create_prefix_tier(
-    config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache
+    config: EngineConfig, kv_manager: KVCacheManager, kv_cache: PagedKVCache, tp: TensorParallel
 ) -> PrefixTier | None:
-    """The disk tier `config.cache` asks for (`prefix_tier_applies` said it can run), or
-    None: the directory is unusable (a logged warning; the engine serves without it)."""
+    """Rank 0's tiers that `config.cache` asks for (`prefix_tier_applies` said they can
+    run), or None: only a directory was asked for and it is unusable (a logged warning;
+    the engine serves without it).
+
+    Raises:
+        ValueError: `prefix_cache_host_size` holds no block.
+    """
+    store = create_tiered_store(config, kv_cache, tp)
+    peers = TierPeers(tp) if tp.size > 1 else None
+    return None if store is None else PrefixTier(store, kv_manager, kv_cache, peers)
+
+
+def create_tiered_store(
+    config: EngineConfig, kv_cache: PagedKVCache, tp: TensorParallel
+) -> TieredStore | None:
+    """Rank `tp.rank`'s tiers (None: none usable; see `create_prefix_tier`)."""
+    host = create_host_store(config, kv_cache)
+    disk = create_block_store(config, kv_cache, rank=tp.rank, tp_size=tp.size)
+    return None if host is None and disk is None else TieredStore(host, disk)
+
+
+def create_rank_tier(
+    config: EngineConfig, kv_cache: PagedKVCache, tp: TensorParallel
+) -> RankTier | None:
+    """A rank > 0's share of the tiers (None: none asked for, or they cannot run here).
+
+    Raises:
+        ValueError: `prefix_cache_host_size` holds no block.
+    """
+    if not prefix_tier_applies(config, kv_cache):
+        return None
+    store = create_tiered_store(config, kv_cache, tp)
+    return RankTier(None if store is None else TierIO(store, kv_cache), kv_cache, tp)
+
+
+def create_host_store(config: EngineConfig, kv_cache: PagedKVCache) -> HostStore | None:
+    """The host-memory tier `prefix_cache_host_size` asks for (None: 0), page-locked for a
+    pool on a GPU.
+
+    Raises:
+        ValueError: the size holds no block.
+    """
+    size = config.cache.prefix_cache_host_size
+    if not size:
+        return None
+    on_gpu = kv_cache.device.type == "cuda"
+    return HostStore(size, kv_cache.bytes_per_stored_block, pin_memory=on_gpu)
+
+
+def create_block_store(
+    config: EngineConfig, kv_cache: PagedKVCache, *, rank: int, tp_size: int
+) -> BlockStore | None:
+    """The block files of this rank's namespace under `prefix_cache_dir` (None: no
+    directory, or an unusable one, with a logged warning)."""
     directory = config.cache.prefix_cache_dir
-    assert directory is not None, "called only when prefix_tier_applies"
+    if directory is None:
+        return None
     try:
-        description = namespace_description(config, kv_cache, rank=0, tp_size=1)
+        description = namespace_description(config, kv_cache, rank=rank, tp_size=tp_size)
         text = json.dumps(description, sort_keys=True)
         namespace = hashlib.sha256(text.encode()).hexdigest()[:32]
-        store = BlockStore(directory, namespace, config.cache.prefix_cache_disk_size, description)
+        size = config.cache.prefix_cache_disk_size
+        return BlockStore(directory, namespace, size, description)
     except OSError as exc:
         logger.warning("prefix cache dir %s is unusable (%s); serving without it", directory, exc)
         return None
-    return PrefixTier(store, kv_manager, kv_cache)
 
 
 def namespace_description(

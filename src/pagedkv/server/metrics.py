@@ -77,6 +77,31 @@ _COUNTERS = (
         "pagedkv_prefix_cache_disk_evictions_blocks",
         "Block files deleted to keep the disk tier within its size.",
     ),
+    (
+        "prefix_cache_host_hits",
+        "pagedkv_prefix_cache_host_hits_blocks",
+        "Blocks read back from the prefix cache's host-memory tier.",
+    ),
+    (
+        "prefix_cache_host_misses",
+        "pagedkv_prefix_cache_host_misses",
+        "Host-tier lookups that found no block.",
+    ),
+    (
+        "prefix_cache_host_bytes_read",
+        "pagedkv_prefix_cache_host_read_bytes",
+        "Bytes of KV read from the prefix cache's host-memory tier.",
+    ),
+    (
+        "prefix_cache_host_bytes_written",
+        "pagedkv_prefix_cache_host_written_bytes",
+        "Bytes of KV stored in the prefix cache's host-memory tier.",
+    ),
+    (
+        "prefix_cache_host_evictions",
+        "pagedkv_prefix_cache_host_evictions_blocks",
+        "Blocks the host-memory tier evicted (on to the disk tier, if there is one).",
+    ),
 )
 # Latency buckets (seconds) from sub-millisecond CPU steps to multi-second prefills.
 _LATENCY_BUCKETS = (
