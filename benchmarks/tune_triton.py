@@ -51,6 +51,7 @@ import pagedkv.ops.triton as tops
 from pagedkv.ops import reference
 from pagedkv.ops.triton import decode
 from pagedkv.ops.triton.attend import NEG_FLOOR
+from pagedkv.ops.triton.indexing import scale_args
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max err / max |ref|
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -484,13 +485,15 @@ def _bare_decode(case: Case):
         block_size, tile_blocks, is_fp32=query.dtype == torch.float32, is_split=False
     )
     part = partition_size(span, tile_blocks * block_size, 1)
+    key_scales, value_scales, scale_strides = scale_args(key_cache, None)  # a float cache
 
     def launch() -> None:
         decode._decode_kernel[(case.batch, NUM_KV_HEADS, 1)](
             query, key_cache, value_cache, tables, seq_lens, starts, out, out, out, out,
             HEAD_DIM**-0.5 * 1.4426950408889634, 0, part, case.batch, 1, query.stride(0),
             query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            tables.stride(0), out.stride(0), out.stride(1), **options,
+            tables.stride(0), out.stride(0), out.stride(1), key_scales, value_scales,
+            *scale_strides, **options,
         )  # fmt: skip
 
     return launch

@@ -312,6 +312,16 @@ def test_write_kv(cache_dtype: torch.dtype) -> None:
 
 
 @in_process
+@pytest.mark.skipif(ON_GPU, reason="slots on a GPU are not read back to be checked")
+def test_write_kv_rejects_slot_past_the_end_on_cpu_tensors() -> None:
+    key_cache = torch.zeros(2, 4, 1, 8)
+    key = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match=r"^slot_mapping: expected slots < .* = 8, got .*\[1\]"):
+        tops.write_kv(key, key, key_cache, key_cache.clone(), torch.tensor([7, 8]))
+    assert not key_cache.any(), "a row written before the bad slot was found"
+
+
+@in_process
 def test_rejects_caches_with_different_strides() -> None:
     args = make_batch([4], [1], block_size=4, num_kv_heads=2, group=1, head_dim=32,
                       dtype=torch.float32, poison=False)  # fmt: skip

@@ -42,13 +42,15 @@ def test_write_kv_into_strided_view_and_empty_batch() -> None:
     assert not pool.any()
 
 
-def test_write_kv_rejects_slot_past_the_end() -> None:
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_write_kv_rejects_slot_past_the_end(backend: str) -> None:
     key_cache = torch.zeros(2, 4, 1, 8)
     key = torch.ones(2, 1, 8)
     with pytest.raises(
         ValueError, match=r"^slot_mapping: expected slots < .* = 8, got .*\[1\] = 8"
     ):
-        write_kv(key, key, key_cache, key_cache.clone(), torch.tensor([7, 8]))
+        write_kv(key, key, key_cache, key_cache.clone(), torch.tensor([7, 8]), backend=backend)
+    assert not key_cache.any(), "a row written before the bad slot was found"
 
 
 @pytest.mark.parametrize("heads, dim", [(1, 3), (3, 5), (2, 8)])

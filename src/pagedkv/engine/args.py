@@ -26,6 +26,8 @@ from pagedkv.runtime.quant.formats import QUANTIZATIONS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
+# The names `pagedkv.ops.backend` registers (this module imports no torch to read them).
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
 # The step's token budget when `max_num_batched_tokens` is None; longer prefills are chunked.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _Args = TypeVar("_Args", bound="EngineArgs")
@@ -120,7 +122,10 @@ class EngineArgs:
         4, "a request preempted more often than this is resumed before newer ones"
     )
     attention_backend: str = _option(
-        "auto", 'attention kernels: "auto", "cpu", "triton" or "reference"'
+        "auto",
+        "attention kernels: auto (cpu on the CPU, triton on CUDA); triton on the CPU needs "
+        "TRITON_INTERPRET=1 before triton is imported (its interpreter, for tests)",
+        choices=ATTENTION_BACKENDS,
     )
     tensor_parallel_size: int = _option(
         1,

@@ -112,7 +112,7 @@ class Attention(nn.Module):
         num_real = attn_metadata.num_tokens
         write_kv(
             k[:num_real], v[:num_real], key_cache, value_cache, attn_metadata.slot_mapping,
-            **scales,
+            backend=attn_metadata.backend, **scales,
         )  # fmt: skip
         # The metadata variant reuses the backend's per-step plan across layers.
         out = paged_attention_from_metadata(

@@ -1,6 +1,6 @@
 """The public attention ops: argument checks, then the backend that `backend.py` finds.
 
-    write_kv(key, value, key_cache, value_cache, slot_mapping)       per layer
+    write_kv(key, value, key_cache, value_cache, slot_mapping, ...)  per layer
     plan(metadata, key_cache, value_cache, num_heads, sliding_window) once per step
     paged_attention_from_metadata(query, key_cache, value_cache, metadata, ...)  per layer
     paged_attention(query, key_cache, value_cache, block_tables, ...)  plan + run, one call
@@ -63,6 +63,7 @@ def write_kv(
     *,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> None:
     """Write the new tokens' keys and values into the paged cache, in place.
 
@@ -77,14 +78,16 @@ def write_kv(
             ``slot // block_size``, row ``slot % block_size``. Negative slots are skipped.
         key_scales, value_scales: [num_blocks, block_size, num_kv_heads] float16 beside an
             int8 cache, else None.
+        backend: as for `paged_attention`; an engine writes with its attention backend.
 
     Raises:
-        ValueError: a shape, dtype or device does not match, or a slot lies past the cache.
+        ValueError: a shape, dtype or device does not match, a slot lies past the cache,
+            or the backend is unknown or unavailable.
     """
     scales = _pair(key_scales, value_scales)
     checks.check_write(key, value, key_cache, value_cache, slot_mapping, scales)
     if key.shape[0]:
-        get_backend("auto", key_cache.device).write_kv(
+        get_backend(backend, key_cache.device).write_kv(
             key, value, key_cache, value_cache, slot_mapping, scales
         )
 

@@ -224,3 +224,11 @@ def slot_past_end(slot_mapping: torch.Tensor, token: int, num_slots: int) -> Val
         f"slots < num_blocks * block_size = {num_slots}",
         f"slot_mapping[{token}] = {int(slot_mapping[token])}",
     )
+
+
+def check_slots_fit(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise `slot_past_end` for the first slot at or past `num_slots`, before anything is
+    written. Reads every slot: for backends whose slots live on the CPU (or a reference)."""
+    past = torch.nonzero(slot_mapping >= num_slots)
+    if past.numel():
+        raise slot_past_end(slot_mapping, int(past[0]), num_slots)

@@ -58,6 +58,7 @@ def write_kv(
 ) -> None:
     """Store each token's key/value row at its slot (quantized, with its scale, into an
     int8 cache); negative slots are skipped."""
+    checks.check_slots_fit(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]

@@ -21,7 +21,7 @@ from pagedkv.ops import reference
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton.decode import decode_attention
 from pagedkv.ops.triton.prefill import prefill_attention
-from pagedkv.ops.triton.write import check_strides, write_kv
+from pagedkv.ops.triton.write import check_device, check_strides, write_kv
 
 __all__ = ["plan", "run", "warmup", "write_kv"]
 
@@ -108,6 +108,7 @@ def plan(
     batch's longest sequence, not the model's maximum, or short batches split too little.
     """
     md = metadata
+    check_device(key_cache.device)
     if md.seq_lens.is_cpu:  # under the interpreter: the checks the GPU path cannot afford
         reference.plan(md, key_cache, num_heads, sliding_window)
     tables = md.block_tables if md.block_tables.stride(-1) == 1 else md.block_tables.contiguous()
@@ -160,4 +161,6 @@ def run(
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
-    """Triton compiles per launch configuration on first use; nothing to do ahead."""
+    """Check that the kernels can run on the caches' device; Triton compiles per launch
+    configuration on first use, so nothing is compiled ahead."""
+    check_device(key_cache.device)

@@ -1,17 +1,37 @@
 """Scatter new tokens' K/V rows into their cache slots (one program per token), and the
-stride check every kernel of the backend relies on."""
+device and stride checks every kernel of the backend relies on."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedkv.ops import checks
 from pagedkv.ops.triton.indexing import scale_args
 
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
 # ties to even, as `torch.round` (`pagedkv.ops.quantize`).
 _ROUNDER = tl.constexpr(12582912.0)
+# Triton decides when each kernel is defined, that is when this package is imported,
+# whether it compiles the kernel for a GPU or interprets it on CPU tensors.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse tensors the kernels cannot run on: they compile for CUDA, and interpret on the
+    CPU only where ``TRITON_INTERPRET=1`` was set before this package was first imported.
+
+    Raises:
+        ValueError: `device` is not a CUDA device and the kernels are compiled.
+    """
+    if device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(
+            "backend: expected CUDA tensors for backend 'triton' (or TRITON_INTERPRET=1 set "
+            f"before triton is first imported, to interpret it on the CPU), got device {device}"
+        )
 
 
 @triton.jit
@@ -87,15 +107,20 @@ def write_kv(
     slot_mapping: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """See `AttentionBackend.write_kv`: one launch; the slots' values are not checked.
+    """See `AttentionBackend.write_kv`: one launch; the slots' values are checked only on
+    CPU tensors (under the interpreter), where a GPU would have to sync to read them.
 
     Raises:
-        ValueError: key_cache and value_cache differ in strides, or head_dim is strided.
+        ValueError: key_cache and value_cache differ in strides, head_dim is strided, the
+            kernels cannot run on this device, or a slot of a CPU batch lies past the cache.
     """
+    check_device(key_cache.device)
     check_strides(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if slot_mapping.is_cpu:
+        checks.check_slots_fit(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     key_scales, value_scales, scale_strides = scale_args(key_cache, scales)
