@@ -15,6 +15,7 @@ import torch
 from helpers import make_hf_model
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.memory.groups import sequence_blocks
 
 WINDOW, BLOCK_SIZE = 64, 16
 LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 2  # 10:2 layers, Gemma 3's mix
@@ -199,3 +200,19 @@ def test_a_shared_prefix_hits_after_its_slid_out_blocks_were_evicted(model_dir) 
         hits = stats["prefix_cache_hits"]
         assert generated(llm, [second], params)[0] == expected[2]
         assert llm.stats()["prefix_cache_hits"] - hits == len(first)
+
+
+def test_a_prompt_whose_whole_prefill_does_not_fit_runs_in_smaller_chunks(model_dir) -> None:
+    """Alone, a prefill chunk that does not fit the pool shrinks to what does: the sliding
+    groups free their old blocks as it goes, so the prompt runs (not ended at 0 tokens)."""
+    prompt = random.Random(3).choices(range(3, 500), k=300)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with make_llm(model_dir) as llm:
+        expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        windows = llm.engine.runner.kv_cache.groups.windows
+    held = sum(sequence_blocks(windows, len(prompt) + 8, BLOCK_SIZE))
+    whole = len(windows) * -(-(len(prompt) + 1) // BLOCK_SIZE)  # every group, one chunk
+    assert held < whole
+    with make_llm(model_dir, num_blocks=held + len(windows)) as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == list(expected) and out.finish_reason == "length"

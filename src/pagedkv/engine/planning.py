@@ -19,7 +19,8 @@ from pagedkv.errors import OutOfBlocks
 from pagedkv.memory import KVCacheManager
 
 # One planned piece of work: (sequence, first position to compute, tokens to compute).
-Plan = list[tuple[Sequence, int, int]]
+Chunk = tuple[Sequence, int, int]
+Plan = list[Chunk]
 
 
 @dataclass(slots=True)
