@@ -68,13 +68,28 @@ def append_costs(
 ) -> list[int]:
     """Per group, the free blocks `num_new` more tokens take, less the blocks sliding out of
     its window that no other sequence holds."""
-    num_cur, costs = seq.num_tokens, []
-    for group, window in zip(seq.groups, windows, strict=True):
-        cost = group.append_cost(num_cur, num_new, block_size, pool)[0]
-        if window is not None and num_new:
-            cost -= group.num_released(first_needed_block(window, num_cur, block_size), pool)
-        costs.append(cost)
-    return costs
+    num_cur = seq.num_tokens
+    costs = [group.append_cost(num_cur, num_new, block_size, pool)[0] for group in seq.groups]
+    if not num_new:
+        return costs
+    return [
+        cost - num
+        for cost, num in zip(costs, num_released(seq, windows, block_size, pool), strict=True)
+    ]
+
+
+def num_released(
+    seq: SeqState, windows: Sequence[int | None], block_size: int, pool: BlockPool
+) -> list[int]:
+    """Per group, the blocks the next token's window no longer reaches that no other
+    sequence holds (they return to the free pool on the next append)."""
+    num_cur = seq.num_tokens
+    return [
+        0
+        if window is None
+        else group.num_released(first_needed_block(window, num_cur, block_size), pool)
+        for group, window in zip(seq.groups, windows, strict=True)
+    ]
 
 
 def grow(
@@ -83,21 +98,28 @@ def grow(
     """Give each group of `seq` the blocks `num_new` more tokens need, after returning the
     blocks that slid out of its window: None, with nothing changed, if they are not free;
     else the copies ``(src, dst)`` to queue, one per fresh block that replaced a shared,
-    partially filled last block."""
-    num_cur = seq.num_tokens
-    if sum(append_costs(seq, windows, num_new, block_size, pool)) > pool.num_free_blocks:
-        return None
-    costs = [group.append_cost(num_cur, num_new, block_size, pool) for group in seq.groups]
+    partially filled last block. Sets `seq.in_place_end` for the blocks after."""
+    num_cur, groups = seq.num_tokens, seq.groups
+    costs = [group.append_cost(num_cur, num_new, block_size, pool) for group in groups]
+    need = sum([num for num, _ in costs])
+    if need > pool.num_free_blocks:  # the blocks sliding out may make up the difference
+        need -= sum(num_released(seq, windows, block_size, pool))
+        if need > pool.num_free_blocks:
+            return None
     # Every group returns its slid-out blocks before any takes one: they may be needed.
-    for group, window in zip(seq.groups, windows, strict=True):
-        group.drop(first_needed_block(window, num_cur, block_size), pool)
+    for group, window in zip(groups, windows, strict=True):
+        if window is not None:
+            group.drop(first_needed_block(window, num_cur, block_size), pool)
     copies = []
-    for group, (num, is_cow) in zip(seq.groups, costs, strict=True):
-        if num:
-            copy = group.take(num, is_cow, pool)
+    num = num_cur + num_new
+    end = num + block_size  # above any group's
+    for group, window, (num_blocks, is_cow) in zip(groups, windows, costs, strict=True):
+        if num_blocks:
+            copy = group.take(num_blocks, is_cow, pool)
             if copy:
                 copies.append(copy)
-    seq.table = None
+        end = min(end, group.in_place_end(num, window, block_size, pool))
+    seq.in_place_end, seq.table = end, None
     return copies
 
 
@@ -113,7 +135,7 @@ def move_to_host(seq: SeqState, pool: BlockPool, host: BlockPool) -> list[tuple[
         group.host_block_ids = host_block_ids[start : start + len(blocks)]
         group.block_ids = array("i")
         start += len(blocks)
-    seq.is_swapped, seq.table = True, None
+    seq.is_swapped, seq.table, seq.in_place_end = True, None, 0
     return pairs
 
 
@@ -131,5 +153,5 @@ def move_to_device(seq: SeqState, pool: BlockPool, host: BlockPool) -> list[tupl
         group.block_ids = array("i", [NULL_BLOCK]) * group.num_dropped + device
         group.host_block_ids = None
         start += len(host_ids)
-    seq.is_swapped, seq.table = False, None
+    seq.is_swapped, seq.table, seq.in_place_end = False, None, 0
     return pairs

@@ -314,7 +314,6 @@ class KVCacheManager:
             KeyError, ValueError: as `append` (those before the bad one appended).
         """
         get, index, block_size = self._seqs.get, self._index, self.block_size
-        extra_refs, windows = self._pool.extra_refs, self.windows
         tables: list[list[int]] = []
         add_table = tables.append
         for seq_id, new in zip(seq_ids, token_ids, strict=True):
@@ -323,25 +322,12 @@ class KVCacheManager:
                 seq = self._seqs.resident(seq_id, "append")  # raises
             if type(new) is not list:
                 new = list(token_tuple(new))
-            # Tokens that fit an unshared partial last block of every group (a decode step's
-            # common case) take no block and slide no block out; anything else asks `_grow`.
-            num_cur, num_new = seq.num_tokens, len(new)
-            num = num_cur + num_new
-            for group, window in zip(seq.groups, windows, strict=True):
-                blocks = group.block_ids
-                if num_new and (
-                    num > len(blocks) * block_size
-                    or (num_cur % block_size and extra_refs[blocks[-1]] > 0)
-                    or (
-                        window is not None
-                        and first_needed_block(window, num_cur, block_size) > group.num_dropped
-                    )
-                ):
-                    break
-            else:
-                group = None
-            if group is not None:
-                copies = grow(seq, windows, num_new, block_size, self._pool)
+            # Tokens that fit every group's blocks as they are (a decode step's common case:
+            # room in each last block, unshared, none sliding out) take one comparison.
+            num_cur = seq.num_tokens
+            num = num_cur + len(new)
+            if num > seq.in_place_end and new:
+                copies = grow(seq, self.windows, len(new), block_size, self._pool)
                 if copies is None:
                     break
                 self._copies += copies
@@ -374,6 +360,7 @@ class KVCacheManager:
             held = group.held
             self._pool.touch(held)
             self._counts.num_forked_blocks += len(held)
+        parent.in_place_end = 0  # its partial last block is shared now
         # The same table list: neither changes it, a new one replaces it.
         self._seqs[child_id] = replace(
             parent,

@@ -26,6 +26,10 @@ class SeqState:
     table: list[int] | None = None
     # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
     chain_root: ChainRoot = ROOT_UID
+    # An append that leaves at most this many tokens changes no group's blocks (the least
+    # `GroupBlocks.in_place_end`), so a decode step checks one int. Set by `grow`; 0 (every
+    # append grows) whenever blocks or their sharing change elsewhere.
+    in_place_end: int = 0
 
     # Per keyed full block, the anchor group's uid for the prefix through it (the parent
     # of the other groups' keys of that block, see `pagedkv.memory.groups.anchor_group`).
