@@ -88,11 +88,12 @@ class PromptAllocator:
         hits = self._group_hits(tokens, anchor_hits)
         num_hits = len(hits[anchor])
         num_fresh = -(-len(tokens) // block_size) - num_hits
-        used = used_hits(self.windows, hits, num_hits, block_size)
+        used = used_hits(self.windows, hits, num_hits, block_size) if num_hits else hits
         check_free(self.pool, seq_id, num_fresh * len(used), used, num_hits)
         # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
         for group_hits in used:
-            self.pool.touch(group_hits)
+            if group_hits:
+                self.pool.touch(group_hits)
         uids = hit_uids(index, hits[anchor]) if index is not None else []
         groups = new_groups(self.pool, used, num_hits, num_fresh, root, anchor, uids)
         if index is not None and use_prefix_cache:  # the counts of prefix lookups
@@ -163,8 +164,9 @@ def new_groups(
     groups = []
     for g, group_used in enumerate(used):
         num_null = num_hits - len(group_used)
-        block_ids = array("i", [NULL_BLOCK]) * num_null + array("i", group_used)
-        block_ids += pool.allocate(num_fresh)
+        block_ids = pool.allocate(num_fresh)
+        if num_hits:
+            block_ids[:0] = array("i", [NULL_BLOCK] * num_null + group_used)
         chain_uid = uids[-1] if g == anchor and uids else group_root(root, g)
         groups.append(GroupBlocks(block_ids, num_hits, chain_uid, num_null))
     return groups

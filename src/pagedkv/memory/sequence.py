@@ -62,10 +62,11 @@ class SeqState:
         self, num: int, windows: Sequence[int | None], block_size: int, pool: BlockPool
     ) -> None:
         """Set `in_place_end` for the blocks as they are now, holding `num` tokens."""
-        groups = self.groups
-        end = groups[0].in_place_end(num, windows[0], block_size, pool)
-        for group, window in zip(groups[1:], windows[1:], strict=True):
-            end = min(end, group.in_place_end(num, window, block_size, pool))
+        end = num + block_size  # more than any group's
+        for group, window in zip(self.groups, windows, strict=True):
+            group_end = group.in_place_end(num, window, block_size, pool)
+            if group_end < end:
+                end = group_end
         self.in_place_end = end
 
     def unkey(self) -> None:
