@@ -99,8 +99,8 @@ class PromptAllocator:
         if index is not None and use_prefix_cache:  # the counts of prefix lookups
             self.counts.prefix_cache_queries += len(tokens)
             self.counts.prefix_cache_hits += num_hits * block_size
-        seq = SeqState(groups, tokens if index is not None else (), len(tokens), chain_root=root)
-        seq.prefix_uids = uids
+        kept = tokens if index is not None else ()
+        seq = SeqState(groups, kept, len(tokens), chain_root=root, prefix_uids=uids)
         seq.set_in_place_end(len(tokens), self.windows, block_size, self.pool)
         # The lookup's keys start after the anchor's hits: of use if every group hit as many.
         seq.key_full_blocks(
