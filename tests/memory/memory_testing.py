@@ -35,7 +35,7 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
         "refs": pool.ref_counts(),
         "host_free": manager._host.free_block_ids(),
         "keys": None if index is None else list(index.block_entries),
-        "copies": list(manager._copies),
+        "copies": list(manager._appender.copies),
         "stats": manager.stats(),
     }
 

@@ -10,7 +10,7 @@ from memory_testing import tokens
 
 from pagedkv.memory import ROOT_UID, KVCacheManager
 from pagedkv.memory.content_hash import chain_hashes
-from pagedkv.memory.groups import NULL_BLOCK, group_layers
+from pagedkv.memory.groups import NULL_BLOCK, first_needed_block, group_layers
 
 
 def test_group_layers_splits_kinds_into_equal_groups() -> None:
@@ -242,3 +242,26 @@ def test_audit_catches_a_block_leaked_by_a_sliding_group() -> None:
     group.block_ids[group.num_dropped - 1] = 0  # claims a block it gave back
     with pytest.raises(AssertionError):
         m.check()
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 8), (6, None, 3)])
+def test_a_decode_token_that_changes_no_block_skips_grow(windows: tuple[int | None, ...]) -> None:
+    # A sequence's in-place end is exact for one token: past it exactly when the next token
+    # takes a block or moves a window past a block, so every other decode step is in place.
+    m = KVCacheManager(64, 4, windows=windows)
+    m.allocate("a", tokens(0, 3))
+    for token in range(60):
+        seq = m._seqs["a"]
+        num = seq.num_tokens
+        changes = num % 4 == 0 or any(
+            first_needed_block(w, num, 4) > g.num_dropped
+            for w, g in zip(windows, seq.groups, strict=True)
+        )
+        assert (seq.in_place_end <= num) == changes, f"at {num} tokens"
+        table = m.block_table("a")
+        assert (m.append("a", [token]) is table) == (not changes)  # in place: the same table
+        m.check()
+    m.fork("a", "b")  # the shared partial last block must be copied on the next append
+    assert m._seqs["a"].in_place_end <= m.num_tokens("a")
+    m.append("a", [0])
+    assert len(m.pop_copies()) == len(windows)

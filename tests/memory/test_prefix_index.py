@@ -96,7 +96,7 @@ def test_check_catches_a_leaked_block() -> None:
     m.allocate("a", tokens(0, 5))
     m._seqs["a"].groups[0].block_ids.pop()  # block 2 forgotten by its only holder
     m._seqs["a"].token_ids = m._seqs["a"].token_ids[:4]
-    m._seqs["a"].num_tokens = 4
+    m._seqs["a"].num_tokens = m._seqs["a"].in_place_end = 4
     with pytest.raises(AssertionError, match="block 2 is neither free nor held"):
         m.check()
 

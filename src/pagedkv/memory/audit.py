@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import chain_start, content_names
-from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks
+from pagedkv.memory.groups import NULL_BLOCK, GroupBlocks, first_needed_block
 from pagedkv.memory.prefix import PrefixIndex
 from pagedkv.memory.sequence import SeqState, table_of
 
@@ -93,6 +93,26 @@ def _check_group(
     )
 
 
+def _check_in_place(seq_id: object, seq: SeqState, group: GroupBlocks, window: int | None,
+                    block_size: int, pool: BlockPool) -> None:  # fmt: skip
+    """Appends up to `SeqState.in_place_end` tokens, each starting before it, change none
+    of the group's blocks."""
+    end, num_tokens = seq.in_place_end, seq.num_tokens
+    if end <= num_tokens:
+        return
+    assert end <= len(group.block_ids) * block_size, (
+        f"{seq_id!r}: appends up to {end} tokens pass as taking no block, it has "
+        f"{len(group.block_ids)}"
+    )
+    assert not (num_tokens % block_size and pool.is_shared(group.block_ids[-1])), (
+        f"{seq_id!r}: appends pass as changing no block, its partial last block is shared"
+    )
+    assert first_needed_block(window, end - 1, block_size) <= group.num_dropped, (
+        f"{seq_id!r}: appends up to {end} tokens pass as changing no block, the window "
+        f"of {window} slides past block {group.num_dropped}"
+    )
+
+
 def _check_resident(
     seq_id: object,
     seq: SeqState,
@@ -101,9 +121,11 @@ def _check_resident(
     holders: list[int],
     windows: Sequence[int | None],
     anchor: int,
+    pool: BlockPool,
 ) -> None:
     for g, (group, window) in enumerate(zip(seq.groups, windows, strict=True)):
         _check_group(seq_id, seq, group, window, block_size)
+        _check_in_place(seq_id, seq, group, window, block_size, pool)
         _count(holders, group.held, seq_id)
         if index is not None:
             assert group.num_keyed == seq.num_tokens // block_size, (
@@ -150,7 +172,7 @@ def check_state(
         if seq.is_swapped:
             _check_swapped(seq_id, seq, block_size, host_holders)
         else:
-            _check_resident(seq_id, seq, block_size, index, holders, windows, anchor)
+            _check_resident(seq_id, seq, block_size, index, holders, windows, anchor, pool)
     pool.check(holders)
     host.check(host_holders)
     if index is not None:

@@ -148,6 +148,20 @@ class GroupBlocks:
         num = -(-(num_tokens + num_new) // block_size) - len(self.block_ids)
         return num + is_cow, is_cow
 
+    def in_place_end(self, num_tokens: int, window: int | None, block_size: int,
+                     pool: BlockPool) -> int:  # fmt: skip
+        """The most tokens the sequence (holding `num_tokens` now) may hold before an append
+        changes these blocks: a new block, a copy of the shared partial last block, or a
+        block sliding out of `window`."""
+        if num_tokens % block_size and pool.is_shared(self.block_ids[-1]):
+            return num_tokens
+        end = len(self.block_ids) * block_size
+        if window is None:
+            return end
+        # An append ending here starts at a position p < the bound, whose first block read,
+        # (p - window + 1) // block_size, is then at most `num_dropped`.
+        return min(end, (self.num_dropped + 1) * block_size + window - 1)
+
     def num_released(self, first_needed: int, pool: BlockPool) -> int:
         """Blocks `drop(first_needed)` would return to the free pool (those it alone holds)."""
         extra = pool.extra_refs

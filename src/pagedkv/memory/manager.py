@@ -18,23 +18,15 @@ from dataclasses import replace
 from typing import Any
 
 from pagedkv.errors import OutOfBlocks
-from pagedkv.memory.allocation import (
-    append_costs,
-    check_free,
-    grow,
-    move_to_device,
-    move_to_host,
-    new_groups,
-    used_hits,
-)
+from pagedkv.memory.appending import Appender
 from pagedkv.memory.audit import EventCounts, check_state
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.content_hash import ContentHashes
-from pagedkv.memory.groups import anchor_group, first_needed_block
-from pagedkv.memory.loaded_blocks import cache_loaded
-from pagedkv.memory.lookups import PrefixLookups, window_hits
-from pagedkv.memory.prefix import ChainRoot, PrefixIndex, chain_root
-from pagedkv.memory.sequence import SeqState, SequenceTable, positive_int, table_of, token_tuple
+from pagedkv.memory.groups import anchor_group
+from pagedkv.memory.prefix import PrefixIndex
+from pagedkv.memory.prompts import PromptAllocator
+from pagedkv.memory.sequence import ManagerParts, SequenceTable, positive_int, table_of
+from pagedkv.memory.swap import move_to_device, move_to_host
 
 
 class KVCacheManager:
@@ -88,17 +80,12 @@ class KVCacheManager:
         self._pool = BlockPool(num_blocks, self._index)
         self._host = BlockPool(num_host_blocks)
         self._seqs = SequenceTable()
-        self._copies: list[tuple[int, int]] = []
         self._counts = EventCounts()
         # The group keyed as a chain; the others key their blocks under its uids.
-        self._anchor = anchor_group(self.windows)
-        # The last `window_hits` answer: (token list, anchor hits, state, per-group hits).
-        self._window_memo: tuple[Any, ...] | None = None
-        # A sliding anchor (no full-attention group) names prefixes by content.
-        self._lookups = [
-            PrefixLookups(self._index, self._pool, block_size, g, w if g == self._anchor else None)
-            for g, w in enumerate(self.windows)
-        ]
+        self._anchor = anchor = anchor_group(self.windows)
+        parts = ManagerParts(self._pool, self._index, self.windows, block_size, anchor)
+        self._appender = Appender(self._seqs, parts, self._counts)
+        self._prompts = PromptAllocator(parts, self._counts)
 
     @property
     def num_free_blocks(self) -> int:
@@ -158,35 +145,7 @@ class KVCacheManager:
         Returns:
             A multiple of `block_size`, at most ``len(token_ids) - 1``.
         """
-        return len(self._hits(token_ids, salt)[self._anchor]) * self.block_size
-
-    def _hits(self, token_ids: Sequence[Any], salt: str | None) -> list[list[int]]:
-        """Per group, the cached blocks `allocate` would reuse now."""
-        anchor_hits = self._lookups[self._anchor].hits(token_ids, salt)
-        return self._group_hits(token_ids, anchor_hits, chain_root(salt))
-
-    def _group_hits(
-        self, token_ids: Sequence[Any], anchor_hits: list[int], root: ChainRoot
-    ) -> list[list[int]]:
-        """Per group, the hits after the anchor group's `anchor_hits` (see `window_hits`)."""
-        index = self._index
-        if len(self.windows) == 1 or not anchor_hits or index is None:
-            return [anchor_hits] * len(self.windows)
-        # A waiting prompt is asked about every step: the answer holds until a block is
-        # indexed or evicted (the anchor's memo hands back the same hits list till then).
-        state = (len(token_ids), self._pool.num_evictions, index.next_uid)
-        memo = self._window_memo
-        if memo is not None and memo[0] is token_ids and memo[1] is anchor_hits:
-            if memo[2] == state:
-                return memo[3]
-        lookups = self._lookups[self._anchor]
-        start = lookups.chain_start(root)
-        names = lookups.names(token_ids, anchor_hits, start)
-        hits = window_hits(
-            index, token_ids, anchor_hits, names, start, self.windows, self._anchor, self.block_size
-        )
-        self._window_memo = (token_ids, anchor_hits, state, hits)
-        return hits
+        return len(self._prompts.hits(token_ids, salt)[self._anchor]) * self.block_size
 
     def num_blocks_to_allocate(
         self,
@@ -203,17 +162,9 @@ class KVCacheManager:
         when the result is <= `num_free_blocks`.
         """
         end = len(token_ids) if num_tokens is None else num_tokens
-        num_blocks = -(-end // self.block_size)
         if not use_prefix_cache:
-            return num_blocks * len(self.windows)
-        # Hits are matched block by block from the start: those of a prefix are a prefix.
-        hits = self._hits(token_ids, salt)
-        num = min(len(hits[0]), (end - 1) // self.block_size)
-        total = 0
-        for window, lookups, group_hits in zip(self.windows, self._lookups, hits, strict=True):
-            first = first_needed_block(window, num * self.block_size, self.block_size)
-            total += num_blocks - num + lookups.num_evictable(group_hits, first, num)
-        return total
+            return -(-end // self.block_size) * len(self.windows)
+        return self._prompts.num_blocks_to_allocate(token_ids, end, salt)
 
     def num_blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
         """Free blocks `append(seq_id, <num_tokens tokens>)` would take now: new blocks, plus
@@ -224,12 +175,7 @@ class KVCacheManager:
         Raises:
             KeyError: unknown `seq_id`.  ValueError: swapped out, or `num_tokens` < 0.
         """
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.is_swapped:
-            seq = self._seqs.resident(seq_id, "num_blocks_to_append")  # raises
-        if type(num_tokens) is not int or num_tokens < 0:
-            positive_int("num_tokens", num_tokens, minimum=0)  # raises
-        return sum(append_costs(seq, self.windows, num_tokens, self.block_size, self._pool))
+        return self._appender.num_blocks_to_append(seq_id, num_tokens)
 
     def allocate(
         self,
@@ -259,39 +205,9 @@ class KVCacheManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"allocate: expected a new seq_id, got {seq_id!r} already in use")
-        index = self._index
-        # Kept only with an index (as a tuple: the caller's list may change under it).
-        tokens = token_ids if index is None and type(token_ids) is list else token_tuple(token_ids)
-        if not tokens:
-            raise ValueError("allocate: expected at least one token, got an empty prompt")
-        # One pass over the prompt in the anchor group: its cached blocks and the keys after.
-        root, anchor, block_size = chain_root(salt), self._anchor, self.block_size
-        lookups = self._lookups[anchor]
-        anchor_root = lookups.chain_start(root)
-        anchor_hits, _, keys = lookups.lookup(tokens, anchor_root, use_prefix_cache)
-        hits = self._group_hits(tokens, anchor_hits, root)
-        num_hits = len(hits[anchor])
-        num_fresh = -(-len(tokens) // block_size) - num_hits
-        used = used_hits(self.windows, hits, num_hits, block_size)
-        check_free(self._pool, seq_id, num_fresh * len(used), used, num_hits)
-        # Take every hit first (cached ones become held) so fresh blocks cannot evict them.
-        for group_hits in used:
-            self._pool.touch(group_hits)
-        uids = lookups.names(tokens, hits[anchor], anchor_root) if index is not None else []
-        groups = new_groups(
-            self._pool, used, num_hits, num_fresh, root, anchor, uids, lookups.hashed
-        )
-        if index is not None and use_prefix_cache:  # the counts of prefix lookups
-            self._counts.prefix_cache_queries += len(tokens)
-            self._counts.prefix_cache_hits += num_hits * self.block_size
-        kept = tokens if index is not None else ()
-        seq = self._seqs[seq_id] = SeqState(groups, kept, len(tokens), chain_root=root)
-        seq.prefix_uids = uids
-        # The lookup's keys start after the anchor's hits: of use if every group hit as many.
-        seq.key_full_blocks(
-            index, block_size, anchor, keys if num_hits == len(anchor_hits) else None
-        )
-        return num_hits * self.block_size
+        seq, num_cached = self._prompts.allocate(seq_id, token_ids, use_prefix_cache, salt)
+        self._seqs[seq_id] = seq
+        return num_cached
 
     def append(self, seq_id: Hashable, token_ids: Sequence[Any]) -> list[int]:
         """Extend `seq_id` by `token_ids` (generated tokens or the next prompt chunk), as
@@ -323,49 +239,7 @@ class KVCacheManager:
         Raises:
             KeyError, ValueError: as `append` (those before the bad one appended).
         """
-        get, index, block_size = self._seqs.get, self._index, self.block_size
-        extra_refs, windows = self._pool.extra_refs, self.windows
-        tables: list[list[int]] = []
-        add_table = tables.append
-        for seq_id, new in zip(seq_ids, token_ids, strict=True):
-            seq = get(seq_id)
-            if seq is None or seq.is_swapped:
-                seq = self._seqs.resident(seq_id, "append")  # raises
-            if type(new) is not list:
-                new = list(token_tuple(new))
-            # Tokens that fit an unshared partial last block of every group (a decode step's
-            # common case) take no block and slide no block out; anything else asks `_grow`.
-            num_cur, num_new = seq.num_tokens, len(new)
-            num = num_cur + num_new
-            for group, window in zip(seq.groups, windows, strict=True):
-                blocks = group.block_ids
-                if num_new and (
-                    num > len(blocks) * block_size
-                    or (num_cur % block_size and extra_refs[blocks[-1]] > 0)
-                    or (
-                        window is not None
-                        and first_needed_block(window, num_cur, block_size) > group.num_dropped
-                    )
-                ):
-                    break
-            else:
-                group = None
-            if group is not None:
-                copies = grow(seq, windows, num_new, block_size, self._pool)
-                if copies is None:
-                    break
-                self._copies += copies
-                self._counts.num_cow_copies += len(copies)
-            seq.num_tokens = num
-            if index is not None:
-                tokens = seq.token_ids
-                if type(tokens) is not list:  # the prompt, kept as `allocate` got it
-                    tokens = seq.token_ids = list(tokens)
-                tokens += new
-                if num // block_size > num_cur // block_size:
-                    seq.key_full_blocks(index, block_size, self._anchor)
-            add_table(seq.table or table_of(seq))
-        return tables
+        return self._appender.append_many(seq_ids, token_ids)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make `child_id` share every block of `parent_id` (ref_count += 1 each), no copy.
@@ -384,6 +258,7 @@ class KVCacheManager:
             held = group.held
             self._pool.touch(held)
             self._counts.num_forked_blocks += len(held)
+        parent.in_place_end = 0  # its partial last block is shared now
         # The same table list: neither changes it, a new one replaces it.
         self._seqs[child_id] = replace(
             parent,
@@ -405,8 +280,7 @@ class KVCacheManager:
     def pop_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies ``(src, dst)`` queued since the last call, in order: the
         engine copies each src block's KV into dst (in this order) before writing new KV."""
-        copies, self._copies = self._copies, []
-        return copies
+        return self._appender.pop_copies()
 
     def cache_blocks(
         self, token_ids: Sequence[Any], *, salt: str | None, blocks: Sequence[tuple[int, int]]
@@ -414,7 +288,7 @@ class KVCacheManager:
         """Index fresh blocks as cached blocks holding the full blocks ``(group, block
         index)`` of `token_ids` (KV loaded from elsewhere), as `cache_loaded` does. Returns
         per pair the block to write its KV into, or None where none was taken."""
-        return cache_loaded(self._lookups[self._anchor], token_ids, chain_root(salt), blocks)
+        return self._prompts.cache_blocks(token_ids, salt, blocks)
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Move a sequence to the host pool: it keeps its tokens, held in host blocks.
@@ -466,8 +340,7 @@ class KVCacheManager:
         if pool.num_free_blocks != pool.num_blocks:
             return False
         pool.reset_cache()
-        for lookups in self._lookups:
-            lookups.forget()
+        self._prompts.forget()
         for seq in self._seqs.values():  # all swapped out: re-keyed from the root on swap_in
             seq.unkey()
         return True
@@ -480,7 +353,7 @@ class KVCacheManager:
             self._host,
             self._index,
             self._seqs,
-            self._copies,
+            self._appender.copies,
             self.block_size,
             self.windows,
             self._anchor,
@@ -497,6 +370,7 @@ class KVCacheManager:
         group g: group_<g>_num_held_blocks (distinct device blocks its tables hold) and
         group_<g>_max_seq_blocks (the most any one sequence holds).
         """
+        copies = self._appender.copies
         return self._counts.stats(
-            self._pool, self._host, self._index, self._seqs, self._copies, len(self.windows)
+            self._pool, self._host, self._index, self._seqs, copies, len(self.windows)
         )

@@ -1,4 +1,5 @@
-"""Per-sequence state of the KV-cache manager, and input validation (standard library only)."""
+"""Per-sequence state of the KV-cache manager, the parts its helpers share, and input
+validation (standard library only)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.block_tokens import BlockTokens
 from pagedkv.memory.content_hash import chain_start
 from pagedkv.memory.groups import GroupBlocks
@@ -28,6 +30,11 @@ class SeqState:
     table: list[int] | None = None
     # The parent of the first block's key: ROOT_UID, or the prompt's salt (`chain_root`).
     chain_root: ChainRoot = ROOT_UID
+    # An append that leaves at most this many tokens changes no group's blocks (the least
+    # `GroupBlocks.in_place_end`), so a decode step checks one int. Set where a sequence
+    # starts or grows; 0 (its next append grows) where its blocks change in any other way
+    # or become shared.
+    in_place_end: int = 0
 
     # Per keyed full block, the anchor group's name of the prefix through it (the parent
     # of the other groups' keys of that block, see `pagedkv.memory.groups.anchor_group`).
@@ -53,12 +60,34 @@ class SeqState:
             if g != anchor:
                 group.key_under(index, keys, self.prefix_uids, g)
 
+    def set_in_place_end(
+        self, num: int, windows: Sequence[int | None], block_size: int, pool: BlockPool
+    ) -> None:
+        """Set `in_place_end` for the blocks as they are now, holding `num` tokens."""
+        end = num + block_size  # more than any group's
+        for group, window in zip(self.groups, windows, strict=True):
+            group_end = group.in_place_end(num, window, block_size, pool)
+            if group_end < end:
+                end = group_end
+        self.in_place_end = end
+
     def unkey(self) -> None:
         """Mark no block offered to the prefix index: the next `key_full_blocks` keys them all
         again from the chain's root (after a swap-in or a reset of the index)."""
         self.prefix_uids = []
         for g, group in enumerate(self.groups):
             group.num_keyed, group.chain_uid = 0, chain_start(self.chain_root, g, group.hashed)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerParts:
+    """The parts of a `KVCacheManager` its appender and prompt allocator share."""
+
+    pool: BlockPool  # the device pool
+    index: PrefixIndex | None  # None: no prefix caching
+    windows: tuple[int | None, ...]  # per KV cache group, its sliding window (None: full)
+    block_size: int
+    anchor: int  # the group keyed as a chain (`anchor_group`)
 
 
 class SequenceTable(dict[Hashable, SeqState]):
