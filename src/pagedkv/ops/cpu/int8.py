@@ -4,8 +4,9 @@ written (the float16 scales reach Numba as their uint16 bits).
 `token_scale(scales, slot, g)` is the scale of KV head g at `slot`, and 1 where `scales` is
 None (a float cache: the kernels compile the multiply away). `store_row` writes a row into
 a cache, quantized as `pagedkv.ops.quantize.quantize` does (same float32 steps, without
-fastmath, so both write the same bytes) where `scales` is an array. Numba's extension API
-only, as `bf16.py`.
+fastmath, so both write the same bytes) where `scales` is an array. `prefetch_scales` asks
+for a span's scale lines ahead of the loops that read them. Numba's extension API only, as
+`bf16.py`.
 """
 
 from __future__ import annotations

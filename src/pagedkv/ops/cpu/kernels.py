@@ -24,7 +24,8 @@ rescale each.
 An int8 cache comes with its scales ([num_slots, num_kv_heads] float16 bits, or None for a
 float cache): a token's K scale multiplies its dot products (folded into the softmax
 scale), its V scale the softmax weights, once per token and head; sums stay float32.
-Its span steps (`int8_spans.py`) are vector code of their own (`tiles.py`).
+Its accumulate step (`int8_spans.py`) is vector code of its own (`tiles.py`); its scales'
+lines are asked for a span ahead, as the rows are (`int8.prefetch_scales`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 `accumulate_tile` converts four V rows to float32 once for every head of a KV head's group
 and adds them, weighted, into each head's output row. A Numba loop with one output row (what
-LLVM vectorizes well) converts them once per head, and at head_dim 64 that conversion
-(two instructions per 16 elements, per head) costs as much as the multiply-adds.
+LLVM vectorizes well) converts them once per head: two instructions per 16 elements and
+head beside one multiply-add, most of the loop's work.
 
 Rows are read in vectors of `LANES` elements; the last one of a row whose length is not a
 multiple is read masked, so no vector reaches past the row.
