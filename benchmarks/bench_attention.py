@@ -17,9 +17,9 @@ CPU backend makes after gathering, so the ratio is the price of paging.
     python benchmarks/bench_attention.py                  # full grid (CPU)
     python benchmarks/bench_attention.py --device cuda    # Triton backend vs SDPA on a GPU
 
-`--dtype int8` times decode over an int8 cache with bfloat16 queries; its baseline is SDPA
-in bfloat16 on the same (dequantized) values, and its GB/s count the int8 rows and their
-float16 scales.
+`--dtype int8` (in the CPU default) times decode over an int8 cache with bfloat16 queries;
+its baseline is SDPA in bfloat16 on the same (dequantized) values, and its GB/s count the
+int8 rows and their float16 scales.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         batch=[1, 8] if args.quick else ([1, 8, 32, 64] if cuda else [1, 8, 32]),
         context=[512, 4096] if args.quick else [512, 4096, 32768],
         block_size=[16] if cuda else ([16, 32] if args.quick else [16, 32, 128]),
-        dtype=["float32", "bfloat16"] if not cuda else ["bfloat16", "float16"],
+        dtype=["float32", "bfloat16", "int8"] if not cuda else ["bfloat16", "float16"],
         max_kv_gib=24.0 if cuda else (0.6 if args.quick else 2.1),
         max_prefill_context=(32768 if cuda else 4096),
         min_time=0.15 if args.quick else 0.5,

@@ -105,3 +105,30 @@ def test_int8_caches_require_their_scales() -> None:
     with pytest.raises(ValueError, match="key: expected float32, bfloat16"):
         write_kv(rows, rows, q8.case.key_cache, q8.case.value_cache,
                  torch.zeros(1, dtype=torch.int64), **q8.scales)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 72])
+def test_accumulate_tile_adds_each_heads_weighted_v_rows_and_nothing_else(head_dim) -> None:
+    """The int8 accumulate step's vector code: whole vectors and a masked last one, every
+    head of the group from the same four V rows, no element outside the heads' rows."""
+    import numpy as np
+    from numba import njit
+
+    from pagedkv.ops.cpu.tiles import accumulate_tile
+
+    @njit
+    def tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at):  # pragma: no cover
+        accumulate_tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at)
+
+    rng = np.random.default_rng(head_dim)
+    v = rng.integers(-127, 128, (10, 2, head_dim)).astype(np.int8)
+    w = rng.standard_normal((3, 8)).astype(np.float32)
+    acc = rng.standard_normal((5, head_dim)).astype(np.float32)
+    slots, g = [7, 2, 9, 4], 1
+    v_at = tuple(s * 2 * head_dim + g * head_dim for s in slots)
+    expected = acc.astype(np.float64)
+    rows = v[slots, g].astype(np.float64)  # [4, D]
+    expected[1:4] += w[:, 2:6].astype(np.float64) @ rows
+    tile(v, v_at, head_dim, w, 2, 8, 3, acc, head_dim)  # heads' rows 1..3, tokens 2..5 of w
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(acc[[0, 4]], expected[[0, 4]].astype(np.float32))

@@ -119,3 +119,25 @@ def test_warmup_rejects_bad_num_heads(num_heads) -> None:
 def test_warmup_rejects_mismatched_caches() -> None:
     with pytest.raises(ValueError, match=r"^value_cache: expected"):
         warmup(torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 4), 2)
+
+
+_INT8_PROBE = """
+import torch
+from pagedkv.runtime import decode, stack
+
+decode.warmup(torch.bfloat16, torch.int8)
+print("|".join(str(sig) for sig in stack.decode_layers.signatures))
+"""
+
+
+def test_runtime_warmup_compiles_the_decode_step_over_an_int8_cache(tmp_path) -> None:
+    """An int8 engine's warm-up readies the decoder stack over int8 pools and their scales
+    (its first decode step would compile it otherwise), under a marker of its own."""
+    env = os.environ | {"PAGEDKV_CACHE_DIR": str(tmp_path)}
+    run = [sys.executable, "-c", _INT8_PROBE]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr
+    # the pools [layers, slots, kv heads, D] int8, their scales as float16 bits
+    assert "Array(int8, 4, 'C'" in result.stdout and "Array(uint16, 3, 'C'" in result.stdout
+    assert "compiling" in result.stderr
+    assert list(tmp_path.glob("cpu-kernels/*/compiled-runtime-bfloat16-kv-int8"))

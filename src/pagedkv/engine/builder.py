@@ -161,6 +161,7 @@ def build_rank_runner(
         fused_decode=args.cpu_fused_decode,
         onednn=args.pack_weights,
         tuning=CpuTuning.load() if network.device.type == "cpu" else None,
+        kv_cache_dtype=cache_dtype,
     )
     options: dict[str, Any] = {
         "attention_backend": args.attention_backend,

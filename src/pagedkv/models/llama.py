@@ -203,6 +203,7 @@ class CausalLM(nn.Module):
         fused_decode: bool = True,
         onednn: bool = True,
         tuning: CpuTuning | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> bool:
         """Choose, once, how this model runs on the CPU (`pagedkv.runtime`); call it after
         the weights are loaded. Elsewhere, or in a dtype the kernels lack, only `onednn`
@@ -216,6 +217,8 @@ class CausalLM(nn.Module):
                 `fused_decode_applies` (one rank, and Llama's layer in every layer).
             onednn: every other product through oneDNN (`runtime.linear.Linear`).
             tuning: the knobs (default: `CpuTuning()`).
+            kv_cache_dtype: the KV cache's dtype where it is not the model's (int8), so that
+                the warm-up compiles the decode step over it.
 
         Returns:
             Whether the compiled decode step applies.
@@ -247,7 +250,8 @@ class CausalLM(nn.Module):
         if few_rows or fused:
             from pagedkv.runtime.decode import warmup  # Numba
 
-            warmup(self.dtype)  # the runtime's kernels, before the first request
+            # the runtime's kernels, before the first request
+            warmup(self.dtype, kv_cache_dtype if fused else None)
         return fused
 
     def _layers(self) -> Sequence[DecoderLayer]:

@@ -179,10 +179,14 @@ _team = TeamBackoff()
 """One per process: whether cores are free is the machine's state, not a model's."""
 
 
-def warmup(dtype: torch.dtype) -> None:
+def warmup(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> None:
     """Load or compile the variants of `dtype` (float32 or bfloat16) of both matrix-vector
-    kernels and the decoder stack; say so on stderr when they compile."""
+    kernels and the decoder stack, the stack's over a `kv_cache_dtype` cache (default
+    `dtype`; int8: quantized, with its scales); say so on stderr when they compile."""
+    kv_dtype = kv_cache_dtype or dtype
     name = str(dtype).removeprefix("torch.")
+    if kv_dtype != dtype:  # its own marker: an engine of the model's dtype built the rest
+        name += "-kv-" + str(kv_dtype).removeprefix("torch.")
     kernel_cache.announce(f"runtime-{name}")
     for parallel in (False, True):
         weight = torch.zeros(1, 2, dtype=dtype)
@@ -193,9 +197,14 @@ def warmup(dtype: torch.dtype) -> None:
         [{k: torch.zeros(v, dtype=dtype) for k, v in sizes.items()}],
         torch.zeros(8, dtype=dtype), torch.zeros(5, 8, dtype=dtype), 1e-6,
     )  # fmt: skip
-    cache = torch.zeros(1, 1, 1, 1, 8, dtype=dtype)
+    cache = torch.zeros(1, 1, 1, 1, 8, dtype=kv_dtype)
+    scale_pools = None
+    if kv_dtype == torch.int8:
+        scale_pools = (torch.zeros(1, 1, 1, 1, dtype=torch.float16),
+                       torch.zeros(1, 1, 1, 1, dtype=torch.float16))  # fmt: skip
     plan = cpu.plan(AttentionMetadata.build([[0]], [1], [1], [0]), cache[0], 1, None)
     row, half = torch.zeros(1, 8, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
     slots = torch.zeros(1, dtype=torch.int64)
-    decode_layers(row, half, half, slots, weights, cache, cache.clone(), plan, 1.0)
+    decode_layers(row, half, half, slots, weights, cache, cache.clone(), plan, 1.0,
+                  scale_pools=scale_pools)  # fmt: skip
     kernel_cache.mark_compiled(f"runtime-{name}")

@@ -32,7 +32,9 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 KERNEL_FILES = tuple(
     _PACKAGE / name
     for name in (
-        "ops/cpu/kernels.py", "ops/cpu/bf16.py", "runtime/matvec.py", "runtime/stack.py",
+        "ops/cpu/kernels.py", "ops/cpu/bf16.py", "ops/cpu/spans.py", "ops/cpu/softmax.py",
+        "ops/cpu/int8.py", "ops/cpu/int8_spans.py", "ops/cpu/tiles.py",
+        "runtime/matvec.py", "runtime/stack.py",
         "runtime/atomics.py", "runtime/quant/blocks.py", "runtime/quant/dots.py",
         "runtime/quant/vectors.py", "runtime/quant/formats.py",
     )

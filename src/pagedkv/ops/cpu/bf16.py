@@ -215,8 +215,9 @@ def _prefetcher(locality: int):  # type: ignore[no-untyped-def]
     return prefetch
 
 
-_prefetch = _prefetcher(2)
-"""Load a line into L2, for K and V rows read soon and maybe again."""
+prefetch_line = _prefetcher(2)
+"""Load a line into L2, for K and V rows (and an int8 cache's scales) read soon and maybe
+again."""
 prefetch_once = _prefetcher(0)
 """Load a line for one use (x86: `prefetchnta`): a weight row that a decode step reads once.
 The line does not stay in the outer caches, so what the step reads next (the KV cache, the
@@ -236,4 +237,4 @@ def prefetch_head(cache, slots, g):  # pragma: no cover
     for i in range(len(slots)):
         at = slots[i] * row + g * head_dim
         for c in range(0, head_dim, line):
-            _prefetch(cache, at + c)
+            prefetch_line(cache, at + c)

@@ -4,8 +4,9 @@ written (the float16 scales reach Numba as their uint16 bits).
 `token_scale(scales, slot, g)` is the scale of KV head g at `slot`, and 1 where `scales` is
 None (a float cache: the kernels compile the multiply away). `store_row` writes a row into
 a cache, quantized as `pagedkv.ops.quantize.quantize` does (same float32 steps, without
-fastmath, so both write the same bytes) where `scales` is an array. Numba's extension API
-only, as `bf16.py`.
+fastmath, so both write the same bytes) where `scales` is an array. `prefetch_scales` asks
+for a span's scale lines ahead of the loops that read them. Numba's extension API only, as
+`bf16.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.bf16 import as_float32, prefetch_line
 
 QMAX = 127
 FLOAT16_MAX = 65504.0
@@ -57,6 +58,38 @@ def _token_scale_impl(scales, slot, g):  # pragma: no cover
     if isinstance(scales, types.Array) and scales.dtype == types.uint16:
         return lambda scales, slot, g: half_bits_as_float32(scales[slot, g])
     return None
+
+
+def prefetch_scales(key_scales, value_scales, slots, first, end):  # pragma: no cover
+    """Prefetch the K and V scales of the tokens at slots[first:end] (a line once, as
+    consecutive slots share it); nothing where the scales are None. Blocks are scattered,
+    so the hardware prefetcher does not find them, and a scale read that misses stalls the
+    loop that needs it."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(prefetch_scales, inline="always")
+def _prefetch_scales_impl(key_scales, value_scales, slots, first, end):  # pragma: no cover
+    if isinstance(key_scales, types.NoneType):
+        return lambda key_scales, value_scales, slots, first, end: None
+    if isinstance(key_scales, types.Array) and key_scales.dtype == types.uint16:
+        return lambda key_scales, value_scales, slots, first, end: _prefetch_scale_lines(
+            key_scales, value_scales, slots, first, end
+        )
+    return None
+
+
+@njit(inline="always")
+def _prefetch_scale_lines(key_scales, value_scales, slots, first, end):  # pragma: no cover
+    row = key_scales.shape[1]
+    per_line = 64 // key_scales.itemsize
+    line = -1
+    for i in range(first, end):
+        at = slots[i] * row
+        if at // per_line != line:
+            line = at // per_line
+            prefetch_line(key_scales, at)
+            prefetch_line(value_scales, at)
 
 
 def layer_of(pool, layer):  # pragma: no cover
