@@ -113,6 +113,14 @@ class StepBuilder:
                 )
         return need
 
+    def fitting_part(self, request: Request, chunk: Chunk, free: int) -> Chunk:
+        """The longest leading part of `chunk` whose blocks fit `free` blocks (0 tokens:
+        none): a sliding window frees old blocks as a prefill goes, so a part may fit."""
+        seq, start, num = chunk
+        while num and self.blocks_needed(request, [(seq, start, num)]) > free:
+            num //= 2
+        return seq, start, num
+
     def plan_fitting(
         self, requests: list[Request], first: int, budget: StepBudget, free: int
     ) -> tuple[int, list[Request], Plan, Plan | None]:

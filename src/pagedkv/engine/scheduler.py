@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.engine.outputs import FinishReason
-from pagedkv.engine.planning import Chunk, Plan, StepBudget, StepBuilder, num_decodes
+from pagedkv.engine.planning import Plan, StepBudget, StepBuilder, num_decodes
 from pagedkv.engine.request import Request, RequestStatus, SeqId, Sequence, check_fits
 from pagedkv.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedkv.engine.stop import check_stop, stop_bounds
@@ -257,7 +257,7 @@ class Scheduler:
         blocked sample ends with "length" (every step makes progress). False when it ended."""
         blocked: list[Sequence] = []
         for chunk in plan:
-            fitting = self._fitting_part(request, chunk)
+            fitting = self.builder.fitting_part(request, chunk, self.kv.num_free_blocks)
             budget.tokens += chunk[2] - fitting[2]
             if fitting[2]:
                 self.builder.run(request, [fitting], out, budget)
@@ -269,16 +269,6 @@ class Scheduler:
             out.finished_request_ids.append(request.request_id)
             return False
         return True
-
-    def _fitting_part(self, request: Request, chunk: Chunk) -> Chunk:
-        """The longest leading part of `chunk` whose blocks are free (0 tokens: none): a
-        prefill chunk of a sliding-window model may fit in fewer tokens, its window's
-        old blocks freed as it goes."""
-        seq, start, num = chunk
-        free = self.kv.num_free_blocks
-        while num and self.builder.blocks_needed(request, [(seq, start, num)]) > free:
-            num //= 2
-        return seq, start, num
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and budget.prefill_tokens > 0:

@@ -63,12 +63,12 @@ def _as_float32_impl(x):  # pragma: no cover
     return None
 
 
-def _declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
+def declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
     """The LLVM intrinsic `name` in `module`, declared on first use."""
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
 
 
-def _pointer(context, builder, arr_type, arr, offset, offset_type, to):  # type: ignore[no-untyped-def]
+def pointer(context, builder, arr_type, arr, offset, offset_type, to):  # type: ignore[no-untyped-def]
     """Address of element `offset` of a C-contiguous array, cast to a pointer to `to`."""
     data = context.make_array(arr_type)(context, builder, arr).data
     index = context.cast(builder, offset, offset_type, types.int64)
@@ -146,9 +146,9 @@ def dot32(typingctx, a, a_at, b, b_at, groups):  # pragma: no cover
         f32x16 = ir.VectorType(_F32, _LANES)
         bf16x32 = ir.VectorType(_BFloat16(), 2 * _LANES)
         i64 = ir.IntType(64)
-        dot = _declare(builder.module, "llvm.x86.avx512bf16.dpbf16ps.512", f32x16,
+        dot = declare(builder.module, "llvm.x86.avx512bf16.dpbf16ps.512", f32x16,
                        [f32x16, bf16x32, bf16x32])  # fmt: skip
-        lines = [_pointer(context, builder, sig.args[i], args[i], args[i + 1], sig.args[i + 1],
+        lines = [pointer(context, builder, sig.args[i], args[i], args[i + 1], sig.args[i + 1],
                           bf16x32) for i in (0, 2)]  # fmt: skip
         total = context.cast(builder, args[4], sig.args[4], types.int64)
         sums = [cgutils.alloca_once_value(builder, ir.Constant(f32x16, None)) for _ in range(_SUMS)]
@@ -204,8 +204,8 @@ def _prefetcher(locality: int):  # type: ignore[no-untyped-def]
 
         def codegen(context, builder, sig, args):
             byte = ir.IntType(8)
-            at = _pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], byte)
-            fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
+            at = pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], byte)
+            fn = declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
                           [byte.as_pointer()] + [_I32] * 3)  # fmt: skip
             builder.call(fn, [at] + [ir.Constant(_I32, x) for x in (0, locality, 1)])  # read, data
             return context.get_dummy_value()

@@ -17,7 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagedkv.ops.cpu.bf16 import _declare, _pointer
+from pagedkv.ops.cpu.bf16 import declare, pointer
 
 LANES = 16
 TOKENS = 4
@@ -48,7 +48,7 @@ def _masked_load(builder: ir.IRBuilder, ptr: ir.Value, elem: ir.Type, mask: ir.V
     """<LANES x elem> from `ptr`, zero where `mask` is off (nothing read there)."""
     vec = _vec(elem)
     name = f"llvm.masked.load.v{LANES}{_suffix(elem)}.p0"
-    fn = _declare(builder.module, name, vec, [elem.as_pointer(), _I32, _vec(_I1), vec])
+    fn = declare(builder.module, name, vec, [elem.as_pointer(), _I32, _vec(_I1), vec])
     return builder.call(fn, [ptr, ir.Constant(_I32, 1), mask, ir.Constant(vec, None)])
 
 
@@ -83,7 +83,7 @@ def _chunks(builder: ir.IRBuilder, length: ir.Value, body) -> None:  # type: ign
 def _masked_store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
     vec = value.type
     name = f"llvm.masked.store.v{LANES}{_suffix(vec.element)}.p0"
-    fn = _declare(builder.module, name, ir.VoidType(), [vec, vec.element.as_pointer(), _I32,
+    fn = declare(builder.module, name, ir.VoidType(), [vec, vec.element.as_pointer(), _I32,
                                                         _vec(_I1)])  # fmt: skip
     builder.call(fn, [value, ptr, ir.Constant(_I32, 4), mask])
 
@@ -95,7 +95,7 @@ def _suffix(elem: ir.Type) -> str:
 def _row(context, builder, arr_type, arr, at, at_type, first, elem):  # type: ignore[no-untyped-def]
     """Pointer to arr.flat[at + first] as `elem`*."""
     offset = builder.add(context.cast(builder, at, at_type, types.int64), first)
-    return _pointer(context, builder, arr_type, arr, offset, types.int64, elem)
+    return pointer(context, builder, arr_type, arr, offset, types.int64, elem)
 
 
 def _is_row_array(t: types.Type, dtypes: tuple[types.Type, ...]) -> bool:
@@ -133,13 +133,13 @@ def accumulate_tile(typingctx, v, v_at, head_dim, w, w_at, w_stride, num_heads, 
                 w_row = builder.add(w_at, builder.mul(head.index, w_stride))
                 total = None
                 for t in range(TOKENS):
-                    ptr = _pointer(context, builder, w, w_arr, builder.add(
+                    ptr = pointer(context, builder, w, w_arr, builder.add(
                         w_row, ir.Constant(_I64, t)), types.int64, _F32)  # fmt: skip
                     prod = builder.fmul(_splat(builder, builder.load(ptr), _F32), values[t],
                                         flags=_FAST)  # fmt: skip
                     total = prod if total is None else builder.fadd(total, prod, flags=_FAST)
                 row = builder.add(a_at, builder.add(builder.mul(head.index, d), first))
-                ptr = _pointer(context, builder, acc, acc_arr, row, types.int64, _F32)
+                ptr = pointer(context, builder, acc, acc_arr, row, types.int64, _F32)
                 old = _load(builder, ptr, _F32, mask)
                 _store(builder, builder.fadd(old, total, flags=_FAST), ptr, mask)
 
