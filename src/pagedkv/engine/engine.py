@@ -322,6 +322,9 @@ class LLMEngine:
         assert self._structured is not None, "called only with structured outputs"
         idle = not self.scheduler.has_unfinished_requests() and not self.prefix_tier
         ready, failed = self._structured.pop_compiled(wait=idle)
+        tier = self.prefix_tier
+        if tier is not None:  # those whose blocks the tiers hold wait for them first
+            ready = [request for request in ready if not tier.start_load(request)]
         return self._admit(ready, failed)
 
     def _admit(
