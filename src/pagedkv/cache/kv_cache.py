@@ -326,7 +326,10 @@ class PagedKVCache:
         parts = []
         for pool in self._pools:
             rows = self._flat(pool).index_select(1, ids.to(self.device))  # (2S, n, elements)
-            rows = rows.transpose(0, 1).contiguous().cpu()  # (n, 2S, elements)
+            rows = rows.transpose(0, 1)  # (n, 2S, elements)
+            # From a GPU into page-locked memory: a pageable destination stages every copy.
+            on_gpu = rows.device.type == "cuda"
+            rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=on_gpu).copy_(rows)
             parts.append(rows.view(torch.uint8).view(len(block_ids), -1))
         return torch.cat(parts, dim=1)
 
