@@ -15,7 +15,9 @@ import torch
 from helpers import make_hf_model
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.builder import allocation_figures
 from pagedkv.memory.groups import sequence_blocks
+from pagedkv.sim.planner import kv_bytes_per_token
 
 WINDOW, BLOCK_SIZE = 64, 16
 LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 2  # 10:2 layers, Gemma 3's mix
@@ -216,3 +218,12 @@ def test_a_prompt_whose_whole_prefill_does_not_fit_runs_in_smaller_chunks(model_
     with make_llm(model_dir, num_blocks=held + len(windows)) as llm:
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert list(out.token_ids) == list(expected) and out.finish_reason == "length"
+
+
+def test_the_start_up_figures_count_every_layer_as_the_plan_does(model_dir) -> None:
+    with make_llm(model_dir, num_blocks=32) as llm:
+        runner = llm.engine.runner
+        figures = allocation_figures(runner.model, runner.kv_cache)
+        config = llm.engine.model_config
+    assert len(runner.kv_cache.groups.windows) > 1
+    assert figures["kv_bytes_per_token"] == kv_bytes_per_token(config, "float32")

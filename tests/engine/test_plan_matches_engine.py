@@ -46,7 +46,7 @@ def engine_sizes(plan, tmp_path_factory) -> tuple[tuple[int | None, ...], int, i
     config = create_engine_config(args, ModelConfig.from_hf(model_dir), "cpu")
     _, groups, shape = kv_block_shape(args, config, config.model.kv_heads_per_rank(1))
     num_blocks = builder._num_device_blocks(
-        config.cache, config.scheduler, shape, CONTEXT, "cpu", 1, groups.num_groups
+        config.cache, config.scheduler, shape, CONTEXT, "cpu", 1, groups.windows
     )
     return groups.windows, num_blocks, PagedKVCache.bytes_per_block(*shape)
 

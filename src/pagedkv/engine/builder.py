@@ -4,7 +4,6 @@ pool, create the manager and runner."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any
 
@@ -139,7 +138,7 @@ def build_rank_runner(
                 config.max_model_len,
                 device,
                 tp.size,
-                groups.num_groups,
+                groups.windows,
             ),
             PagedKVCache.num_blocks_for_memory(config.cache.swap_space, *shape),
         )
@@ -220,7 +219,8 @@ def allocation_figures(network: CausalLM, kv_cache: PagedKVCache) -> dict[str, i
     return {
         "weight_bytes": weight_bytes,
         "kv_heads_per_gpu": kv_cache.num_kv_heads,
-        "kv_bytes_per_token": per_block // kv_cache.block_size,
+        # Over every layer, as the plan counts it (a block holds one group's layers).
+        "kv_bytes_per_token": per_block // kv_cache.block_size * kv_cache.groups.num_groups,
         "kv_bytes_per_block": per_block,
         "num_blocks": kv_cache.num_blocks,
         "max_kv_tokens": kv_cache.num_blocks * kv_cache.block_size,
@@ -256,11 +256,11 @@ def _num_device_blocks(
     max_model_len: int,
     device: str,
     num_ranks: int = 1,
-    num_groups: int = 1,
+    windows: tuple[int | None, ...] = (None,),
 ) -> int:
     """num_blocks if given, else what kv_cache_memory holds (per device), else a share of
     free memory (on the CPU at most `CPU_KV_MEMORY_CAP`) capped by what `max_num_seqs`
-    sequences of `max_model_len` tokens could ever use in `num_groups` KV cache groups. On
+    sequences of `max_model_len` tokens could ever hold in the KV cache groups of `windows`. On
     the CPU the ranks of one machine split that memory between them."""
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -278,7 +278,7 @@ def _num_device_blocks(
         budget = free * _GPU_MEMORY_SHARE
     else:
         budget = min(free * _CPU_MEMORY_SHARE, CPU_KV_MEMORY_CAP) / num_ranks
-    cap = scheduler.max_num_seqs * math.ceil(max_model_len / cache.block_size) * num_groups
+    cap = scheduler.max_num_seqs * sum(sequence_blocks(windows, max_model_len, cache.block_size))
     blocks = min(PagedKVCache.num_blocks_for_memory(int(budget), *shape), cap)
     if blocks <= 0:
         raise ValueError(
