@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from pagedkv.ops.cpu.bf16 import as_float32
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, byte, scale_min
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
@@ -179,25 +180,52 @@ def block_products_parallel(
 @njit(cache=True)
 def quantize_rows(x, group, levels):  # pragma: no cover
     """x: float32 [rows, in_features] -> (int16 [rows, in_features], float32 [rows,
-    in_features // group] scales): each group of `group` elements as its largest magnitude
-    over `levels` times integers rounded to nearest, so an element is off by at most half
-    its group's scale."""
+    in_features // group] scales), as `quantize_into` makes them."""
     rows, size = x.shape
     xq = np.empty((rows, size), dtype=np.int16)
     xd = np.empty((rows, size // group), dtype=np.float32)
+    quantize_into(x, group, levels, xq, xd)
+    return xq, xd
+
+
+@njit(cache=True)
+def quantize_into(x, group, levels, xq, xd):  # pragma: no cover
+    """xq, xd = x quantized in groups of `group`: each group's scale its largest magnitude
+    over `levels`, its elements integers rounded to nearest, so an element is off by at most
+    half its group's scale.
+
+    x: [rows, in_features], float32 or bfloat16 bits (uint16); xq: int16 [rows,
+    in_features]; xd: float32 [rows, in_features // group]. Without fast-math: wherever it
+    is compiled in, the same bits.
+    """
+    rows, size = x.shape
     for m in range(rows):
         for g in range(size // group):
             largest = np.float32(0.0)
             for k in range(g * group, (g + 1) * group):
-                largest = max(largest, abs(x[m, k]))
+                largest = max(largest, abs(as_float32(x[m, k])))
             scale = largest / np.float32(levels)
             inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
             xd[m, g] = scale
             for k in range(g * group, (g + 1) * group):
-                xq[m, k] = np.int16(np.rint(x[m, k] * inverse))
-    return xq, xd
+                xq[m, k] = np.int16(np.rint(as_float32(x[m, k]) * inverse))
 
 
 def x_sums(x: np.ndarray) -> np.ndarray:
     """x: float32 [rows, in_features] -> its sums per 16 elements, [rows, in_features // 16]."""
-    return np.ascontiguousarray(x.reshape(x.shape[0], -1, 16).sum(axis=-1, dtype=np.float32))
+    sums = np.empty((x.shape[0], x.shape[1] // 16), dtype=np.float32)
+    sums_into(x, sums)
+    return sums
+
+
+@njit(cache=True)
+def sums_into(x, sums):  # pragma: no cover
+    """sums[m, j] = the sum of x[m, 16 j : 16 j + 16], left to right (no fast-math: the
+    same bits wherever it is compiled in). x: [rows, in_features], float32 or bfloat16
+    bits; sums: float32 [rows, in_features // 16]."""
+    for m in range(x.shape[0]):
+        for j in range(sums.shape[1]):
+            total = np.float32(0.0)
+            for k in range(16 * j, 16 * j + 16):
+                total += as_float32(x[m, k])
+            sums[m, j] = total
