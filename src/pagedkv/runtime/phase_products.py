@@ -119,7 +119,7 @@ def _input_buffers_impl(weight, threads, rows, size, width):  # pragma: no cover
             np.empty((threads, n // 32), dtype=np.float32),
             np.empty((threads, n), dtype=np.int16),
             np.empty((threads, n // 256), dtype=np.float32),
-            np.empty((threads, n // 16), dtype=np.float32),
+            np.empty((threads, n // 32), dtype=np.float32),
             np.empty((threads, rows * width if blocks else 0), dtype=np.float32),
         )
 
@@ -150,7 +150,7 @@ def _quantize_input(x, parts, buffers, active):  # pragma: no cover
     xd32 = buffers[1][: rows * (size // 32)].reshape(rows, size // 32)
     xq256 = buffers[2][: rows * size].reshape(rows, size)
     xd256 = buffers[3][: rows * (size // 256)].reshape(rows, size // 256)
-    sums = buffers[4][: rows * (size // 16)].reshape(rows, size // 16)
+    sums = buffers[4][: rows * (size // 32)].reshape(rows, size // 32)
     if active:
         by_32 = by_256 = False
         for part in parts:

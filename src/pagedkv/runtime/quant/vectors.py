@@ -114,12 +114,14 @@ _K_BLOCKS = {
 
 
 @intrinsic
-def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cover
+def idot_k_block(typingctx, q, at, xq, x_at, type_id):  # pragma: no cover
     """The int32 sum over the 256 weights of a K-quant block at byte `at` of q of s_k *
     (w_k - offset) * xq[x_at + k]: w_k its 4-bit (Q4_K), 5-bit (Q5_K) or 6-bit (Q6_K)
     weights, offset 32 for Q6_K (0 else), s_k the integer scale of weight k's run of 32
-    (Q4_K, Q5_K: `scales` has 8) or 16 (Q6_K: 16). type_id: a literal GGML type id. The
-    lines' products are summed as vectors and across the lanes once."""
+    (Q4_K, Q5_K: 8 of 6 bits, `_six_bit_fields`) or 16 (Q6_K: 16 int8). type_id: a literal
+    GGML type id. The scales are decoded as one vector, each line's pair of them spread
+    over its lanes by a shuffle; the lines' products are summed as vectors and across the
+    lanes once."""
     if not (_is_row(q, types.uint8) and _is_row(xq, types.int16)):
         return None
     if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in _K_BLOCKS):
@@ -129,9 +131,12 @@ def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cov
     def codegen(context, builder, sig, args):
         base = context.cast(builder, args[1], sig.args[1], types.int64)
         x_base = context.cast(builder, args[3], sig.args[3], types.int64)
-        # Scales as int8 (Q6_K's are signed bytes; the others fit in 6 bits), then int16.
-        scale_of = [builder.sext(builder.trunc(builder.extract_value(args[4], j), _I8), _I16)
-                    for j in range(len(sig.args[4]))]  # fmt: skip
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        if offset:  # Q6_K: 16 signed bytes after the weights' bits
+            scales = builder.sext(_load_vector(builder, data, base, 192, _I8, 16),
+                                  ir.VectorType(_I16, 16))  # fmt: skip
+        else:
+            scales = _six_bit_fields(builder, data, base)[0]
 
         def field(at, shift, field_mask):
             raw = builder.zext(_load_bytes(context, builder, sig, args, base, at), _SHORTS)
@@ -145,13 +150,68 @@ def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cov
                 bits = field(high_bits + high, high_shift, mask)
                 weights = builder.or_(weights, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
             weights = builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
-            scale = _two_scales(builder, scale_of[first], scale_of[second])
+            spread = ir.Constant(_INTS, [first] * 16 + [second] * 16)
+            scale = builder.shuffle_vector(scales, scales, spread)
             xs = _load_shorts(context, builder, sig, args, builder.add(x_base, _i64(x)))
             pairs = _madd(builder, builder.mul(weights, scale), xs)
             total = pairs if total is None else builder.add(total, pairs)
         return _int_sum(builder, total)
 
-    return types.int32(q, at, xq, x_at, scales, type_id), codegen
+    return types.int32(q, at, xq, x_at, type_id), codegen
+
+
+def _load_vector(builder, data, base, at, element, n):  # type: ignore[no-untyped-def]
+    """n elements from byte base + at (an int64 and a constant) of the uint8 pointer data."""
+    pointer = builder.gep(data, [builder.add(base, _i64(at))])
+    return builder.load(builder.bitcast(pointer, ir.VectorType(element, n).as_pointer()), align=1)
+
+
+def _six_bit_fields(builder, data, base):  # type: ignore[no-untyped-def]
+    """(scales, mins), 8 int16 lanes each, of the Q4_K / Q5_K block at byte `base`: its 12
+    bytes q at base + 4 hold scale j in q[j] & 63 and min j in q[j + 4] & 63 for j < 4,
+    and for j >= 4 their low 4 bits in q[j + 4]'s nibbles, their top 2 in q[j - 4] and
+    q[j]'s top bits (`blocks.scale_min`). As lanes: a = q[0..7], b = q[4..11]."""
+    eight = ir.VectorType(_I16, 8)
+    a = builder.zext(_load_vector(builder, data, base, 4, _I8, 8), eight)
+    b = builder.zext(_load_vector(builder, data, base, 8, _I8, 8), eight)
+
+    def splat(value):  # type: ignore[no-untyped-def]
+        return ir.Constant(eight, [value] * 8)
+
+    def top_bits(v):  # type: ignore[no-untyped-def]
+        return builder.shl(builder.lshr(v, splat(6)), splat(4))
+
+    a_first = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3] * 2))
+    low_four = ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 12, 13, 14, 15])
+    scales = builder.or_(builder.and_(b, splat(15)), top_bits(a_first))
+    mins = builder.or_(builder.lshr(b, splat(4)), top_bits(a))
+    return (builder.shuffle_vector(builder.and_(a, splat(63)), scales, low_four),
+            builder.shuffle_vector(builder.and_(b, splat(63)), mins, low_four))  # fmt: skip
+
+
+@intrinsic
+def k_mins_dot(typingctx, q, at, sums, s_at):  # pragma: no cover
+    """The float32 sum over j < 8 of m_j * sums[s_at + j]: the 6-bit mins m_j of the Q4_K /
+    Q5_K block at byte `at` of q (`_six_bit_fields`) by float32 sums of its runs of 32
+    activations, as 8 lanes summed once."""
+    if not (_is_row(q, types.uint8) and _is_row(sums, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        base = context.cast(builder, args[1], sig.args[1], types.int64)
+        mins = _six_bit_fields(builder, data, base)[1]
+        eight = ir.VectorType(ir.FloatType(), 8)
+        floats = context.make_array(sig.args[2])(context, builder, args[2]).data
+        index = context.cast(builder, args[3], sig.args[3], types.int64)
+        pointer = builder.bitcast(builder.gep(floats, [index]), eight.as_pointer())
+        products = builder.fmul(builder.sitofp(mins, eight), builder.load(pointer, align=4))
+        name = "llvm.vector.reduce.fadd.v8f32"
+        reduce = _declare(builder.module, name, ir.FloatType(), [ir.FloatType(), eight])
+        return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), products],
+                            fastmath=("reassoc",))  # fmt: skip
+
+    return types.float32(q, at, sums, s_at), codegen
 
 
 def _i64(value: int) -> ir.Constant:
@@ -170,14 +230,6 @@ def _load_shorts(context, builder, sig, args, index):  # type: ignore[no-untyped
     data = context.make_array(sig.args[2])(context, builder, args[2]).data
     pointer = builder.bitcast(builder.gep(data, [index]), _SHORTS.as_pointer())
     return builder.load(pointer, align=2)
-
-
-def _two_scales(builder, first, second):  # type: ignore[no-untyped-def]
-    """32 int16 lanes: `first` in the first 16, `second` in the rest."""
-    pair = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), None), first,
-                                  ir.Constant(_I32, 0))  # fmt: skip
-    pair = builder.insert_element(pair, second, ir.Constant(_I32, 1))
-    return builder.shuffle_vector(pair, pair, ir.Constant(_INTS, [0] * 16 + [1] * 16))
 
 
 @intrinsic
