@@ -25,13 +25,7 @@ from pagedkv.ops.cpu.bf16 import as_float32
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
-from pagedkv.runtime.quant.vectors import (
-    dot_q8_0_row,
-    half,
-    idot_k_block,
-    idot_nibbles,
-    k_mins_dot,
-)
+from pagedkv.runtime.quant.vectors import dot_row, half, idot_k_block, k_mins_dot
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
@@ -60,17 +54,6 @@ def _q6_k(row, at, xq, base, xd, sums):  # pragma: no cover
 
 
 @njit(inline="always")
-def _q4_0(row, at, xq, base, xd, sums):  # pragma: no cover
-    return half(row, at) * xd * np.float32(idot_nibbles(row, at + 2, xq, base, 8))
-
-
-@njit(inline="always")
-def _q4_1(row, at, xq, base, xd, sums):  # pragma: no cover
-    products = np.float32(idot_nibbles(row, at + 4, xq, base, 0))
-    return half(row, at) * xd * products + half(row, at + 2) * sums[base // 32]
-
-
-@njit(inline="always")
 def _q4_k(row, at, xq, base, xd, sums):  # pragma: no cover
     return _q45_k(row, at, xq, base, xd, sums, Q4_K)
 
@@ -87,7 +70,7 @@ def _rows(
     raise NotImplementedError("compiled only")
 
 
-_DOTS = {Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_DOTS = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
 
 
 @overload(_rows, prefer_literal=True)
@@ -96,9 +79,9 @@ def _rows_impl(
 ):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
-    if type_id.literal_value == Q8_0:  # the whole row in one vector loop
+    if type_id.literal_value in (Q8_0, Q4_0, Q4_1):  # the whole row in one vector loop
         return lambda type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, \
-            end: _q8_0_rows(xq, xd, blocks, out, col, first, end)  # fmt: skip
+            end: _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end)  # fmt: skip
     block_dot = _DOTS[type_id.literal_value]
     fmt = FORMATS_BY_TYPE[type_id.literal_value]
     step, stride = fmt.block_size, fmt.block_bytes  # constants of the compiled variant
@@ -118,10 +101,10 @@ def _rows_impl(
 
 
 @njit(inline="always")
-def _q8_0_rows(xq, xd, blocks, out, col, first, end):  # pragma: no cover
+def _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end):  # pragma: no cover
     for n in range(first, end):
         for m in range(xq.shape[0]):
-            out[m, col + n] = dot_q8_0_row(blocks[n], xq[m], xd[m])
+            out[m, col + n] = dot_row(blocks[n], xq[m], xd[m], sums[m], type_id)
 
 
 @njit(cache=True, fastmath=True)
