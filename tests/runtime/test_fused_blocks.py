@@ -13,7 +13,7 @@ from helpers.paged_batch import PagedBatch, prompt
 from pagedkv.models import load_model
 from pagedkv.models.executor import LayerExecutor
 from pagedkv.models.fused_executor import FusedDecodeExecutor
-from pagedkv.runtime import decode
+from pagedkv.runtime import decode, stack
 from pagedkv.runtime.quant.formats import FORMATS
 from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
 
@@ -100,3 +100,17 @@ def test_projections_and_head_are_all_plain_or_all_in_blocks():
         decode.DecoderWeights.create([layer], torch.zeros(32), blocks, 1e-6)
     with pytest.raises(ValueError, match="o_proj: expected a tensor, as the LM head"):
         decode.DecoderWeights.create([layer], torch.zeros(32), torch.zeros(5, 32), 1e-6)
+
+
+@torch.inference_mode()
+def test_warmup_compiles_the_variant_a_model_in_blocks_runs(tmp_path, count_fused):
+    path = tmp_path / "model.gguf"
+    write_gguf(make_hf_model(tmp_path, "qwen2"), path, "Q4_1")  # with q|k|v biases
+    _, fused = _pair(path, torch.float32, k_quants=False)  # `use_cpu_runtime` warms up
+    compiled = set(stack.decode_layers.signatures)
+    assert any("uint8" in str(signature) for signature in compiled)
+    batch = PagedBatch(fused)
+    batch.step(fused, {0: prompt(6, seed=1)})
+    batch.step(fused, {0: [7]})
+    assert count_fused == [1]
+    assert set(stack.decode_layers.signatures) == compiled
