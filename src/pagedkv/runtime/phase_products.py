@@ -101,6 +101,25 @@ def _in_features_impl(weight):  # pragma: no cover
     return lambda weight: weight[0][0].shape[1] // weight[0][3] * weight[0][2]
 
 
+BLOCK_CHUNK_SCALE = 4
+"""How many times a plain weight's multiply-adds a chunk of blocks holds: a block weight is
+a quarter to a half of float32's bytes, and a chunk's fixed costs (its claim, the parts
+looked up, the format branched on) stay those of a chunk of the same bytes."""
+
+
+def chunk_work(weight, work):  # pragma: no cover
+    """Multiply-adds per input row in a claimed chunk of `weight`'s product, for plain
+    weights `work` (compiled only)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(chunk_work)
+def _chunk_work_impl(weight, work):  # pragma: no cover
+    if isinstance(weight, types.Array):
+        return lambda weight, work: work
+    return lambda weight, work: work * BLOCK_CHUNK_SCALE
+
+
 def input_buffers(weight, threads, rows, size, width):  # pragma: no cover
     """Each thread's buffers for `phase_input` and `phase_products` (compiled only):
     (xq32, xd32, xq256, xd256, sums, chunk), each [threads, n] for inputs of up to `rows`

@@ -47,6 +47,7 @@ from pagedkv.ops.cpu.kernels import attend_item
 from pagedkv.runtime import atomics, kernel_cache
 from pagedkv.runtime.matvec import narrow
 from pagedkv.runtime.phase_products import (
+    chunk_work,
     in_features,
     input_buffers,
     out_features,
@@ -108,7 +109,8 @@ def decode_layers(
     attended_size, inner = in_features(o_proj[0]), in_features(down[0])
     num_heads = attended_size // key_pool.shape[3]
     num_items = items.shape[0]
-    widest = max(key_pool.shape[3], CHUNK_WORK // min(hidden, attended_size, inner))  # a chunk
+    work = chunk_work(head, CHUNK_WORK)
+    widest = max(key_pool.shape[3], work // min(hidden, attended_size, inner))  # a chunk
     f32 = np.float32
     buffers = (
         np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
@@ -195,7 +197,7 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
         size, outputs = x.shape[1], max(1, out_features(weights[10][0]))
     else:  # down
         size, outputs = inner, x.shape[1]
-    step = max(1, CHUNK_WORK // size)
+    step = max(1, chunk_work(weights[5][0], CHUNK_WORK) // size)
     return -(-outputs // step), step
 
 
