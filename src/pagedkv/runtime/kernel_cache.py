@@ -32,10 +32,10 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 KERNEL_FILES = tuple(
     _PACKAGE / name
     for name in (
-        "ops/cpu/kernels.py", "ops/cpu/bf16.py", "runtime/matvec.py", "runtime/stack.py",
-        "runtime/rows.py", "runtime/phase_products.py", "runtime/atomics.py",
-        "runtime/quant/blocks.py", "runtime/quant/dots.py", "runtime/quant/vectors.py",
-        "runtime/quant/formats.py",
+        "ops/cpu/kernels.py", "ops/cpu/bf16.py", "ops/cpu/int8.py", "runtime/matvec.py",
+        "runtime/stack.py", "runtime/rows.py", "runtime/phase_products.py",
+        "runtime/atomics.py", "runtime/quant/blocks.py", "runtime/quant/dots.py",
+        "runtime/quant/vectors.py", "runtime/quant/formats.py",
     )
 )  # fmt: skip
 """The files of compiled code and those they import: Numba's cache does not see a callee's
