@@ -11,6 +11,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from pagedkv.runtime.linear import Linear
+from pagedkv.runtime.quant.formats import FORMATS, BlockFormat
+from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
+
 # HF model_type -> (GGUF architecture, gguf.MODEL_ARCH member name).
 _ARCHS = {
     "llama": ("llama", "LLAMA"),
@@ -167,3 +171,58 @@ def _add_tokenizer(writer, tokenizer_dir: Path) -> None:
     writer.add_token_merges(merges)
     writer.add_add_bos_token(True)
     writer.add_chat_template(config["chat_template"])
+
+
+# Where each format keeps its fp16 scales (byte offsets in a block).
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}  # fmt: skip
+
+
+def random_blocks(
+    fmt: BlockFormat,
+    rows: int,
+    in_features: int,
+    seed: int = 0,
+    scale: float = 0.02,
+) -> np.ndarray:
+    """Valid blocks of random bytes: every bit pattern is a valid block once the fp16 scales
+    are finite (small ones, below `scale`, so products stay in range)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = in_features // fmt.block_size
+    raw = rng.integers(0, 256, size=(rows, num_blocks, fmt.block_bytes), dtype=np.uint8)
+    for at in _SCALE_BYTES[fmt.name]:
+        scales = rng.uniform(-scale, scale, size=(rows, num_blocks)).astype(np.float16)
+        raw[:, :, at : at + 2] = scales[..., None].view(np.uint8)
+    blocks = raw.reshape(rows, -1)
+    blocks.flags.writeable = False
+    return blocks
+
+
+# A Q4_K_M-like mix per layer: q|k|v and gate|up parts in different formats.
+K_QUANT_MIX = {
+    "qkv_proj": ("Q4_K", "Q4_K", "Q6_K"),
+    "o_proj": ("Q5_K",),
+    "gate_up_proj": ("Q4_K", "Q5_K"),
+    "down_proj": ("Q6_K",),
+    "tied_head": ("Q6_K",),
+    "lm_head": ("Q6_K",),
+}
+
+
+def use_k_quant_blocks(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every layer of `model` held in blocks random K-quant blocks (`K_QUANT_MIX`)."""
+    for path, module in model.named_modules():
+        if not (isinstance(module, Linear) and module.blocks is not None):
+            continue
+        names = K_QUANT_MIX[path.rpartition(".")[2]]
+        sizes = [module.out_features // len(names)] * len(names)
+        if path.endswith("qkv_proj"):
+            attention = model.get_submodule(path.rpartition(".")[0])
+            sizes = [attention.q_size, attention.kv_size, attention.kv_size]
+        parts = [
+            QuantPart(FORMATS[name], random_blocks(FORMATS[name], rows, module.in_features,
+                                                   seed=seed + i, scale=2e-3))
+            for i, (name, rows) in enumerate(zip(names, sizes, strict=True))
+        ]  # fmt: skip
+        seed += len(parts)
+        module.use_blocks(QuantWeight(parts, module.in_features))

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_hf_model
+from helpers.gguf_models import use_k_quant_blocks, write_gguf
 from helpers.paged_batch import BLOCK_SIZE, VARIANTS, PagedBatch, prompt
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.models import fused_executor, load_model
+from pagedkv.models import load_model
 from pagedkv.models.executor import LayerExecutor
 from pagedkv.models.fused_executor import FusedDecodeExecutor
 from pagedkv.ops import AttentionMetadata, cpu
@@ -20,19 +21,6 @@ from pagedkv.runtime.tuning import CpuTuning
 # Sums over a row (the norms' statistic) run in another order than torch's: float32 moves
 # by rounding, and bfloat16 (rounded where torch rounds) may now and then move by one step.
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
-
-
-@pytest.fixture
-def count_fused(monkeypatch):
-    calls = []
-    run = fused_executor.decode_layers
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(fused_executor, "decode_layers", counted)
-    return calls
 
 
 def _pair(model_dir, dtype):
@@ -162,17 +150,27 @@ def test_engine_tokens_match_layer_by_layer_float32(tmp_path, arch, monkeypatch,
     assert len(count_fused) > 2 * 5 * 11  # both fused engines decoded through it
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "in_blocks"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
 @torch.inference_mode()
 def test_a_step_shared_by_two_threads_gives_the_bits_of_one(
-    tmp_path, dtype, monkeypatch, count_fused
+    tmp_path, dtype, in_blocks, monkeypatch, count_fused
 ):
     # Each output is computed by whichever thread claims its chunk, the same way: the
     # logits and the cache must not depend on the split (nor on a thread arriving late).
-    model_dir = make_hf_model(tmp_path, "qwen3", dtype=dtype)
+    if in_blocks:  # K-quant parts of several formats (every input size a multiple of 256)
+        pytest.importorskip("gguf")
+        sizes = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+        model_dir = tmp_path / "model.gguf"
+        write_gguf(make_hf_model(tmp_path, "qwen3", **sizes), model_dir, "Q8_0")
+    else:
+        model_dir = make_hf_model(tmp_path, "qwen3", dtype=dtype)
     results = []
     for threads in (1, 2):
         model = load_model(model_dir, dtype=dtype)
+        if in_blocks:
+            use_k_quant_blocks(model)
         assert model.use_cpu_runtime(onednn=False)
         monkeypatch.setattr(decode, "sync_threads", lambda n=threads: n)
         monkeypatch.setattr(decode, "_team", decode.TeamBackoff())

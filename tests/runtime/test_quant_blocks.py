@@ -6,31 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.gguf_models import random_blocks
 
 from pagedkv.runtime.quant import dots
-from pagedkv.runtime.quant.formats import FORMATS, BlockFormat
+from pagedkv.runtime.quant.formats import FORMATS
 from pagedkv.runtime.quant.quantize import quantize
 from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
 
 gguf = pytest.importorskip("gguf")
-
-# Where each format keeps its fp16 scales (byte offsets in a block).
-_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                "Q6_K": (208,)}  # fmt: skip
-
-
-def random_blocks(fmt: BlockFormat, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """Valid blocks of random bytes: every bit pattern is a valid block once the fp16 scales
-    are finite (small ones, so products stay in range)."""
-    rng = np.random.default_rng(seed)
-    num_blocks = in_features // fmt.block_size
-    raw = rng.integers(0, 256, size=(rows, num_blocks, fmt.block_bytes), dtype=np.uint8)
-    for at in _SCALE_BYTES[fmt.name]:
-        scales = rng.uniform(-0.02, 0.02, size=(rows, num_blocks)).astype(np.float16)
-        raw[:, :, at : at + 2] = scales[..., None].view(np.uint8)
-    blocks = raw.reshape(rows, -1)
-    blocks.flags.writeable = False
-    return blocks
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

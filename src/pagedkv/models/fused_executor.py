@@ -1,6 +1,8 @@
 """A decode step in one compiled call on the CPU: every layer, the final norm and the LM
 head (`pagedkv.runtime.decode.decode_layers`, the same operations and roundings as the
-torch layers, no Python between them). Steps it does not take run layer by layer.
+torch layers, no Python between them), from plain weights or from GGML blocks (the products
+and the quantized activations of `Linear`'s few-row path). Steps it does not take run layer
+by layer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pagedkv.models.executor import LayerExecutor, LogitsFn, ModelOutput, select
 from pagedkv.ops import step_plan
 from pagedkv.ops.cpu import CpuPlan
 from pagedkv.runtime.decode import DecoderWeights, decode_layers
+from pagedkv.runtime.quant.weight import QuantWeight
 from pagedkv.runtime.tuning import CpuTuning
 
 if TYPE_CHECKING:
@@ -49,17 +52,21 @@ class FusedDecodeExecutor:
 
     @classmethod
     def create(
-        cls, layers: LayerExecutor, head: Tensor, logits: LogitsFn, tuning: CpuTuning
+        cls,
+        layers: LayerExecutor,
+        head: Tensor | QuantWeight,
+        logits: LogitsFn,
+        tuning: CpuTuning,
     ) -> FusedDecodeExecutor:
-        """The executor over `layers`' plain weights (read in place) and `head`, [vocab,
-        hidden], with `tuning`'s rows and knobs."""
+        """The executor over `layers`' weights, plain or in blocks (read in place), and
+        `head`, [vocab, hidden], held as they are, with `tuning`'s rows and knobs."""
         weights = DecoderWeights.create(
             [_layer_weights(layer) for layer in layers.layers], layers.norm.weight, head,
             layers.norm.eps,
         )  # fmt: skip
         return cls(
             layers, weights, logits, max_rows=tuning.fused_decode_rows,
-            head_rows=tuning.matvec_rows(str(head.dtype).removeprefix("torch.")),
+            head_rows=tuning.matvec_rows(str(weights.dtype).removeprefix("torch.")),
             knobs=tuning.kernel_knobs(),
         )  # fmt: skip
 
@@ -98,16 +105,16 @@ def _scale_pools(kv_cache: PagedKVCache) -> tuple[Tensor, Tensor] | None:
     return None if key is None or value is None else (key, value)
 
 
-def _layer_weights(layer: DecoderLayer) -> dict[str, Tensor | None]:
+def _layer_weights(layer: DecoderLayer) -> dict[str, Tensor | QuantWeight | None]:
     attention, mlp = layer.self_attn, layer.mlp
     return {
         "in_norm": layer.input_layernorm.weight,
-        "qkv": attention.qkv_proj.weight,
+        "qkv": attention.qkv_proj.held,
         "qkv_bias": attention.qkv_proj.bias,
         "q_norm": None if attention.q_norm is None else attention.q_norm.weight,
         "k_norm": None if attention.k_norm is None else attention.k_norm.weight,
-        "o_proj": attention.o_proj.weight,
+        "o_proj": attention.o_proj.held,
         "post_norm": layer.post_attention_layernorm.weight,
-        "gate_up": mlp.gate_up_proj.weight,
-        "down": mlp.down_proj.weight,
+        "gate_up": mlp.gate_up_proj.held,
+        "down": mlp.down_proj.held,
     }

@@ -38,6 +38,7 @@ from pagedkv.models.executor import Executor, LayerExecutor, ModelOutput, select
 from pagedkv.models.layers import RotaryEmbedding, create_rotary
 from pagedkv.models.parallel import NO_PARALLEL, TensorParallel, check_split
 from pagedkv.runtime.linear import Linear
+from pagedkv.runtime.quant.weight import QuantWeight
 from pagedkv.runtime.tuning import CpuTuning
 
 if TYPE_CHECKING:
@@ -225,11 +226,7 @@ class CausalLM(nn.Module):
         """
         tuning = tuning or CpuTuning()
         kernels = self.device.type == "cpu" and self.dtype in _KERNEL_DTYPES
-        # The compiled stack reads plain weights: a model with layers in blocks runs layer
-        # by layer, each product from its blocks.
-        in_blocks = any(isinstance(m, Linear) and m.blocks is not None for m in self.modules())
         fused = fused_decode and kernels and self.tp.size == 1 and fused_decode_applies(self.config)
-        fused &= not in_blocks
         dtype_name = str(self.dtype).removeprefix("torch.")
         few_rows = tuning.matvec_rows(dtype_name) if matvec and kernels else 0
         if self.lm_head is None and self.tied_head is None and (few_rows or onednn):
@@ -239,19 +236,27 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.use_products(few_rows, onednn, tuning=tuning)
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        head_weight = head.held if head is not None else self.model.embed_tokens.weight
+        in_blocks = isinstance(head_weight, QuantWeight)
+        # The compiled stack reads the projections and the head all plain or all in blocks:
+        # a model mixing them runs layer by layer.
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        fused &= all((m.blocks is not None) == in_blocks for m in linears)
         if fused:
             from pagedkv.models.fused_executor import FusedDecodeExecutor  # Numba
 
             layers = LayerExecutor(self._layers(), self.model.norm, self.compute_logits)
-            head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
             self.executor = FusedDecodeExecutor.create(
-                layers, head.weight, self.compute_logits, tuning
+                layers, head_weight, self.compute_logits, tuning
             )
         if few_rows or fused:
-            from pagedkv.runtime.decode import warmup  # Numba
+            from pagedkv.runtime.decode import warmup, warmup_blocks  # Numba
 
             # the runtime's kernels, before the first request
             warmup(self.dtype, kv_cache_dtype if fused else None)
+            if fused and in_blocks:
+                warmup_blocks(self.dtype)
         return fused
 
     def _layers(self) -> Sequence[DecoderLayer]:

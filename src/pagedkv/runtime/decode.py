@@ -15,7 +15,10 @@ from pagedkv.ops.cpu import CpuPlan
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.ops.quantize import KVScales
 from pagedkv.runtime import kernel_cache, stack
+from pagedkv.runtime.phase_products import BlockParts, block_parts, num_rows, without_rows
 from pagedkv.runtime.products import linear_rows
+from pagedkv.runtime.quant.formats import FORMATS
+from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
 from pagedkv.runtime.tuning import CpuTuning
 
 
@@ -23,46 +26,70 @@ from pagedkv.runtime.tuning import CpuTuning
 class DecoderWeights:
     """A decoder stack's weights as `decode_layers` reads them: per role, one Numba typed
     list of NumPy views (no copies), entry l for layer l; absent ones (a bias, q/k norms)
-    as empty arrays; then the final norm's and the LM head's."""
+    as empty arrays; then the final norm's and the LM head's. The projections and the
+    head are all plain or all in GGML blocks (`phase_products.block_parts`)."""
 
     in_norm: Sequence[np.ndarray]
-    qkv: Sequence[np.ndarray]
+    qkv: Sequence[np.ndarray | BlockParts]
     qkv_bias: Sequence[np.ndarray]
     q_norm: Sequence[np.ndarray]
     k_norm: Sequence[np.ndarray]
-    o_proj: Sequence[np.ndarray]
+    o_proj: Sequence[np.ndarray | BlockParts]
     post_norm: Sequence[np.ndarray]
-    gate_up: Sequence[np.ndarray]
-    down: Sequence[np.ndarray]
+    gate_up: Sequence[np.ndarray | BlockParts]
+    down: Sequence[np.ndarray | BlockParts]
     final_norm: np.ndarray
-    head: np.ndarray
+    head: np.ndarray | BlockParts
     eps: float
     dtype: torch.dtype
 
     @classmethod
     def create(
         cls,
-        layers: Sequence[dict[str, torch.Tensor | None]],
+        layers: Sequence[dict[str, torch.Tensor | QuantWeight | None]],
         final_norm: torch.Tensor,
-        head: torch.Tensor,
+        head: torch.Tensor | QuantWeight,
         eps: float,
     ) -> DecoderWeights:
         """layers: per layer a dict of the fields' tensors; final_norm [hidden], head [vocab,
         hidden] (all plain, C-contiguous, one dtype: float32 or bfloat16; None for an absent
-        one). The tensors are read in place."""
-        dtype = layers[0]["qkv"].dtype  # type: ignore[union-attr]
+        one), the projections and the head either all such tensors or all `QuantWeight`s.
+        The tensors and blocks are read in place.
+
+        Raises:
+            ValueError: a tensor is not plain in the norms' dtype, or the projections and
+                the head mix plain weights and blocks.
+        """
+        dtype = layers[0]["in_norm"].dtype  # type: ignore[union-attr]
+        in_blocks = isinstance(head, QuantWeight)
         fields = {}
         for name in ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm",
                      "gate_up", "down"):  # fmt: skip
-            views = [as_numpy(_plain(layer[name], name, dtype)) for layer in layers]
+            views = [_view(layer[name], name, dtype, in_blocks) for layer in layers]
             fields[name] = stack.typed_list(tuple(views))
         return cls(
             **fields,
             final_norm=as_numpy(_plain(final_norm, "final_norm", dtype)),
-            head=as_numpy(_plain(head, "head", dtype)),
+            head=_view(head, "head", dtype, in_blocks),
             eps=eps,
             dtype=dtype,
         )
+
+
+_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "head")
+
+
+def _view(
+    t: torch.Tensor | QuantWeight | None, name: str, dtype: torch.dtype, in_blocks: bool
+) -> np.ndarray | BlockParts:
+    """A field as the stack reads it: a projection in blocks as its parts, any other tensor
+    as a NumPy view."""
+    if name in _PROJECTIONS and in_blocks != isinstance(t, QuantWeight):
+        expected = "GGML blocks, as the LM head" if in_blocks else "a tensor, as the LM head"
+        raise checks.fail(name, expected, type(t).__name__)
+    if isinstance(t, QuantWeight):
+        return block_parts(t, name)
+    return as_numpy(_plain(t, name, dtype))
 
 
 def _plain(t: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -130,8 +157,8 @@ def decode_layers(
     )  # fmt: skip
     threads = _team.threads(sync_threads())
     final = torch.empty_like(hidden)
-    head = weights.head if with_head else weights.head[:0]  # no rows: an empty phase
-    logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
+    head = weights.head if with_head else without_rows(weights.head)  # an empty phase
+    logits = torch.empty(hidden.shape[0], num_rows(head), dtype=torch.float32)
     went_alone = stack.decode_layers(
         as_numpy(hidden), as_numpy(cos), as_numpy(sin), slot_mapping.shape[0],
         slots.numpy(), weights.in_norm, weights.qkv,
@@ -208,3 +235,28 @@ def warmup(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> Non
     decode_layers(row, half, half, slots, weights, cache, cache.clone(), plan, 1.0,
                   scale_pools=scale_pools)  # fmt: skip
     kernel_cache.mark_compiled(f"runtime-{name}")
+
+
+def warmup_blocks(dtype: torch.dtype) -> None:
+    """Load or compile the decoder stack's variant of `dtype` (float32 or bfloat16) for
+    projections in GGML blocks (one for every format: the format is an argument)."""
+    name = f"runtime-{str(dtype).removeprefix('torch.')}-blocks"
+    kernel_cache.announce(name)
+    q8_0 = FORMATS["Q8_0"]
+
+    def blocks(rows: int) -> QuantWeight:
+        return QuantWeight([QuantPart(q8_0, np.zeros((rows, q8_0.row_bytes(32)), np.uint8))], 32)
+
+    # hidden 32, four query heads and one K/V head of 8, MLP 32: whole blocks everywhere
+    layer: dict[str, torch.Tensor | QuantWeight | None] = {
+        "in_norm": torch.zeros(32, dtype=dtype), "qkv": blocks(48), "qkv_bias": None,
+        "q_norm": None, "k_norm": None, "o_proj": blocks(32),
+        "post_norm": torch.zeros(32, dtype=dtype), "gate_up": blocks(64), "down": blocks(32),
+    }  # fmt: skip
+    weights = DecoderWeights.create([layer], torch.zeros(32, dtype=dtype), blocks(5), 1e-6)
+    cache = torch.zeros(1, 1, 1, 1, 8, dtype=dtype)
+    plan = cpu.plan(AttentionMetadata.build([[0]], [1], [1], [0]), cache[0], 4, None)
+    row, half = torch.zeros(1, 32, dtype=dtype), torch.zeros(1, 4, dtype=dtype)
+    slots = torch.zeros(1, dtype=torch.int64)
+    decode_layers(row, half, half, slots, weights, cache, cache.clone(), plan, 1.0)
+    kernel_cache.mark_compiled(name)

@@ -34,7 +34,7 @@ KERNEL_FILES = tuple(
     for name in (
         "ops/cpu/kernels.py", "ops/cpu/bf16.py", "ops/cpu/spans.py", "ops/cpu/softmax.py",
         "ops/cpu/int8.py", "ops/cpu/int8_spans.py", "ops/cpu/tiles.py",
-        "runtime/matvec.py", "runtime/stack.py",
+        "runtime/matvec.py", "runtime/stack.py", "runtime/rows.py", "runtime/phase_products.py",
         "runtime/atomics.py", "runtime/quant/blocks.py", "runtime/quant/dots.py",
         "runtime/quant/vectors.py", "runtime/quant/formats.py",
     )

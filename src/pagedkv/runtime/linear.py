@@ -92,6 +92,11 @@ class Linear(nn.Module):
         self.weight = torch.empty(expected, dtype=dtype, device="meta")
         self.blocks = weight
 
+    @property
+    def held(self) -> Tensor | QuantWeight:
+        """The weight as this layer holds it: its blocks, or its plain tensor."""
+        return self.blocks if self.blocks is not None else self.weight
+
     def use_products(self, few_rows: int, onednn: bool, tuning: CpuTuning | None = None) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
         never; its knobs from `tuning`), oneDNN past them (else torch); all read `weight`."""

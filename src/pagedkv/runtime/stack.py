@@ -10,7 +10,10 @@ runs in compiled code, as `pagedkv.models.llama` computes it:
     n = rms_norm(x);  gate|up = gate_up_proj(n);  x += down_proj(silu(gate) * up)
 
 then `logits = lm_head(rms_norm(x))`. In bfloat16 every value is rounded where torch rounds
-it, sums run in float32; products and attention are `matvec.py`'s and `kernels.py`'s. The LM
+it, sums run in float32 (`rows.py`); attention is `kernels.py`'s, and the products are those
+of the weights as the model holds them (`phase_products.py`): `matvec.py`'s from plain
+weights, or integer products from GGML blocks with each phase's input quantized once per
+thread, as a `QuantWeight`'s few-row product quantizes it. The LM
 head is in the region because whatever runs after the layers' weight stream starts from cold
 code and data: from Python, the final norm and the head's own parallel call paid that twice.
 
@@ -38,11 +41,20 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
-from pagedkv.ops.cpu.int8 import layer_of, store_row
-from pagedkv.ops.cpu.kernels import EXACT_ORDER, attend_item, exp_parts, merge_row
+from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.int8 import layer_of
+from pagedkv.ops.cpu.kernels import attend_item
 from pagedkv.runtime import atomics, kernel_cache
-from pagedkv.runtime.matvec import narrow, products
+from pagedkv.runtime.matvec import narrow
+from pagedkv.runtime.phase_products import (
+    chunk_work,
+    in_features,
+    input_buffers,
+    out_features,
+    phase_input,
+    phase_products,
+)
+from pagedkv.runtime.rows import merge_rows, norm_rows, place_head, silu_rows
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
@@ -77,7 +89,8 @@ def decode_layers(
             qkv_bias [(H + 2 KV) * D] or empty.  q_norm, k_norm: per layer [D] or empty.
         o_proj: [hidden, H * D].  gate_up: [2 I, hidden].  down: [hidden, I].  (Numba
             typed lists, one entry per layer, x's dtype.)
-        final_norm: [hidden].  head: [vocab, hidden].  (x's dtype.)
+        final_norm: [hidden].  head: [vocab, hidden].  (x's dtype.)  The projections and
+            the head may instead all be in GGML blocks (`phase_products.block_parts`).
         key_pool, value_pool: [L, num_slots, KV, D], x's dtype, or int8 with scales.
         block_tables, items, row_items: the step's `CpuPlan` (every real row a kernel row).
         block_size: tokens per block of the pools.
@@ -93,29 +106,37 @@ def decode_layers(
         Whether a thread finished the step alone because another was off its core.
     """
     rows, hidden = x.shape
-    num_heads = o_proj[0].shape[1] // key_pool.shape[3]
+    attended_size, inner = in_features(o_proj[0]), in_features(down[0])
+    num_heads = attended_size // key_pool.shape[3]
     num_items = items.shape[0]
+    work = chunk_work(head, CHUNK_WORK)
+    widest = max(key_pool.shape[3], work // min(hidden, attended_size, inner))  # a chunk
     f32 = np.float32
     buffers = (
         np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
-        np.empty((rows, qkv[0].shape[0]), dtype=x.dtype),  # fused q|k|v
+        np.empty((rows, out_features(qkv[0])), dtype=x.dtype),  # fused q|k|v
         np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
         np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
         np.empty((num_items, num_heads), dtype=f32),  # row_max
         np.empty((num_items, num_heads), dtype=f32),  # row_sum
         np.empty((threads, num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
         # heads: each thread's o_proj input, the attended rows rounded; pad rows stay 0
-        np.zeros((threads, rows, o_proj[0].shape[1]), dtype=x.dtype),
+        np.zeros((threads, rows, attended_size), dtype=x.dtype),
         np.empty_like(x),  # update: a residual branch's output
-        np.empty((rows, gate_up[0].shape[0]), dtype=x.dtype),  # gate|up
-        np.empty((threads, rows, down[0].shape[1]), dtype=x.dtype),  # mid: each thread's down input
+        np.empty((rows, 2 * inner), dtype=x.dtype),  # gate|up
+        np.empty((threads, rows, inner), dtype=x.dtype),  # mid: each thread's down input
         final,
-        np.empty((rows, head.shape[0]), dtype=x.dtype),  # the head's products in x's dtype
+        np.empty((rows, out_features(head)), dtype=x.dtype),  # the head's products in x's dtype
         logits,
-        np.empty((threads, down[0].shape[1]), dtype=f32),  # each thread's activations
-    )
+        np.empty((threads, inner), dtype=f32),  # each thread's activations
+        # then each thread's quantized product input, for weights in blocks (not a tuple in
+        # this tuple: a tuple of arrays nested in an argument does not pass into the parallel
+        # region, nor does the head's in `weights`, hence its typed list)
+    ) + input_buffers(head, threads, rows, max(hidden, attended_size, inner), widest)
+    heads = List()
+    heads.append(head)
     weights = (in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down,
-               final_norm, head)  # fmt: skip
+               final_norm, heads)  # fmt: skip
     pools = (key_pool, value_pool, block_tables, items, row_items, block_size, key_scale_pool,
              value_scale_pool)  # fmt: skip
     # per phase, chunks claimed in each thread's lane and chunks done; then long waits,
@@ -165,18 +186,18 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
     (its thread writes the final norm) even where the head has no rows."""
     head_dim, items, inner = pools[0].shape[3], pools[3], buffers[10].shape[2]
     if kind == QKV:
-        return weights[1][0].shape[0] // head_dim, head_dim
+        return out_features(weights[1][0]) // head_dim, head_dim
     if kind == ATTEND:
         return items.shape[0], 1
     if kind == O_PROJ:
-        size, outputs = weights[5][0].shape[1], x.shape[1]
+        size, outputs = in_features(weights[5][0]), x.shape[1]
     elif kind == GATE_UP:  # rows of the fused gate|up, in order
         size, outputs = x.shape[1], 2 * inner
     elif kind == HEAD:
-        size, outputs = x.shape[1], max(1, weights[10].shape[0])
+        size, outputs = x.shape[1], max(1, out_features(weights[10][0]))
     else:  # down
         size, outputs = inner, x.shape[1]
-    step = max(1, CHUNK_WORK // size)
+    step = max(1, chunk_work(weights[5][0], CHUNK_WORK) // size)
     return -(-outputs // step), step
 
 
@@ -193,7 +214,7 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     if c >= n:
         return
     in_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down = weights[:9]
-    final_norm, head = weights[9:]
+    final_norm, head = weights[9], weights[10][0]
     key_pool, value_pool, block_tables, items, row_items, block_size = pools[:6]
     fused, query, acc, row_max, row_sum = buffers[1:6]
     update, mlp_in, mids, final, head_out, logits = buffers[8:14]
@@ -202,49 +223,52 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     keys, values = key_pool[layer], value_pool[layer]
     key_scales, value_scales = layer_of(pools[6], layer), layer_of(pools[7], layer)
     # the phase's product (for attention, unused) and its input, taken once
-    bias = qkv_bias[0][:0]
+    bias, source = qkv_bias[0][:0], normed
     if kind == QKV:
         weight, bias = qkv[layer], qkv_bias[layer]
-        _norm_rows(x, in_norm[layer], eps, normed)
+        norm_rows(x, in_norm[layer], eps, normed)
     elif kind == O_PROJ:
-        weight = o_proj[layer]
-        _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x)
+        weight, source = o_proj[layer], heads
+        merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x)
     elif kind == GATE_UP:
         weight = gate_up[layer]
-        _norm_rows(x, post_norm[layer], eps, normed)
+        norm_rows(x, post_norm[layer], eps, normed)
     elif kind == DOWN:
-        weight = down[layer]
-        _silu_rows(mlp_in, mid, x, buffers[14][me])
+        weight, source = down[layer], mid
+        silu_rows(mlp_in, mid, x, buffers[14][me])
     elif kind == HEAD:
         weight = head
-        _norm_rows(x, final_norm, eps, normed)
+        norm_rows(x, final_norm, eps, normed)
     else:  # attention: no product
         weight = head
+    own = (buffers[15][me], buffers[16][me], buffers[17][me], buffers[18][me], buffers[19][me])
+    chunk = buffers[20][me]
+    source = phase_input(source, weight, own, kind != ATTEND)
+    outputs = out_features(weight)
     done = 0
     while c < n:
         first = c * step
         if kind == QKV:
-            products(normed, weight, bias, fused, first, first + step, prefetch)
-            _place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
-                        query, (keys, values, key_scales, value_scales))  # fmt: skip
+            phase_products(source, weight, bias, fused, first, first + step, prefetch, chunk)
+            place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
+                       query, (keys, values, key_scales, value_scales))  # fmt: skip
         elif kind == ATTEND:
             attend_item(c, query, keys, values, key_scales, value_scales, block_tables, items,
                         block_size, scale, acc[c], row_max[c], row_sum[c])  # fmt: skip
         elif kind == HEAD:
             if c == 0:
                 final[:] = normed
-            end = min(head.shape[0], first + step)
-            products(normed, weight, bias, head_out, first, end, prefetch)
+            end = min(outputs, first + step)
+            phase_products(source, weight, bias, head_out, first, end, prefetch, chunk)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     logits[r, i] = as_float32(head_out[r, i])
         elif kind == GATE_UP:
-            end = min(weight.shape[0], first + step)
-            products(normed, weight, bias, mlp_in, first, end, prefetch)
+            end = min(outputs, first + step)
+            phase_products(source, weight, bias, mlp_in, first, end, prefetch, chunk)
         else:  # o_proj or down, each with its residual add
-            inputs = heads if kind == O_PROJ else mid
             end = min(x.shape[1], first + step)
-            products(inputs, weight, bias, update, first, end, prefetch)
+            phase_products(source, weight, bias, update, first, end, prefetch, chunk)
             for r in range(x.shape[0]):
                 for i in range(first, end):
                     x[r, i] = narrow(as_float32(x[r, i]) + as_float32(update[r, i]), x)
@@ -304,102 +328,3 @@ def _wait(counters, phase, n, me, threads, spin_ticks, long_ticks):  # pragma: n
         atomics.yield_cpu()
     owner = atomics.load(counters, alone)
     return owner == 0 or owner == me + 1
-
-
-@njit(cache=True, fastmath=True)
-def _place_head(h, fused, q_norm, k_norm, cos, sin, eps, num_real, slots, query,
-                cache):  # fmt: skip  # pragma: no cover
-    """After head h of q|k|v is computed: norm and rotate a q or k head, then put q into
-    `query` (float32), k and v at the rows' slots of the layer's cache, (keys, values,
-    key_scales, value_scales) (quantized where the scales are arrays)."""
-    keys, values, key_scales, value_scales = cache
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = keys.shape[1]
-    for r in range(fused.shape[0]):
-        head = fused[r, h * head_dim : (h + 1) * head_dim]
-        if h < num_heads + num_kv_heads:
-            norm = q_norm if h < num_heads else k_norm
-            if norm.shape[0]:
-                _rms_norm(head, norm, eps, head)
-            _rotate(head, cos[r], sin[r])
-        if r >= num_real:
-            continue
-        if h < num_heads:
-            for d in range(head_dim):
-                query[r, h, d] = as_float32(head[d])
-        elif slots[r] >= 0 and h < num_heads + num_kv_heads:
-            store_row(keys, key_scales, slots[r], h - num_heads, head)
-        elif slots[r] >= 0:
-            store_row(values, value_scales, slots[r], h - num_heads - num_kv_heads, head)
-
-
-@njit(cache=True, fastmath=True)
-def _norm_rows(x, weight, eps, normed):  # pragma: no cover
-    """normed = rms_norm(x) row by row."""
-    for r in range(x.shape[0]):
-        _rms_norm(x[r], weight, eps, normed[r])
-
-
-@njit(cache=True, error_model="numpy", fastmath=True)
-def _silu_rows(mlp_in, mid, x, scratch):  # pragma: no cover
-    """mid = silu(gate) * up, down's input (gate|up = mlp_in), each rounded to x's dtype
-    where torch rounds (after the activation, after the product).
-
-    silu(g) = g / (1 + exp(-g)), computed as g / (1 + e) for g >= 0 and g e / (1 + e)
-    below, with e = exp(-|g|) <= 1 from the attention kernel's vectorized exp
-    (`kernels.exp_parts`; libm's expf is a scalar call per element). Three loops, each of
-    which LLVM vectorizes, and NumPy's error model: Python's checks every division for zero,
-    a branch that kept the loop scalar."""
-    size = mid.shape[1]
-    for r in range(mid.shape[0]):
-        for j in range(size):
-            fraction, bits = exp_parts(-abs(as_float32(mlp_in[r, j])))
-            scratch[j] = fraction * bits_as_float32(np.uint32(bits))
-        for j in range(size):
-            gate, e = as_float32(mlp_in[r, j]), scratch[j]
-            act = (gate if gate >= 0 else gate * e) / (np.float32(1) + e)
-            scratch[j] = as_float32(narrow(act, x))
-        for j in range(size):
-            mid[r, j] = narrow(scratch[j] * as_float32(mlp_in[r, size + j]), x)
-
-
-@njit(cache=True, fastmath=True)
-def _merge_rows(num_real, row_items, acc, row_max, row_sum, attended, heads, x):  # pragma: no cover
-    """heads = each real row's attention items merged (into `attended`), rounded to x's
-    dtype, [rows, H * D] as o_proj reads them (pad rows left as they are)."""
-    for r in range(num_real):
-        merge_row(r, row_items, acc, row_max, row_sum, attended)
-        flat = attended[r].reshape(heads.shape[1])
-        for i in range(flat.shape[0]):
-            heads[r, i] = narrow(flat[i], x)
-
-
-@njit(cache=True, fastmath=EXACT_ORDER)
-def _rms_norm(x, weight, eps, out):  # pragma: no cover
-    """out = weight * (x / sqrt(mean(x^2) + eps)); out may be x. In bfloat16 the normalized
-    value is rounded before the weight multiplies it (`models.layers.RMSNorm`). The squares
-    are summed in four lanes added in a fixed order (`kernels.EXACT_ORDER`)."""
-    size = x.shape[0]
-    s0 = s1 = s2 = s3 = np.float32(0.0)
-    for i in range(0, size - 3, 4):
-        a, b = as_float32(x[i]), as_float32(x[i + 1])
-        c, d = as_float32(x[i + 2]), as_float32(x[i + 3])
-        s0, s1, s2, s3 = s0 + a * a, s1 + b * b, s2 + c * c, s3 + d * d
-    for i in range(size - size % 4, size):
-        s0 += as_float32(x[i]) * as_float32(x[i])
-    total = (s0 + s1) + (s2 + s3)
-    inv = np.float32(1.0) / np.sqrt(total / np.float32(size) + np.float32(eps))
-    for i in range(x.shape[0]):
-        normed = as_float32(narrow(as_float32(x[i]) * inv, x))
-        out[i] = narrow(as_float32(weight[i]) * normed, x)
-
-
-@njit(cache=True, fastmath=True)
-def _rotate(head, cos, sin):  # pragma: no cover
-    """Neox-style rotary of one head in place (`models.layers.apply_rotary_`'s roundings)."""
-    half = cos.shape[0]
-    for i in range(half):
-        a, b = as_float32(head[i]), as_float32(head[half + i])
-        c, s = as_float32(cos[i]), as_float32(sin[i])
-        head[i] = narrow(as_float32(narrow(a * c, head)) - b * s, head)
-        head[half + i] = narrow(as_float32(narrow(b * c, head)) + a * s, head)

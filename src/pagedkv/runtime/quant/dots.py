@@ -9,7 +9,7 @@ activations as whole integer vectors (`vectors.py`), and a block's integer sum i
 once, by the weight's and the activations' scales: a weight costs a few integer vector
 instructions and is read once, in its packed size, which is what bounds a decode step. A
 sub-block's float offset (Q4_1's m, the K-quants' mins) multiplies the sum of its float32
-activations, summed once per call (`x_sums`, per 16); integer offsets (Q4_0's -8, Q6_K's
+activations, summed once per call (`x_sums`, per 32); integer offsets (Q4_0's -8, Q6_K's
 -32) are taken off the weights before the product. Each product differs from the float32
 one by at most half an activation step per element. NumPy and Numba only; compiled code cached
 as `pagedkv.runtime.kernel_cache` says.
@@ -21,10 +21,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from pagedkv.ops.cpu.bf16 import as_float32
 from pagedkv.runtime import kernel_cache
-from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, byte, scale_min
+from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
-from pagedkv.runtime.quant.vectors import dot_q8_0_row, half, idot_k_block, idot_nibbles
+from pagedkv.runtime.quant.vectors import dot_row, half, idot_k_block, k_mins_dot
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
@@ -37,26 +38,10 @@ the most that cannot overflow it."""
 
 
 @njit(inline="always")
-def _sum32(sums, base):  # pragma: no cover
-    return sums[base // 16] + sums[base // 16 + 1]
-
-
-@njit(inline="always")
 def _q45_k(row, at, xq, base, xd, sums, type_id):  # pragma: no cover
     """Q4_K or Q5_K (`blocks._q45_k` has the layout)."""
-    s0, m0 = scale_min(row, at + 4, 0)
-    s1, m1 = scale_min(row, at + 4, 1)
-    s2, m2 = scale_min(row, at + 4, 2)
-    s3, m3 = scale_min(row, at + 4, 3)
-    s4, m4 = scale_min(row, at + 4, 4)
-    s5, m5 = scale_min(row, at + 4, 5)
-    s6, m6 = scale_min(row, at + 4, 6)
-    s7, m7 = scale_min(row, at + 4, 7)
-    products = idot_k_block(row, at, xq, base, (s0, s1, s2, s3, s4, s5, s6, s7), type_id)
-    mins = (m0, m1, m2, m3, m4, m5, m6, m7)
-    offsets = np.float32(0.0)
-    for j in range(8):
-        offsets += np.float32(mins[j]) * _sum32(sums, base + 32 * j)
+    products = idot_k_block(row, at, xq, base, type_id)
+    offsets = k_mins_dot(row, at, sums, base // 32)
     return half(row, at) * xd * np.float32(products) - half(row, at + 2) * offsets
 
 
@@ -64,24 +49,8 @@ def _q45_k(row, at, xq, base, xd, sums, type_id):  # pragma: no cover
 def _q6_k(row, at, xq, base, xd, sums):  # pragma: no cover
     """Q6_K (`blocks._q6_k` has the layout): a signed scale per 16 weights; the weights'
     offset of 32 taken off before the product."""
-    c = at + 192
-    s = (byte(row, c), byte(row, c + 1), byte(row, c + 2), byte(row, c + 3),
-         byte(row, c + 4), byte(row, c + 5), byte(row, c + 6), byte(row, c + 7),
-         byte(row, c + 8), byte(row, c + 9), byte(row, c + 10), byte(row, c + 11),
-         byte(row, c + 12), byte(row, c + 13), byte(row, c + 14), byte(row, c + 15))  # fmt: skip
-    products = idot_k_block(row, at, xq, base, s, Q6_K)  # each byte read as an int8
+    products = idot_k_block(row, at, xq, base, Q6_K)
     return half(row, at + 208) * xd * np.float32(products)
-
-
-@njit(inline="always")
-def _q4_0(row, at, xq, base, xd, sums):  # pragma: no cover
-    return half(row, at) * xd * np.float32(idot_nibbles(row, at + 2, xq, base, 8))
-
-
-@njit(inline="always")
-def _q4_1(row, at, xq, base, xd, sums):  # pragma: no cover
-    products = np.float32(idot_nibbles(row, at + 4, xq, base, 0))
-    return half(row, at) * xd * products + half(row, at + 2) * _sum32(sums, base)
 
 
 @njit(inline="always")
@@ -101,7 +70,7 @@ def _rows(
     raise NotImplementedError("compiled only")
 
 
-_DOTS = {Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_DOTS = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
 
 
 @overload(_rows, prefer_literal=True)
@@ -110,9 +79,9 @@ def _rows_impl(
 ):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
-    if type_id.literal_value == Q8_0:  # the whole row in one vector loop
+    if type_id.literal_value in (Q8_0, Q4_0, Q4_1):  # the whole row in one vector loop
         return lambda type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, \
-            end: _q8_0_rows(xq, xd, blocks, out, col, first, end)  # fmt: skip
+            end: _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end)  # fmt: skip
     block_dot = _DOTS[type_id.literal_value]
     fmt = FORMATS_BY_TYPE[type_id.literal_value]
     step, stride = fmt.block_size, fmt.block_bytes  # constants of the compiled variant
@@ -132,10 +101,10 @@ def _rows_impl(
 
 
 @njit(inline="always")
-def _q8_0_rows(xq, xd, blocks, out, col, first, end):  # pragma: no cover
+def _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end):  # pragma: no cover
     for n in range(first, end):
         for m in range(xq.shape[0]):
-            out[m, col + n] = dot_q8_0_row(blocks[n], xq[m], xd[m])
+            out[m, col + n] = dot_row(blocks[n], xq[m], xd[m], sums[m], type_id)
 
 
 @njit(cache=True, fastmath=True)
@@ -146,7 +115,7 @@ def block_products(
 
     xq: int16 [rows, in_features], xd: float32 [rows, in_features // block_size] (x
     quantized by `quantize_rows` in groups of the format's block size); sums: float32
-    [rows, in_features // 16] (`x_sums`); blocks: uint8 [num_out, row_bytes] in format
+    [rows, in_features // 32] (`x_sums`); blocks: uint8 [num_out, row_bytes] in format
     `type_id`; out: float32 [rows, >= col + num_out] (other columns untouched).
     """
     # The ids as literals: `_rows` compiles a variant for each.
@@ -179,25 +148,52 @@ def block_products_parallel(
 @njit(cache=True)
 def quantize_rows(x, group, levels):  # pragma: no cover
     """x: float32 [rows, in_features] -> (int16 [rows, in_features], float32 [rows,
-    in_features // group] scales): each group of `group` elements as its largest magnitude
-    over `levels` times integers rounded to nearest, so an element is off by at most half
-    its group's scale."""
+    in_features // group] scales), as `quantize_into` makes them."""
     rows, size = x.shape
     xq = np.empty((rows, size), dtype=np.int16)
     xd = np.empty((rows, size // group), dtype=np.float32)
+    quantize_into(x, group, levels, xq, xd)
+    return xq, xd
+
+
+@njit(cache=True)
+def quantize_into(x, group, levels, xq, xd):  # pragma: no cover
+    """xq, xd = x quantized in groups of `group`: each group's scale its largest magnitude
+    over `levels`, its elements integers rounded to nearest, so an element is off by at most
+    half its group's scale.
+
+    x: [rows, in_features], float32 or bfloat16 bits (uint16); xq: int16 [rows,
+    in_features]; xd: float32 [rows, in_features // group]. Without fast-math: wherever it
+    is compiled in, the same bits.
+    """
+    rows, size = x.shape
     for m in range(rows):
         for g in range(size // group):
             largest = np.float32(0.0)
             for k in range(g * group, (g + 1) * group):
-                largest = max(largest, abs(x[m, k]))
+                largest = max(largest, abs(as_float32(x[m, k])))
             scale = largest / np.float32(levels)
             inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
             xd[m, g] = scale
             for k in range(g * group, (g + 1) * group):
-                xq[m, k] = np.int16(np.rint(x[m, k] * inverse))
-    return xq, xd
+                xq[m, k] = np.int16(np.rint(as_float32(x[m, k]) * inverse))
 
 
 def x_sums(x: np.ndarray) -> np.ndarray:
-    """x: float32 [rows, in_features] -> its sums per 16 elements, [rows, in_features // 16]."""
-    return np.ascontiguousarray(x.reshape(x.shape[0], -1, 16).sum(axis=-1, dtype=np.float32))
+    """x: float32 [rows, in_features] -> its sums per 32 elements, [rows, in_features // 32]."""
+    sums = np.empty((x.shape[0], x.shape[1] // 32), dtype=np.float32)
+    sums_into(x, sums)
+    return sums
+
+
+@njit(cache=True)
+def sums_into(x, sums):  # pragma: no cover
+    """sums[m, j] = the sum of x[m, 32 j : 32 j + 32], left to right (no fast-math: the
+    same bits wherever it is compiled in). x: [rows, in_features], float32 or bfloat16
+    bits; sums: float32 [rows, in_features // 32]."""
+    for m in range(x.shape[0]):
+        for j in range(sums.shape[1]):
+            total = np.float32(0.0)
+            for k in range(32 * j, 32 * j + 32):
+                total += as_float32(x[m, k])
+            sums[m, j] = total

@@ -1,6 +1,6 @@
 """Integer products of packed weights with activations quantized to integers, as whole LLVM
-vectors: 32 Q4_0 / Q4_1 weights (`idot_nibbles`), a K-quant block (`idot_k_block`), a
-whole Q8_0 row (`dot_q8_0_row`), and a block's fp16 scale (`half`).
+vectors: a K-quant block (`idot_k_block`, with `k_mins_dot`), a whole row of Q8_0, Q4_0 or
+Q4_1 blocks (`dot_row`), and a block's fp16 scale (`half`).
 
 A block format's sub-block is 16 or 32 weights. Written as a loop, LLVM either unrolls it
 into scalar code (it cannot prove that the two arrays do not overlap) or vectorizes it for
@@ -38,14 +38,6 @@ def _declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) 
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
 
 
-def _load(context, builder, sig, args, arr, at, element, n=_N):  # type: ignore[no-untyped-def]
-    """n elements of the C-contiguous array args[arr] from offset args[at], as a vector."""
-    data = context.make_array(sig.args[arr])(context, builder, args[arr]).data
-    index = context.cast(builder, args[at], sig.args[at], types.int64)
-    pointer = builder.bitcast(builder.gep(data, [index]), ir.VectorType(element, n).as_pointer())
-    return builder.load(pointer, align=1)
-
-
 def _madd(builder, weights, xs):  # type: ignore[no-untyped-def]
     """16 int32 lanes, lane j = weights[2j] * xs[2j] + weights[2j + 1] * xs[2j + 1], from 32
     int16 lanes (each product and pair sum fits an int32)."""
@@ -63,35 +55,8 @@ def _int_sum(builder, pairs):  # type: ignore[no-untyped-def]
     return builder.call(reduce, [pairs])
 
 
-def _madd_sum(builder, weights, xs):  # type: ignore[no-untyped-def]
-    """The int32 sum of weights[k] * xs[k] over 32 int16 lanes."""
-    return _int_sum(builder, _madd(builder, weights, xs))
-
-
 def _is_row(arr, dtype) -> bool:  # type: ignore[no-untyped-def]
     return isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C"
-
-
-@intrinsic
-def idot_nibbles(typingctx, q, q_at, xq, x_at, offset):  # pragma: no cover
-    """The int32 sum over k < 16 of ((q[q_at + k] & 15) - offset) * xq[x_at + k] +
-    ((q[q_at + k] >> 4) - offset) * xq[x_at + 16 + k]: 16 bytes of Q4_0 / Q4_1 nibbles, 32
-    weights (offset: a literal, 8 or 0)."""
-    if not (_is_row(q, types.uint8) and _is_row(xq, types.int16)):
-        return None
-    if not isinstance(offset, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, sig, args):
-        half_type = ir.VectorType(_I16, 16)
-        wide = builder.zext(_load(context, builder, sig, args, 0, 1, _I8, 16), half_type)
-        low = builder.and_(wide, ir.Constant(half_type, [15] * 16))
-        high = builder.lshr(wide, ir.Constant(half_type, [4] * 16))
-        both = builder.shuffle_vector(low, high, ir.Constant(_INTS, list(range(_N))))
-        weights = builder.sub(both, ir.Constant(_SHORTS, [offset.literal_value] * _N))
-        return _madd_sum(builder, weights, _load(context, builder, sig, args, 2, 3, _I16))
-
-    return types.int32(q, q_at, xq, x_at, offset), codegen
 
 
 # A K-quant block's lines of 32 weights, by format (GGML type id): (the low nibbles' byte
@@ -114,12 +79,14 @@ _K_BLOCKS = {
 
 
 @intrinsic
-def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cover
+def idot_k_block(typingctx, q, at, xq, x_at, type_id):  # pragma: no cover
     """The int32 sum over the 256 weights of a K-quant block at byte `at` of q of s_k *
     (w_k - offset) * xq[x_at + k]: w_k its 4-bit (Q4_K), 5-bit (Q5_K) or 6-bit (Q6_K)
     weights, offset 32 for Q6_K (0 else), s_k the integer scale of weight k's run of 32
-    (Q4_K, Q5_K: `scales` has 8) or 16 (Q6_K: 16). type_id: a literal GGML type id. The
-    lines' products are summed as vectors and across the lanes once."""
+    (Q4_K, Q5_K: 8 of 6 bits, `_six_bit_fields`) or 16 (Q6_K: 16 int8). type_id: a literal
+    GGML type id. The scales are decoded as one vector, each line's pair of them spread
+    over its lanes by a shuffle; the lines' products are summed as vectors and across the
+    lanes once."""
     if not (_is_row(q, types.uint8) and _is_row(xq, types.int16)):
         return None
     if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in _K_BLOCKS):
@@ -129,9 +96,12 @@ def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cov
     def codegen(context, builder, sig, args):
         base = context.cast(builder, args[1], sig.args[1], types.int64)
         x_base = context.cast(builder, args[3], sig.args[3], types.int64)
-        # Scales as int8 (Q6_K's are signed bytes; the others fit in 6 bits), then int16.
-        scale_of = [builder.sext(builder.trunc(builder.extract_value(args[4], j), _I8), _I16)
-                    for j in range(len(sig.args[4]))]  # fmt: skip
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        if offset:  # Q6_K: 16 signed bytes after the weights' bits
+            scales = builder.sext(_load_vector(builder, data, base, 192, _I8, 16),
+                                  ir.VectorType(_I16, 16))  # fmt: skip
+        else:
+            scales = _six_bit_fields(builder, data, base)[0]
 
         def field(at, shift, field_mask):
             raw = builder.zext(_load_bytes(context, builder, sig, args, base, at), _SHORTS)
@@ -145,13 +115,68 @@ def idot_k_block(typingctx, q, at, xq, x_at, scales, type_id):  # pragma: no cov
                 bits = field(high_bits + high, high_shift, mask)
                 weights = builder.or_(weights, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
             weights = builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
-            scale = _two_scales(builder, scale_of[first], scale_of[second])
+            spread = ir.Constant(_INTS, [first] * 16 + [second] * 16)
+            scale = builder.shuffle_vector(scales, scales, spread)
             xs = _load_shorts(context, builder, sig, args, builder.add(x_base, _i64(x)))
             pairs = _madd(builder, builder.mul(weights, scale), xs)
             total = pairs if total is None else builder.add(total, pairs)
         return _int_sum(builder, total)
 
-    return types.int32(q, at, xq, x_at, scales, type_id), codegen
+    return types.int32(q, at, xq, x_at, type_id), codegen
+
+
+def _load_vector(builder, data, base, at, element, n):  # type: ignore[no-untyped-def]
+    """n elements from byte base + at (an int64 and a constant) of the uint8 pointer data."""
+    pointer = builder.gep(data, [builder.add(base, _i64(at))])
+    return builder.load(builder.bitcast(pointer, ir.VectorType(element, n).as_pointer()), align=1)
+
+
+def _six_bit_fields(builder, data, base):  # type: ignore[no-untyped-def]
+    """(scales, mins), 8 int16 lanes each, of the Q4_K / Q5_K block at byte `base`: its 12
+    bytes q at base + 4 hold scale j in q[j] & 63 and min j in q[j + 4] & 63 for j < 4,
+    and for j >= 4 their low 4 bits in q[j + 4]'s nibbles, their top 2 in q[j - 4] and
+    q[j]'s top bits (`blocks.scale_min`). As lanes: a = q[0..7], b = q[4..11]."""
+    eight = ir.VectorType(_I16, 8)
+    a = builder.zext(_load_vector(builder, data, base, 4, _I8, 8), eight)
+    b = builder.zext(_load_vector(builder, data, base, 8, _I8, 8), eight)
+
+    def splat(value):  # type: ignore[no-untyped-def]
+        return ir.Constant(eight, [value] * 8)
+
+    def top_bits(v):  # type: ignore[no-untyped-def]
+        return builder.shl(builder.lshr(v, splat(6)), splat(4))
+
+    a_first = builder.shuffle_vector(a, a, ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3] * 2))
+    low_four = ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 12, 13, 14, 15])
+    scales = builder.or_(builder.and_(b, splat(15)), top_bits(a_first))
+    mins = builder.or_(builder.lshr(b, splat(4)), top_bits(a))
+    return (builder.shuffle_vector(builder.and_(a, splat(63)), scales, low_four),
+            builder.shuffle_vector(builder.and_(b, splat(63)), mins, low_four))  # fmt: skip
+
+
+@intrinsic
+def k_mins_dot(typingctx, q, at, sums, s_at):  # pragma: no cover
+    """The float32 sum over j < 8 of m_j * sums[s_at + j]: the 6-bit mins m_j of the Q4_K /
+    Q5_K block at byte `at` of q (`_six_bit_fields`) by float32 sums of its runs of 32
+    activations, as 8 lanes summed once."""
+    if not (_is_row(q, types.uint8) and _is_row(sums, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        base = context.cast(builder, args[1], sig.args[1], types.int64)
+        mins = _six_bit_fields(builder, data, base)[1]
+        eight = ir.VectorType(ir.FloatType(), 8)
+        floats = context.make_array(sig.args[2])(context, builder, args[2]).data
+        index = context.cast(builder, args[3], sig.args[3], types.int64)
+        pointer = builder.bitcast(builder.gep(floats, [index]), eight.as_pointer())
+        products = builder.fmul(builder.sitofp(mins, eight), builder.load(pointer, align=4))
+        name = "llvm.vector.reduce.fadd.v8f32"
+        reduce = _declare(builder.module, name, ir.FloatType(), [ir.FloatType(), eight])
+        return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), products],
+                            fastmath=("reassoc",))  # fmt: skip
+
+    return types.float32(q, at, sums, s_at), codegen
 
 
 def _i64(value: int) -> ir.Constant:
@@ -172,48 +197,69 @@ def _load_shorts(context, builder, sig, args, index):  # type: ignore[no-untyped
     return builder.load(pointer, align=2)
 
 
-def _two_scales(builder, first, second):  # type: ignore[no-untyped-def]
-    """32 int16 lanes: `first` in the first 16, `second` in the rest."""
-    pair = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), None), first,
-                                  ir.Constant(_I32, 0))  # fmt: skip
-    pair = builder.insert_element(pair, second, ir.Constant(_I32, 1))
-    return builder.shuffle_vector(pair, pair, ir.Constant(_INTS, [0] * 16 + [1] * 16))
+# The formats of 32 weights a block that `dot_row` multiplies, by GGML type id: (bytes per
+# block, the weights' byte offset, the weights' offset (Q4_0's 8), whether a float offset m
+# follows the scale (Q4_1), whether the weights are int8 bytes (Q8_0) or nibbles).
+_ROW_BLOCKS = {8: (34, 2, 0, False, True), 2: (18, 2, 8, False, False), 3: (20, 4, 0, True, False)}
 
 
 @intrinsic
-def dot_q8_0_row(typingctx, q, xq, xd):  # pragma: no cover
-    """The float32 sum over the Q8_0 blocks b of a row q (uint8 [blocks * 34]) of d_b *
-    xd[b] * sum_k int8(q[34 b + 2 + k]) * xq[32 b + k]: the row's product with activations
-    quantized in groups of 32 (xq: int16 [blocks * 32], xd: float32 [blocks]). Each block's
-    16 lanes of pair sums are converted and multiplied by the block's two scales into
-    float32 lanes, summed across the lanes once."""
+def dot_row(typingctx, q, xq, xd, sums, type_id):  # pragma: no cover
+    """The float32 sum over the blocks b of a Q8_0, Q4_0 or Q4_1 row q (uint8) of d_b *
+    xd[b] * sum_k (w_bk - offset) * xq[32 b + k] (+ m_b * sums[b] for Q4_1): the row's
+    product with activations quantized in groups of 32 (xq: int16 [blocks * 32], xd:
+    float32 [blocks]; sums: float32 [blocks], each group's sum). w: Q8_0's int8 weights, or
+    Q4_0 / Q4_1's nibbles (weight j of a block in byte j's low nibble, j + 16 in its high;
+    Q4_0's offset 8). type_id: a literal GGML type id. Each block's 16 lanes of pair sums
+    are converted and multiplied by the block's two scales into float32 lanes, summed
+    across the lanes once (no sum across the lanes per block)."""
     if not (_is_row(q, types.uint8) and _is_row(xq, types.int16) and _is_row(xd, types.float32)):
         return None
+    if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in _ROW_BLOCKS):
+        return None
+    stride, weights_at, offset, has_min, is_bytes = _ROW_BLOCKS[type_id.literal_value]
 
     def codegen(context, builder, sig, args):
-        data = [
-            context.make_array(t)(context, builder, a).data
-            for t, a in zip(sig.args, args, strict=True)
-        ]
+        data = [context.make_array(t)(context, builder, a).data for t, a in
+                zip(sig.args[:4], args[:4], strict=True)]  # fmt: skip
         count = builder.extract_value(
             context.make_array(sig.args[2])(context, builder, args[2]).shape, 0
         )
         total = cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None))
+        offsets = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))
         with cgutils.for_range(builder, count) as loop:
-            at = builder.mul(loop.index, _i64(34))
+            at = builder.mul(loop.index, _i64(stride))
             scale = builder.fmul(_half(builder, data[0], at), builder.load(builder.gep(
                 data[2], [loop.index])))  # fmt: skip
-            pointer = builder.gep(data[0], [builder.add(at, _i64(2))])
-            weights = builder.load(builder.bitcast(pointer, ir.VectorType(_I8, _N).as_pointer()),
-                                   align=1)  # fmt: skip
+            if is_bytes:
+                weights = builder.sext(_load_vector(builder, data[0], at, weights_at, _I8, _N),
+                                       _SHORTS)  # fmt: skip
+            else:
+                weights = _nibbles(builder, _load_vector(builder, data[0], at, weights_at, _I8, 16),
+                                   offset)  # fmt: skip
             pointer = builder.gep(data[1], [builder.mul(loop.index, _i64(_N))])
             xs = builder.load(builder.bitcast(pointer, _SHORTS.as_pointer()), align=2)
-            pairs = builder.sitofp(_madd(builder, builder.sext(weights, _SHORTS), xs), _FLOATS)
+            pairs = builder.sitofp(_madd(builder, weights, xs), _FLOATS)
             scaled = builder.fmul(pairs, _splat_float(builder, scale))
             builder.store(builder.fadd(builder.load(total), scaled), total)
-        return _float_sum(builder, builder.load(total))
+            if has_min:
+                shift = builder.fmul(_half(builder, data[0], builder.add(at, _i64(2))),
+                                     builder.load(builder.gep(data[3], [loop.index])))  # fmt: skip
+                builder.store(builder.fadd(builder.load(offsets), shift), offsets)
+        return builder.fadd(_float_sum(builder, builder.load(total)), builder.load(offsets))
 
-    return types.float32(q, xq, xd), codegen
+    return types.float32(q, xq, xd, sums, type_id), codegen
+
+
+def _nibbles(builder, packed, offset):  # type: ignore[no-untyped-def]
+    """32 int16 lanes from 16 bytes: byte j's low nibble in lane j, its high in j + 16,
+    less `offset`."""
+    half_type = ir.VectorType(_I16, 16)
+    wide = builder.zext(packed, half_type)
+    low = builder.and_(wide, ir.Constant(half_type, [15] * 16))
+    high = builder.lshr(wide, ir.Constant(half_type, [4] * 16))
+    both = builder.shuffle_vector(low, high, ir.Constant(_INTS, list(range(_N))))
+    return builder.sub(both, ir.Constant(_SHORTS, [offset] * _N))
 
 
 def _half(builder, data, at):  # type: ignore[no-untyped-def]
