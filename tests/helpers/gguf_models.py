@@ -174,8 +174,8 @@ def _add_tokenizer(writer, tokenizer_dir: Path) -> None:
 
 
 # Where each format keeps its fp16 scales (byte offsets in a block).
-_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                "Q6_K": (208,)}  # fmt: skip
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
 
 
 def random_blocks(

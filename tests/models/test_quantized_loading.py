@@ -32,7 +32,7 @@ def _logprobs(path, **kwargs) -> tuple[list[list[int]], list[float]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0", "Q5_1"])
 def test_gguf_in_blocks_matches_it_dequantized(tmp_path, arch, qtype):
     path = tmp_path / "model.gguf"
     write_gguf(make_hf_model(tmp_path, arch), path, qtype)

@@ -63,7 +63,7 @@ def _assert_close(got, want, dtype):
     torch.testing.assert_close(got, want, atol=TOL[dtype] * scale, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_decode_steps_in_blocks_match_layer_by_layer(tmp_path, arch, qtype, count_fused):

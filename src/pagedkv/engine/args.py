@@ -59,7 +59,7 @@ class EngineArgs:
     quantization: str = _option(
         "auto",
         "weights in GGML blocks on the CPU: auto keeps a GGUF file's formats (Q8_0, Q4_0, "
-        "Q4_1, Q4_K, Q5_K, Q6_K), none dequantizes them, q8_0 / q4_0 quantize every "
+        "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), none dequantizes them, q8_0 / q4_0 quantize every "
         "projection at load",
         choices=QUANTIZATIONS,
     )

@@ -15,7 +15,16 @@ from pagedkv.runtime import kernel_cache
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGML type ids (`formats.py`)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (
+    2,
+    3,
+    6,
+    7,
+    8,
+    12,
+    13,
+    14,
+)  # GGML type ids (`formats.py`)
 
 
 @njit(inline="always")
@@ -62,6 +71,18 @@ def _q4(row, at, d, m, out):  # pragma: no cover
         b = byte(row, at + j)
         out[j] = d * _float(b & 15) + m
         out[j + 16] = d * _float(b >> 4) + m
+
+
+@njit(inline="always")
+def _q5(row, at, d, m, out):  # pragma: no cover
+    """Q5_0 / Q5_1's 4 bytes of fifth bits at `at` (bit j of the little-endian word: weight
+    j's) and 16 bytes of nibbles after them, laid out as `_q4`'s."""
+    high = byte(row, at) | (byte(row, at + 1) << 8) | (byte(row, at + 2) << 16)
+    high |= byte(row, at + 3) << 24
+    for j in range(16):
+        b = byte(row, at + 4 + j)
+        out[j] = d * _float((b & 15) | (((high >> j) & 1) << 4)) + m
+        out[j + 16] = d * _float((b >> 4) | (((high >> (j + 16)) & 1) << 4)) + m
 
 
 @njit(inline="always")
@@ -126,6 +147,11 @@ def decode_block(type_id, row, at, out):  # pragma: no cover
         _q4(row, at + 2, d, np.float32(-8.0) * d, out)
     elif type_id == Q4_1:
         _q4(row, at + 4, half(row, at), half(row, at + 2), out)
+    elif type_id == Q5_0:
+        d = half(row, at)
+        _q5(row, at + 2, d, np.float32(-16.0) * d, out)
+    elif type_id == Q5_1:
+        _q5(row, at + 4, half(row, at), half(row, at + 2), out)
     elif type_id == Q6_K:
         _q6_k(row, at, out)
     else:

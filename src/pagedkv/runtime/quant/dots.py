@@ -2,14 +2,14 @@
 (`block_products`): what a decode step's projections and LM head run.
 
 The input rows are first quantized to integers (`quantize_rows`), as llama.cpp does: one
-float32 scale per group of a block's size (32 for Q8_0 / Q4_0 / Q4_1, 256 for the
+float32 scale per group of a block's size (32 for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, 256 for the
 K-quants), the values rounded to the nearest integer in int16 lanes (`LEVELS`). Each
 block's sub-blocks (16 or 32 weights under one integer scale) are then multiplied by the
 activations as whole integer vectors (`vectors.py`), and a block's integer sum is scaled
 once, by the weight's and the activations' scales: a weight costs a few integer vector
 instructions and is read once, in its packed size, which is what bounds a decode step. A
-sub-block's float offset (Q4_1's m, the K-quants' mins) multiplies the sum of its float32
-activations, summed once per call (`x_sums`, per 32); integer offsets (Q4_0's -8, Q6_K's
+sub-block's float offset (Q4_1 / Q5_1's m, the K-quants' mins) multiplies the sum of its float32
+activations, summed once per call (`x_sums`, per 32); integer offsets (Q4_0's -8, Q5_0's -16, Q6_K's
 -32) are taken off the weights before the product. Each product differs from the float32
 one by at most half an activation step per element. NumPy and Numba only; compiled code cached
 as `pagedkv.runtime.kernel_cache` says.
@@ -23,7 +23,7 @@ from numba.extending import overload
 
 from pagedkv.ops.cpu.bf16 import as_float32
 from pagedkv.runtime import kernel_cache
-from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
 from pagedkv.runtime.quant.vectors import dot_row, half, idot_k_block, k_mins_dot
 
@@ -79,7 +79,7 @@ def _rows_impl(
 ):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
-    if type_id.literal_value in (Q8_0, Q4_0, Q4_1):  # the whole row in one vector loop
+    if type_id.literal_value in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):  # the whole row in one vector loop
         return lambda type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, \
             end: _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end)  # fmt: skip
     block_dot = _DOTS[type_id.literal_value]
@@ -125,6 +125,10 @@ def block_products(
         _rows(2, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 3:
         _rows(3, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
+    elif type_id == 6:
+        _rows(6, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
+    elif type_id == 7:
+        _rows(7, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 12:
         _rows(12, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
     elif type_id == 13:

@@ -43,14 +43,17 @@ class BlockFormat:
 
 
 # fp16 scales: 2 bytes each. Q8_0: d, 32 int8.  Q4_0: d, 16 bytes of nibbles.  Q4_1: d, m,
-# 16 bytes.  Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
-# Q5_K: as Q4_K plus 32 bytes of fifth bits.  Q6_K: 128 bytes of low nibbles, 64 of high
-# 2-bit pairs, 16 int8 scales, d.
+# 16 bytes.  Q5_0: d, 4 bytes of fifth bits, 16 bytes of nibbles.  Q5_1: d, m, the same.
+# Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.  Q5_K: as Q4_K
+# plus 32 bytes of fifth bits.  Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+# int8 scales, d.
 FORMATS = {
     f.name: f
     for f in (
         BlockFormat("Q4_0", 2, 32, 18),
         BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q5_0", 6, 32, 22),
+        BlockFormat("Q5_1", 7, 32, 24),
         BlockFormat("Q8_0", 8, 32, 34),
         BlockFormat("Q4_K", 12, 256, 144),
         BlockFormat("Q5_K", 13, 256, 176),

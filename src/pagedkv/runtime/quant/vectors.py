@@ -1,6 +1,6 @@
 """Integer products of packed weights with activations quantized to integers, as whole LLVM
-vectors: a K-quant block (`idot_k_block`, with `k_mins_dot`), a whole row of Q8_0, Q4_0 or
-Q4_1 blocks (`dot_row`), and a block's fp16 scale (`half`).
+vectors: a K-quant block (`idot_k_block`, with `k_mins_dot`), a whole row of Q8_0, Q4_0,
+Q4_1, Q5_0 or Q5_1 blocks (`dot_row`), and a block's fp16 scale (`half`).
 
 A block format's sub-block is 16 or 32 weights. Written as a loop, LLVM either unrolls it
 into scalar code (it cannot prove that the two arrays do not overlap) or vectorizes it for
@@ -198,26 +198,34 @@ def _load_shorts(context, builder, sig, args, index):  # type: ignore[no-untyped
 
 
 # The formats of 32 weights a block that `dot_row` multiplies, by GGML type id: (bytes per
-# block, the weights' byte offset, the weights' offset (Q4_0's 8), whether a float offset m
-# follows the scale (Q4_1), whether the weights are int8 bytes (Q8_0) or nibbles).
-_ROW_BLOCKS = {8: (34, 2, 0, False, True), 2: (18, 2, 8, False, False), 3: (20, 4, 0, True, False)}
+# block, the weights' byte offset, the weights' offset (Q4_0's 8, Q5_0's 16), whether a float
+# offset m follows the scale (Q4_1, Q5_1), whether the weights are int8 bytes (Q8_0) or
+# nibbles, the byte offset of the 32 fifth bits of Q5_0 / Q5_1 (0: none)).
+_ROW_BLOCKS = {
+    8: (34, 2, 0, False, True, 0),
+    2: (18, 2, 8, False, False, 0),
+    3: (20, 4, 0, True, False, 0),
+    6: (22, 6, 16, False, False, 2),
+    7: (24, 8, 0, True, False, 4),
+}
 
 
 @intrinsic
 def dot_row(typingctx, q, xq, xd, sums, type_id):  # pragma: no cover
-    """The float32 sum over the blocks b of a Q8_0, Q4_0 or Q4_1 row q (uint8) of d_b *
-    xd[b] * sum_k (w_bk - offset) * xq[32 b + k] (+ m_b * sums[b] for Q4_1): the row's
-    product with activations quantized in groups of 32 (xq: int16 [blocks * 32], xd:
-    float32 [blocks]; sums: float32 [blocks], each group's sum). w: Q8_0's int8 weights, or
-    Q4_0 / Q4_1's nibbles (weight j of a block in byte j's low nibble, j + 16 in its high;
-    Q4_0's offset 8). type_id: a literal GGML type id. Each block's 16 lanes of pair sums
+    """The float32 sum over the blocks b of a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 row q (uint8)
+    of d_b * xd[b] * sum_k (w_bk - offset) * xq[32 b + k] (+ m_b * sums[b] for Q4_1 /
+    Q5_1): the row's product with activations quantized in groups of 32 (xq: int16 [blocks *
+    32], xd: float32 [blocks]; sums: float32 [blocks], each group's sum). w: Q8_0's int8
+    weights, or the nibbles (weight j of a block in byte j's low nibble, j + 16 in its high;
+    Q4_0's offset 8), with Q5_0 / Q5_1's fifth bit of weight j in bit j of a 32-bit word
+    (Q5_0's offset 16). type_id: a literal GGML type id. Each block's 16 lanes of pair sums
     are converted and multiplied by the block's two scales into float32 lanes, summed
     across the lanes once (no sum across the lanes per block)."""
     if not (_is_row(q, types.uint8) and _is_row(xq, types.int16) and _is_row(xd, types.float32)):
         return None
     if not (isinstance(type_id, types.IntegerLiteral) and type_id.literal_value in _ROW_BLOCKS):
         return None
-    stride, weights_at, offset, has_min, is_bytes = _ROW_BLOCKS[type_id.literal_value]
+    stride, weights_at, offset, has_min, is_bytes, high_at = _ROW_BLOCKS[type_id.literal_value]
 
     def codegen(context, builder, sig, args):
         data = [context.make_array(t)(context, builder, a).data for t, a in
@@ -235,8 +243,10 @@ def dot_row(typingctx, q, xq, xd, sums, type_id):  # pragma: no cover
                 weights = builder.sext(_load_vector(builder, data[0], at, weights_at, _I8, _N),
                                        _SHORTS)  # fmt: skip
             else:
-                weights = _nibbles(builder, _load_vector(builder, data[0], at, weights_at, _I8, 16),
-                                   offset)  # fmt: skip
+                weights = _nibbles(builder, _load_vector(builder, data[0], at, weights_at, _I8, 16))
+                if high_at:
+                    weights = builder.or_(weights, _fifth_bits(builder, data[0], at, high_at))
+                weights = builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
             pointer = builder.gep(data[1], [builder.mul(loop.index, _i64(_N))])
             xs = builder.load(builder.bitcast(pointer, _SHORTS.as_pointer()), align=2)
             pairs = builder.sitofp(_madd(builder, weights, xs), _FLOATS)
@@ -251,15 +261,25 @@ def dot_row(typingctx, q, xq, xd, sums, type_id):  # pragma: no cover
     return types.float32(q, xq, xd, sums, type_id), codegen
 
 
-def _nibbles(builder, packed, offset):  # type: ignore[no-untyped-def]
-    """32 int16 lanes from 16 bytes: byte j's low nibble in lane j, its high in j + 16,
-    less `offset`."""
+def _nibbles(builder, packed):  # type: ignore[no-untyped-def]
+    """32 int16 lanes from 16 bytes: byte j's low nibble in lane j, its high in j + 16."""
     half_type = ir.VectorType(_I16, 16)
     wide = builder.zext(packed, half_type)
     low = builder.and_(wide, ir.Constant(half_type, [15] * 16))
     high = builder.lshr(wide, ir.Constant(half_type, [4] * 16))
-    both = builder.shuffle_vector(low, high, ir.Constant(_INTS, list(range(_N))))
-    return builder.sub(both, ir.Constant(_SHORTS, [offset] * _N))
+    return builder.shuffle_vector(low, high, ir.Constant(_INTS, list(range(_N))))
+
+
+def _fifth_bits(builder, data, base, at):  # type: ignore[no-untyped-def]
+    """32 int16 lanes, lane j 16 where bit j of the little-endian 32-bit word at byte base +
+    at of a uint8 pointer is set, else 0: the word in every lane, tested against 1 << j."""
+    pointer = builder.bitcast(builder.gep(data, [builder.add(base, _i64(at))]), _I32.as_pointer())
+    word = builder.load(pointer, align=1)
+    one = builder.insert_element(ir.Constant(_INTS, None), word, ir.Constant(_I32, 0))
+    spread = builder.shuffle_vector(one, one, ir.Constant(_INTS, [0] * _N))
+    bits = builder.and_(spread, ir.Constant(_INTS, [1 << j for j in range(_N)]))
+    is_set = builder.icmp_unsigned("!=", bits, ir.Constant(_INTS, [0] * _N))
+    return builder.select(is_set, ir.Constant(_SHORTS, [16] * _N), ir.Constant(_SHORTS, [0] * _N))
 
 
 def _half(builder, data, at):  # type: ignore[no-untyped-def]
