@@ -134,12 +134,29 @@ def make_workloads(vocab_size: int, *, quick: bool, seed: int = 0) -> dict[str, 
     variable = [rng.randint(4, 32) if quick else rng.randint(16, 256) for _ in prompts]
     num_long, long_len, long_new = (2, 256, 16) if quick else (8, 4096, 128)
     long = [[rng.randrange(3, vocab_size) for _ in range(long_len)] for _ in range(num_long)]
-    return {
+    loads = {
         "fixed": Workload("fixed", prompts, [8 if quick else 64] * num),
         "variable": Workload("variable", prompts, variable),
         # Attention a large share of each decode step: few sequences with long contexts.
         "long": Workload("long", long, [long_new] * num_long),
     }
+    for users in CONCURRENT_USERS:
+        loads[f"users{users}"] = concurrent_users(vocab_size, users, quick=quick, seed=seed)
+    return loads
+
+
+CONCURRENT_USERS = (8, 32)
+
+
+def concurrent_users(vocab_size: int, users: int, *, quick: bool, seed: int = 0) -> Workload:
+    """`users` requests sent at once, as a chat server sees them: prompts of 32-384 tokens
+    (8-64 with `quick`), 32 new tokens each (8 with `quick`)."""
+    rng = random.Random(seed + users)
+    low, high, new = (8, 64, 8) if quick else (32, 384, 32)
+    prompts = [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(low, high))] for _ in range(users)
+    ]
+    return Workload(f"users{users}", prompts, [new] * users)
 
 
 def matmul_parameters(config: ModelConfig) -> tuple[int, int]:
@@ -537,10 +554,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument(
         "--workload",
-        choices=["fixed", "variable", "long", "both", "all"],
+        choices=["fixed", "variable", "long", "users", "both", "all"],
         default="both",
         help="fixed: 32 prompts of 32-512 tokens, 64 new each; variable: the same prompts, "
-        "16-256 new; long: 8 prompts of 4,096 tokens, 128 new; both: fixed and variable",
+        "16-256 new; long: 8 prompts of 4,096 tokens, 128 new; users: 8, then 32 requests "
+        "sent at once, prompts of 32-384 tokens, 32 new each; both: fixed and variable",
     )
     parser.add_argument("--skip-hf", action="store_true", help="pagedkv runs only")
     parser.add_argument("--skip-pressure", action="store_true")
@@ -609,14 +627,17 @@ def main(argv: list[str] | None = None) -> None:
         workloads = make_workloads(config.vocab_size, quick=args.quick)
         if args.workload == "both":
             workloads = {k: workloads[k] for k in ("fixed", "variable")}
+        elif args.workload == "users":
+            workloads = {f"users{n}": workloads[f"users{n}"] for n in CONCURRENT_USERS}
         elif args.workload != "all":
             workloads = {args.workload: workloads[args.workload]}
         results: dict[str, Any] = {"throughput": []}
         for dtype in dtypes:
             results["throughput"] += bench_throughput(args, model_dir, config, dtype, workloads)
+        first = next(iter(workloads.values()))
         # Memory pressure and sharing, first dtype only: pressure on the serving case, sharing
         # on half the prompts (n = 4 quadruples the decode work).
-        pressure_load = workloads.get("variable") or workloads.get("fixed") or workloads["long"]
+        pressure_load = workloads.get("variable") or workloads.get("fixed") or first
         if not args.skip_pressure:
             pressure = run_pressure(
                 model_dir, dtypes[0], pressure_load, config, **_engine_kwargs(args)
