@@ -38,8 +38,9 @@ import sys
 import time
 import tracemalloc
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_results  # noqa: E402
@@ -100,15 +101,15 @@ def churn_chunks(
     seed: int,
     fill=None,
     chunk: int = 50,
-    calls_only: bool = False,
+    timer: CallTimer | None = None,
 ) -> Iterator[tuple[float, float]]:
     """Run the 90 %-full churn, `chunk` steps at a time: yields (seconds, blocks) per chunk.
 
     `fill` (default `alloc`) takes the untimed first 90 %, done before the first chunk. With
-    `calls_only`, a chunk's time is the sum of its `alloc` and `free` calls, each timed on
-    its own (the clock's own cost subtracted): the allocator without the workload around it
-    (picking the victim, keeping the list of live tables, deallocating the dropped table
-    after `free` returns). A block is one allocation plus one free.
+    a `timer`, a chunk's time is that of the calls it timed (the allocator's own calls that
+    `alloc` and `free` make): the allocator without the workload around it (picking the
+    victim, keeping the list of live sequences, deallocating a dropped table after `free`
+    returns). A block is one allocation plus one free.
     """
     sizes, picks = _workload(num_blocks, num_steps, seed)
     target = int(0.9 * num_blocks)
@@ -123,9 +124,6 @@ def churn_chunks(
             next_size += 1
 
     refill(fill or alloc)  # untimed fill to 90 %
-    timer = CallTimer(alloc, free) if calls_only else None
-    if timer is not None:
-        alloc, free = timer.alloc, timer.free
     for first in range(0, len(picks), chunk):
         first_size, freed = next_size, 0
         if timer is not None:
@@ -143,23 +141,22 @@ def churn_chunks(
 
 
 class CallTimer:
-    """Wraps an allocator's `alloc` and `free`, adding each call's time to `ns`."""
+    """Adds the time of each call to the functions it wrapped to `ns` (the clock's own cost
+    subtracted)."""
 
-    def __init__(self, alloc, free) -> None:
-        self.ns, self._alloc, self._free = 0, alloc, free
-        self._clock, self._clock_ns = time.perf_counter_ns, _clock_cost_ns()
+    def __init__(self) -> None:
+        self.ns, self._clock, self._clock_ns = 0, time.perf_counter_ns, _clock_cost_ns()
 
-    def alloc(self, num: int):
-        start = self._clock()
-        table = self._alloc(num)
-        self.ns += self._clock() - start - self._clock_ns
-        return table
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock, clock_ns = self._clock, self._clock_ns
 
-    def free(self, table) -> int:
-        start = self._clock()
-        num = self._free(table)
-        self.ns += self._clock() - start - self._clock_ns
-        return num
+        def call(*args: Any) -> Any:
+            start = clock()
+            result = fn(*args)
+            self.ns += clock() - start - clock_ns
+            return result
+
+        return call
 
 
 def churn(
@@ -237,12 +234,15 @@ def churn_floor(num_blocks: int, num_steps: int, seed: int) -> Iterator[tuple[fl
 def churn_pool(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False
                ) -> Iterator[tuple[float, float]]:  # fmt: skip
     pool = BlockPool(num_blocks, PrefixIndex(num_blocks))
+    timer = CallTimer() if calls_only else None
+    allocate = timer.timed(pool.allocate) if timer else pool.allocate
+    release = timer.timed(pool.free) if timer else pool.free
 
     def free(block_ids: array) -> int:
-        pool.free(block_ids)
+        release(block_ids)
         return len(block_ids)
 
-    return churn_chunks(pool.allocate, free, num_blocks, num_steps, seed, calls_only=calls_only)
+    return churn_chunks(allocate, free, num_blocks, num_steps, seed, timer=timer)
 
 
 def churn_manager(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False
@@ -250,17 +250,20 @@ def churn_manager(num_blocks: int, num_steps: int, seed: int, calls_only: bool =
     manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
     prompts = {n: list(range(n * BLOCK_SIZE)) for n in range(1, MAX_SEQ_BLOCKS + 1)}
     counter = iter(range(10**12))
+    timer = CallTimer() if calls_only else None
+    allocate = timer.timed(manager.allocate) if timer else manager.allocate
+    release = timer.timed(manager.free) if timer else manager.free
 
     def alloc(num: int) -> tuple[int, int]:
         seq_id = next(counter)
-        manager.allocate(seq_id, prompts[num])
+        allocate(seq_id, prompts[num])
         return seq_id, num
 
     def free(seq: tuple[int, int]) -> int:
-        manager.free(seq[0])
+        release(seq[0])
         return seq[1]
 
-    return churn_chunks(alloc, free, num_blocks, num_steps, seed, calls_only=calls_only)
+    return churn_chunks(alloc, free, num_blocks, num_steps, seed, timer=timer)
 
 
 def churn_scan(num_blocks: int, num_steps: int, seed: int, budget_s: float) -> tuple[float, int]:
