@@ -435,7 +435,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     }
     print("largest/smallest: " + ", ".join(f"{k} {v:.2f}x" for k, v in flat.items()))
-    path = write_results(args.out, config=vars(args), results={"rows": rows, "flatness": flat})
+    key, first = "manager_calls_us_per_block", rows[0]
+    manager = {r["num_blocks"]: r[key] / first[key] for r in rows[1:]}
+    print(f"manager calls over {first['num_blocks']:,} blocks: "
+          + ", ".join(f"{n:,} {v:.2f}x" for n, v in manager.items()))  # fmt: skip
+    results = {"rows": rows, "flatness": flat, "manager_calls_over_smallest": manager}
+    path = write_results(args.out, config=vars(args), results=results)
     print(f"wrote {path}")
 
 
