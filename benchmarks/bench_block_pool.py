@@ -9,9 +9,11 @@ For each pool size it measures, in one run, side by side:
   sequence dicts, validation), and through a first-free-scan allocator (a Python port of a
   page-at-a-time FindFreePage + AllocatePages design), timed on fewer steps at large sizes.
   The floor: the same churn through a stand-in that only makes a block table and reads it
-  back on free (the workload's own cost: its tables go cold in cache at large sizes). "calls
-  only" is the `BlockPool` churn with each allocate and free call timed on its own: the
-  allocator without the workload's steps around it.
+  back on free (the workload's own cost: its tables go cold in cache at large sizes).
+  "calls" figures (`pool_calls`, `manager_calls`) time each allocate and free call on its
+  own: the allocator without the workload's steps around it (picking the victim, keeping
+  the list of live sequences). Every size runs its churn chunks in turn with the others, so
+  that the ratio between sizes does not measure the machine's drift.
 * prefix hit: `KVCacheManager.allocate` of a 64-block prompt whose blocks are all cached
   (free, in the LRU queue) in a pool whose other blocks are held or cached; microseconds per
   hit block, then `free` separately. Repeated hits on a chain go through its spans; the walk
@@ -27,14 +29,18 @@ For each pool size it measures, in one run, side by side:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import itertools
 import random
 import statistics
 import sys
 import time
 import tracemalloc
 from array import array
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, write_results  # noqa: E402
@@ -87,21 +93,23 @@ def _workload(num_blocks: int, num_steps: int, seed: int) -> tuple[list[int], li
     return sizes, picks
 
 
-def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
-          time_budget_s: float = float("inf"), fill=None,
-          chunk: int = 50, calls_only: bool = False) -> tuple[float, float, int]:  # fmt: skip
-    """Run the 90 %-full churn.
+def churn_chunks(
+    alloc,
+    free,
+    num_blocks: int,
+    num_steps: int,
+    seed: int,
+    fill=None,
+    chunk: int = 50,
+    timer: CallTimer | None = None,
+) -> Iterator[tuple[float, float]]:
+    """Run the 90 %-full churn, `chunk` steps at a time: yields (seconds, blocks) per chunk.
 
-    Steps are timed in chunks of `chunk`; on a shared machine a chunk that lost the CPU to
-    another process is an outlier, so the median chunk rate is the figure to quote.
-    `fill` (default `alloc`) takes the untimed first 90 %. With `calls_only`, a chunk's time
-    is the sum of its `alloc` and `free` calls, each timed on its own (the clock's own cost
-    subtracted): the allocator without the workload around it (picking the victim, keeping
-    the list of live tables, deallocating the dropped table after `free` returns).
-
-    Returns:
-        (median chunk microseconds per block, overall microseconds per block, steps timed);
-        a block is one allocation plus one free.
+    `fill` (default `alloc`) takes the untimed first 90 %, done before the first chunk. With
+    a `timer`, a chunk's time is that of the calls it timed (the allocator's own calls that
+    `alloc` and `free` make): the allocator without the workload around it (picking the
+    victim, keeping the list of live sequences, deallocating a dropped table after `free`
+    returns). A block is one allocation plus one free.
     """
     sizes, picks = _workload(num_blocks, num_steps, seed)
     target = int(0.9 * num_blocks)
@@ -116,44 +124,82 @@ def churn(alloc, free, num_blocks: int, num_steps: int, seed: int,
             next_size += 1
 
     refill(fill or alloc)  # untimed fill to 90 %
-    in_calls_ns = 0
-    if calls_only:
-        clock, clock_ns = time.perf_counter_ns, _clock_cost_ns()
-        untimed_alloc, untimed_free = alloc, free
-
-        def timed_alloc(num: int):
-            nonlocal in_calls_ns
-            start = clock()
-            table = untimed_alloc(num)
-            in_calls_ns += clock() - start - clock_ns
-            return table
-
-        def timed_free(table) -> int:
-            nonlocal in_calls_ns
-            start = clock()
-            n = untimed_free(table)
-            in_calls_ns += clock() - start - clock_ns
-            return n
-
-        alloc, free = timed_alloc, timed_free
-    rates, total_s, total_blocks, steps = [], 0.0, 0.0, 0
-    began = time.perf_counter()
-    while steps < len(picks) and time.perf_counter() - began < time_budget_s:
-        first_size, freed, in_calls_ns = next_size, 0, 0
+    for first in range(0, len(picks), chunk):
+        first_size, freed = next_size, 0
+        if timer is not None:
+            timer.ns = 0
         start = time.perf_counter()
-        for pick in picks[steps : steps + chunk]:
+        for pick in picks[first : first + chunk]:
             i = int(pick * len(held))
             held[i], held[-1] = held[-1], held[i]
             n = free(held.pop())
             used -= n
             freed += n
             refill(alloc)
-        elapsed = in_calls_ns / 1e9 if calls_only else time.perf_counter() - start
-        steps += min(chunk, len(picks) - steps)
-        num = (sum(sizes[first_size:next_size]) + freed) / 2
-        rates.append(elapsed / num * 1e6)
-        total_s, total_blocks = total_s + elapsed, total_blocks + num
-    return statistics.median(rates), total_s / total_blocks * 1e6, steps
+        elapsed = time.perf_counter() - start if timer is None else timer.ns / 1e9
+        yield elapsed, (sum(sizes[first_size:next_size]) + freed) / 2
+
+
+class CallTimer:
+    """Adds the time of each call to the functions it wrapped to `ns` (the clock's own cost
+    subtracted)."""
+
+    def __init__(self) -> None:
+        self.ns, self._clock, self._clock_ns = 0, time.perf_counter_ns, _clock_cost_ns()
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock, clock_ns = self._clock, self._clock_ns
+
+        def call(*args: Any) -> Any:
+            start = clock()
+            result = fn(*args)
+            self.ns += clock() - start - clock_ns
+            return result
+
+        return call
+
+
+def churn(
+    alloc,
+    free,
+    num_blocks: int,
+    num_steps: int,
+    seed: int,
+    time_budget_s: float = float("inf"),
+    fill=None,
+    chunk: int = 50,
+) -> tuple[float, int]:
+    """`churn_chunks` run alone, for at most `time_budget_s`.
+
+    Returns:
+        (overall microseconds per block, steps timed).
+    """
+    total_s = total_blocks = 0.0
+    steps, began = 0, time.perf_counter()
+    for seconds, blocks in churn_chunks(alloc, free, num_blocks, num_steps, seed, fill, chunk):
+        total_s, total_blocks, steps = total_s + seconds, total_blocks + blocks, steps + chunk
+        if time.perf_counter() - began >= time_budget_s:
+            break
+    return total_s / total_blocks * 1e6, min(steps, num_steps)
+
+
+def interleaved(runs: dict[int, Iterator[tuple[float, float]]], turn: int) -> dict[int, float]:
+    """Median microseconds per block of each run's chunks, `turn` chunks of each run in turn.
+
+    On a shared machine whose speed drifts within seconds, sizes timed one after the other
+    would each get a different machine; taking turns gives every size the same mix of slow
+    and fast moments. The first chunk of a turn may find the caches holding another size's
+    data: one chunk of `turn`, which the median leaves out.
+    """
+    rates: dict[int, list[float]] = {key: [] for key in runs}
+    live = dict(runs)
+    while live:
+        for key in list(live):
+            got = [seconds / blocks * 1e6 for seconds, blocks in itertools.islice(live[key], turn)]
+            rates[key] += got
+            if len(got) < turn:
+                del live[key]
+    return {key: statistics.median(r) for key, r in rates.items()}
 
 
 def _clock_cost_ns() -> int:
@@ -180,36 +226,44 @@ class BareTables:
         return len(block_ids)
 
 
-def churn_floor(num_blocks: int, num_steps: int, seed: int) -> float:
+def churn_floor(num_blocks: int, num_steps: int, seed: int) -> Iterator[tuple[float, float]]:
     bare = BareTables()
-    return churn(bare.allocate, bare.free, num_blocks, num_steps, seed)[0]
+    return churn_chunks(bare.allocate, bare.free, num_blocks, num_steps, seed)
 
 
-def churn_pool(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False) -> float:
+def churn_pool(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False
+               ) -> Iterator[tuple[float, float]]:  # fmt: skip
     pool = BlockPool(num_blocks, PrefixIndex(num_blocks))
+    timer = CallTimer() if calls_only else None
+    allocate = timer.timed(pool.allocate) if timer else pool.allocate
+    release = timer.timed(pool.free) if timer else pool.free
 
-    def free(block_ids: list[int]) -> int:
-        pool.free(block_ids)
+    def free(block_ids: array) -> int:
+        release(block_ids)
         return len(block_ids)
 
-    return churn(pool.allocate, free, num_blocks, num_steps, seed, calls_only=calls_only)[0]
+    return churn_chunks(allocate, free, num_blocks, num_steps, seed, timer=timer)
 
 
-def churn_manager(num_blocks: int, num_steps: int, seed: int) -> float:
+def churn_manager(num_blocks: int, num_steps: int, seed: int, calls_only: bool = False
+                  ) -> Iterator[tuple[float, float]]:  # fmt: skip
     manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
     prompts = {n: list(range(n * BLOCK_SIZE)) for n in range(1, MAX_SEQ_BLOCKS + 1)}
     counter = iter(range(10**12))
+    timer = CallTimer() if calls_only else None
+    allocate = timer.timed(manager.allocate) if timer else manager.allocate
+    release = timer.timed(manager.free) if timer else manager.free
 
     def alloc(num: int) -> tuple[int, int]:
         seq_id = next(counter)
-        manager.allocate(seq_id, prompts[num])
+        allocate(seq_id, prompts[num])
         return seq_id, num
 
     def free(seq: tuple[int, int]) -> int:
-        manager.free(seq[0])
+        release(seq[0])
         return seq[1]
 
-    return churn(alloc, free, num_blocks, num_steps, seed)[0]
+    return churn_chunks(alloc, free, num_blocks, num_steps, seed, timer=timer)
 
 
 def churn_scan(num_blocks: int, num_steps: int, seed: int, budget_s: float) -> tuple[float, int]:
@@ -236,8 +290,7 @@ def churn_scan(num_blocks: int, num_steps: int, seed: int, budget_s: float) -> t
         return table
 
     # Few, slow steps: the overall rate (a step that allocates nothing would skew a median).
-    _, rate, steps = churn(alloc, free, num_blocks, num_steps, seed, budget_s, fill, chunk=1)
-    return rate, steps
+    return churn(alloc, free, num_blocks, num_steps, seed, budget_s, fill, chunk=1)
 
 
 def prefix_hit(num_blocks: int, repeats: int, seed: int) -> tuple[float, float, float, float]:
@@ -306,29 +359,42 @@ def build(num_blocks: int) -> tuple[float, float, float]:
     return seconds, pool_bytes / num_blocks, total_bytes / num_blocks
 
 
-def run_size(num_blocks: int, args: argparse.Namespace) -> dict[str, float | int]:
+CHURNS = {
+    "pool": churn_pool,
+    "pool_calls": functools.partial(churn_pool, calls_only=True),
+    "floor": churn_floor,
+    "manager": churn_manager,
+    "manager_calls": functools.partial(churn_manager, calls_only=True),
+}
+
+
+def churn_figures(sizes: list[int], args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """Per size, each churn's microseconds per block: the median over `args.repeats` runs,
+    each run taking every size in turn (`interleaved`)."""
+    runs: dict[int, dict[str, list[float]]] = {n: {k: [] for k in CHURNS} for n in sizes}
+    for r in range(args.repeats):
+        for kind, make in CHURNS.items():
+            chunks = {n: make(n, args.steps, args.seed + r) for n in sizes}
+            for n, us in interleaved(chunks, args.turn).items():
+                runs[n][kind].append(us)
+    return {n: {f"{k}_us_per_block": statistics.median(v) for k, v in figures.items()}
+            for n, figures in runs.items()}  # fmt: skip
+
+
+def run_size(num_blocks: int, churns: dict[str, float], args: argparse.Namespace
+             ) -> dict[str, float | int | None]:  # fmt: skip
     builds = [build(num_blocks) for _ in range(args.repeats)]
-    pool_us, calls_us, floor_us = [], [], []
-    for r in range(args.repeats):  # interleaved: all see the same machine load
-        pool_us.append(churn_pool(num_blocks, args.steps, args.seed + r))
-        calls_us.append(churn_pool(num_blocks, args.steps, args.seed + r, calls_only=True))
-        floor_us.append(churn_floor(num_blocks, args.steps, args.seed + r))
-    manager_us = [churn_manager(num_blocks, args.steps, args.seed + r)
-                  for r in range(args.repeats)]  # fmt: skip
     hit_us, walk_us, free_us, busy_bytes = prefix_hit(num_blocks, args.hit_repeats, args.seed)
     scan_us, scan_steps = None, 0  # a budget of 0 leaves the scan baseline out
     if args.scan_budget > 0:
         scan_us, scan_steps = churn_scan(num_blocks, args.steps, args.seed, args.scan_budget)
-    pool_median = statistics.median(pool_us)
+    pool_us = churns["pool_us_per_block"]
     return {
         "num_blocks": num_blocks,
-        "pool_us_per_block": pool_median,
-        "pool_calls_us_per_block": statistics.median(calls_us),
-        "floor_us_per_block": statistics.median(floor_us),
-        "manager_us_per_block": statistics.median(manager_us),
+        **churns,
         "scan_us_per_block": scan_us,
         "scan_steps": scan_steps,
-        "speedup_vs_scan": None if scan_us is None else scan_us / pool_median,
+        "speedup_vs_scan": None if scan_us is None else scan_us / pool_us,
         "hit_us_per_block": hit_us,
         "hit_walk_us_per_block": walk_us,
         "hit_free_us_per_block": free_us,
@@ -347,12 +413,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hit-repeats", type=int, default=400, help="hits, half with spans")
     parser.add_argument("--scan-budget", type=float, default=3.0,
                         help="seconds of scan-baseline churn per size (0: none)")  # fmt: skip
+    parser.add_argument("--turn", type=int, default=4, help="churn chunks per size per turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_block_pool", help="results file name")
     args = parser.parse_args(argv)
-    rows = []
+    churns, rows = churn_figures(args.sizes, args), []
     for num_blocks in args.sizes:
-        rows.append(run_size(num_blocks, args))
+        rows.append(run_size(num_blocks, churns[num_blocks], args))
         print_table(rows[-1:])
     print()
     print_table(rows)
@@ -363,11 +430,17 @@ def main(argv: list[str] | None = None) -> None:
             "pool_calls_us_per_block",
             "floor_us_per_block",
             "manager_us_per_block",
+            "manager_calls_us_per_block",
             "hit_us_per_block",
         )
     }
     print("largest/smallest: " + ", ".join(f"{k} {v:.2f}x" for k, v in flat.items()))
-    path = write_results(args.out, config=vars(args), results={"rows": rows, "flatness": flat})
+    key, first = "manager_calls_us_per_block", rows[0]
+    manager = {r["num_blocks"]: r[key] / first[key] for r in rows[1:]}
+    print(f"manager calls over {first['num_blocks']:,} blocks: "
+          + ", ".join(f"{n:,} {v:.2f}x" for n, v in manager.items()))  # fmt: skip
+    results = {"rows": rows, "flatness": flat, "manager_calls_over_smallest": manager}
+    path = write_results(args.out, config=vars(args), results=results)
     print(f"wrote {path}")
 
 

@@ -40,8 +40,6 @@ from pagedkv.memory.prefix import (
     group_root,
 )
 
-HASH_BYTES = 32
-
 
 def root_hash(root: ChainRoot) -> bytes:
     """The hash a chain's first block chains from: one per salt, one for no salt.
@@ -192,11 +190,6 @@ class ContentHashes:
                 assert isinstance(tokens, bytes), "only int32-packed blocks are hashed"
                 blocks.append(EvictedBlock(entry[0], hashed[0], hashed[1], tokens))
         return blocks
-
-    def hash_of(self, uid: int) -> bytes | None:
-        """The content hash of the indexed entry `uid`, or None if not hashed."""
-        known = self._hashes.get(uid)
-        return None if known is None else known[0]
 
     def clear(self) -> None:
         """Forget every hash and queued block (the index was cleared: new weights)."""

@@ -262,7 +262,7 @@ class KVCacheManager:
         # The same table list: neither changes it, a new one replaces it.
         self._seqs[child_id] = replace(
             parent,
-            groups=[replace(group, block_ids=group.block_ids[:]) for group in parent.groups],
+            groups=tuple(replace(group, block_ids=group.block_ids[:]) for group in parent.groups),
             token_ids=list(parent.token_ids),
             prefix_uids=list(parent.prefix_uids),
         )

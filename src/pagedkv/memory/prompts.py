@@ -170,7 +170,7 @@ def new_groups(
     anchor: int,
     uids: list[PrefixName],
     hashed: bool = False,
-) -> list[GroupBlocks]:
+) -> tuple[GroupBlocks, ...]:
     """A new sequence's blocks, per group: NULL_BLOCK before its `used` hits, then
     `num_fresh` fresh blocks; the first `num_hits` blocks count as keyed, the `anchor`
     group's chain going on from the last hit's name (``uids[-1]``, else its `chain_start`,
@@ -184,4 +184,4 @@ def new_groups(
         is_hashed = hashed and g == anchor
         chain_uid = uids[-1] if g == anchor and uids else chain_start(root, g, is_hashed)
         groups.append(GroupBlocks(block_ids, num_hits, chain_uid, num_null, hashed=is_hashed))
-    return groups
+    return tuple(groups)

@@ -18,7 +18,7 @@ from pagedkv.memory.prefix import ROOT_UID, ChainRoot, PrefixIndex, PrefixName
 class SeqState:
     """One sequence's state: its blocks in each KV cache group, and its tokens."""
 
-    groups: list[GroupBlocks]
+    groups: tuple[GroupBlocks, ...]
     # The tokens, kept only for the prefix index (empty without one): the prompt stays the
     # tuple `allocate` packed its keys from (no second copy) until the first `append`
     # turns it into a list.
