@@ -1,14 +1,16 @@
-"""llama.cpp as the anchor of `bench_latency.py` and `bench_engine.py`: a GGUF given, or
-written from the same Hugging Face directory by its own converter; latency timed by its own
-`llama-batched-bench`, throughput by its `llama-server` answering concurrent HTTP requests.
-Nothing of llama.cpp lives in this repository; pass the directory of a build's binaries. The
-converter needs the `gguf` and `sentencepiece` packages.
+"""llama.cpp as the anchor of `bench_latency.py`, `bench_engine.py` and `bench_perplexity.py`:
+a GGUF given, or written from the same Hugging Face directory by its own converter; latency
+timed by its own `llama-batched-bench`, throughput by its `llama-server` answering concurrent
+HTTP requests, perplexity by its `llama-perplexity`. Nothing of llama.cpp lives in this
+repository; pass the directory of a build's binaries. The converter needs the `gguf` and
+`sentencepiece` packages.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -175,3 +177,46 @@ def serve_concurrently(
         start = time.perf_counter()
         tokens = list(pool.map(partial(complete, url), prompts, max_tokens))
         return time.perf_counter() - start, tokens
+
+
+_FINAL_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_RUNNING_PPL = re.compile(r"\[(\d+)\]([0-9.]+),")
+
+
+def perplexity(bin_dir: Path, gguf: Path, text: Path, n_ctx: int, threads: int) -> dict[str, Any]:
+    """`llama-perplexity -m gguf -f text -c n_ctx -t threads`: its final PPL and error, and
+    the running PPL it prints after each window.
+
+    Raises:
+        subprocess.CalledProcessError: the binary failed.
+        RuntimeError: no final estimate in its output.
+    """
+    command = [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text),
+               "-c", str(n_ctx), "-t", str(threads)]  # fmt: skip
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=_env())
+    return parse_perplexity(done.stdout + done.stderr)
+
+
+def dequantize(bin_dir: Path, gguf: Path, out: Path) -> Path:
+    """Write `gguf` with every tensor in F32 (`llama-quantize --allow-requantize ... F32`):
+    the same weights, which llama.cpp then multiplies without quantizing the activations.
+
+    Raises:
+        subprocess.CalledProcessError: the binary failed.
+    """
+    command = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "F32"]
+    subprocess.run(command, check=True, capture_output=True, text=True, env=_env())
+    return out
+
+
+def parse_perplexity(log: str) -> dict[str, Any]:
+    """The figures of a `llama-perplexity` log: {"ppl", "err", "running": [per window]}.
+
+    Raises:
+        RuntimeError: the log holds no final estimate.
+    """
+    final = _FINAL_PPL.search(log)
+    if final is None:
+        raise RuntimeError(f"llama-perplexity: expected a final estimate, got:\n{log[-2000:]}")
+    running = [float(value) for _, value in _RUNNING_PPL.findall(log)]
+    return {"ppl": float(final.group(1)), "err": float(final.group(2)), "running": running}
