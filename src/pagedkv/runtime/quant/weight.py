@@ -132,6 +132,7 @@ class QuantWeight:
         output rows at a time (in `tile_dtype(x.dtype)`; a tile may span parts)."""
         dtype = tile_dtype(_checked(x, self.in_features).dtype)
         xt, bias = x.to(dtype), None if bias is None else bias.to(dtype)
+        sync_threads()  # the tiles are written by as many threads as multiply them
         size = max(1, TILE_BYTES // (dtype.itemsize * self.in_features))
         tile = torch.empty(min(size, self.out_features), self.in_features, dtype=dtype)
         if size >= self.out_features:  # one tile: its product is the result
