@@ -9,7 +9,7 @@
 
 A tile is bfloat16 where the input is and the CPU multiplies bfloat16 (oneDNN with
 AVX512-BF16 or AMX): the weights rounded to bfloat16 as a "none" model's are at load, and
-multiplied at twice float32's rate; else float32. A fused projection (q|k|v, gate|up) holds
+multiplied by the same, faster product; else float32. A fused projection (q|k|v, gate|up) holds
 one part per checkpoint tensor, each in its own format (a Q4_K_M file mixes Q4_K and Q6_K
 within a layer). Either product sums in float32 (the few-row one in integers, scaled in
 float32) and rounds a bfloat16 result once.
