@@ -2,8 +2,9 @@
 float32 (`quantization="none"`): its own Q4_1 file (a Q8_0 embedding and tied head), and
 Q8_0 / Q4_0 files written from it. Teacher-forced on the float32 model's greedy
 continuation (`prompt_logprobs`), through the tile product (whole prompts) and the few-row
-product (prompts fed a few tokens per step). Float checkpoints quantized at load are
-checked against the float model they come from."""
+product (prompts fed a few tokens per step); in bfloat16, against the file dequantized to
+bfloat16. Float checkpoints quantized at load are checked against the float model they
+come from."""
 
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ def files(tmp_path_factory):
 
 
 @functools.cache
-def reference(path):
-    """(sequences: prompt + greedy continuation, their prompt logprobs) of `path` in float32."""
-    llm = LLM(path, quantization="none", **ENGINE)
+def reference(path, dtype="float32"):
+    """(sequences: prompt + greedy continuation, their prompt logprobs) of `path` in `dtype`,
+    dequantized at load."""
+    llm = LLM(path, quantization="none", **{**ENGINE, "dtype": dtype})
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs, strict=True)]
@@ -93,6 +95,16 @@ def test_file_in_blocks_follows_it_dequantized(files, name, rows):
     assert all(m.weight.device.type == "meta" for m in layers)  # no dense copy
     changes, mean_delta = _drift(reference(files[name]), llm)
     assert changes <= 4 and mean_delta <= 0.02, (changes, mean_delta)
+
+
+def test_bfloat16_tiles_follow_the_file_dequantized_to_bfloat16(files):
+    """A bfloat16 model's tiles round the weights as the load of a "none" model does, and
+    are multiplied by the same matmul: whole prompts (the tile product) follow that model
+    to within the order of its sums."""
+    llm = LLM(files["Q8_0"], **{**ENGINE, "dtype": "bfloat16"})
+    assert _in_blocks(llm)
+    changes, mean_delta = _drift(reference(files["Q8_0"], "bfloat16"), llm)
+    assert changes <= 1 and mean_delta <= 0.005, (changes, mean_delta)
 
 
 # The format's own rounding of every weight (already Q4_1 values), not the product's: small

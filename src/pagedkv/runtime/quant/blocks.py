@@ -1,17 +1,51 @@
-"""GGML blocks (`formats.py`) decoded into float32 numbers, read in place: one block
-(`decode_block`), or rows of them (`dequantize_rows`, the reference and the tiles of a
-many-row product). NumPy and Numba only; compiled code cached as
-`pagedkv.runtime.kernel_cache` says. The format is a run-time argument (`type_id`, the
-GGML type id) branched on once per block.
+"""GGML blocks (`formats.py`) written out as numbers, read in place: rows of them as
+float32 or as bfloat16 (`dequantize_rows`: the reference, an embedding lookup, and the
+tiles of a many-row product). NumPy, Numba and its extension API; compiled code cached as
+`pagedkv.runtime.kernel_cache` says.
+
+The layouts, by GGML type id (every scale an fp16 `d`; `w` the stored integer):
+
+    Q8_0   d, 32 int8                              d * w
+    Q4_0   d, 16 bytes of nibbles                  d * (w - 8)
+    Q4_1   d, m, 16 bytes of nibbles               d * w + m
+    Q5_0   d, 4 bytes of fifth bits, 16 bytes      d * (w - 16)
+    Q5_1   d, m, 4 bytes of fifth bits, 16 bytes   d * w + m
+    Q4_K   d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    Q5_K   as Q4_K, 32 bytes of fifth bits before the nibbles
+    Q6_K   128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d
+
+Weight j of a 32-weight block sits in byte j's low nibble, j + 16 in its high; its fifth
+bit is bit j of the little-endian word. A Q4_K / Q5_K block is four runs of 64 weights,
+each two sub-blocks of 32 (scale d * s, offset dmin * m) sharing 32 bytes of nibbles (low:
+the first, high: the second), Q5_K's fifth bits being bits 2c, 2c + 1 of the 32 bytes. A
+Q6_K block is two halves of 128 weights, each 64 bytes of low nibbles, 32 of 2-bit high
+pairs and 8 scales (d * s per 16 weights), w - 32. `vectors.py` reads the same lines.
+
+Each line of 32 weights is one vector load of the bytes, its fields taken out as 16-bit
+lanes (as `vectors.py` takes them for the integer products), converted to float32 lanes,
+scaled (and offset) by its sub-block's floats in the order gguf's own Python dequantizer
+multiplies them, so the float32 numbers are the same bits, and stored as one vector:
+float32, or rounded to the nearest bfloat16 (ties to even, as torch rounds). Written as a
+loop over a block's weights, Numba's code stayed scalar.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from pagedkv.ops.cpu.bf16 import bits_as_float32
 from pagedkv.runtime import kernel_cache
+from pagedkv.runtime.quant.vectors import (
+    _K_BLOCKS,
+    _ROW_BLOCKS,
+    _fifth_bits,
+    _half,
+    _i64,
+    _load_vector,
+    _nibbles,
+    _six_bit_fields,
+)
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
@@ -26,145 +60,154 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (
     14,
 )  # GGML type ids (`formats.py`)
 
-
-@njit(inline="always")
-def byte(row, at):  # pragma: no cover
-    return np.int64(row[at])
-
-
-@njit(inline="always")
-def half(row, at):  # pragma: no cover
-    """The IEEE half-precision number in bytes at, at + 1 (little-endian) as float32."""
-    h = byte(row, at) | (byte(row, at + 1) << 8)
-    sign, exponent, mantissa = (h & 0x8000) << 16, (h >> 10) & 0x1F, h & 0x3FF
-    if exponent == 0:  # zero or subnormal: mantissa * 2^-24
-        value = _float(mantissa) * np.float32(5.9604644775390625e-08)
-        return -value if sign else value
-    if exponent == 31:
-        return bits_as_float32(sign | 0x7F800000 | (mantissa << 13))
-    return bits_as_float32(sign | ((exponent + 112) << 23) | (mantissa << 13))
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+_N = 32
+_SHORTS, _INTS, _WIDE = (ir.VectorType(t, _N) for t in (_I16, _I32, _F32))
 
 
-@njit(inline="always")
-def _float(value):  # pragma: no cover
-    """A small integer as float32, through int32: the vector units convert 32-bit lanes."""
-    return np.float32(np.int32(value))
+def _splat(builder, value, n=_N):  # type: ignore[no-untyped-def]
+    vector = ir.VectorType(value.type, n)
+    one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-@njit(inline="always")
-def _signed(value):  # pragma: no cover
-    """A byte (0..255) as the int8 it is the bits of."""
-    return (value ^ 128) - 128
+def _spread(builder, floats, first, second):  # type: ignore[no-untyped-def]
+    """32 lanes of a small float vector: element `first` in the first 16, `second` after."""
+    return builder.shuffle_vector(floats, floats, ir.Constant(_INTS, [first] * 16 + [second] * 16))
 
 
-@njit(inline="always")
-def _q8_0(row, at, out):  # pragma: no cover
-    d = half(row, at)
-    for k in range(32):
-        out[k] = d * _float(_signed(byte(row, at + 2 + k)))
-
-
-@njit(inline="always")
-def _q4(row, at, d, m, out):  # pragma: no cover
-    """Q4_0 / Q4_1's 16 bytes at `at`: weight j in byte j's low nibble, j + 16 in its high."""
-    for j in range(16):
-        b = byte(row, at + j)
-        out[j] = d * _float(b & 15) + m
-        out[j + 16] = d * _float(b >> 4) + m
-
-
-@njit(inline="always")
-def _q5(row, at, d, m, out):  # pragma: no cover
-    """Q5_0 / Q5_1's 4 bytes of fifth bits at `at` (bit j of the little-endian word: weight
-    j's) and 16 bytes of nibbles after them, laid out as `_q4`'s."""
-    high = byte(row, at) | (byte(row, at + 1) << 8) | (byte(row, at + 2) << 16)
-    high |= byte(row, at + 3) << 24
-    for j in range(16):
-        b = byte(row, at + 4 + j)
-        out[j] = d * _float((b & 15) | (((high >> j) & 1) << 4)) + m
-        out[j + 16] = d * _float((b >> 4) | (((high >> (j + 16)) & 1) << 4)) + m
-
-
-@njit(inline="always")
-def scale_min(row, at, j):  # pragma: no cover
-    """The 6-bit scale and min of sub-block j (0..7) of a K-quant's 12 bytes at `at`."""
-    if j < 4:
-        return byte(row, at + j) & 63, byte(row, at + j + 4) & 63
-    low = byte(row, at + j + 4)
-    scale = (low & 15) | ((byte(row, at + j - 4) >> 6) << 4)
-    return scale, (low >> 4) | ((byte(row, at + j) >> 6) << 4)
-
-
-@njit(inline="always")
-def _q45_k(row, at, fifth, out):  # pragma: no cover
-    """Q4_K (`fifth` False) or Q5_K: four runs of 64 weights, each two sub-blocks of 32
-    sharing 32 bytes of nibbles (low: the first, high: the second); Q5_K's fifth bits are
-    bits 2c, 2c + 1 of 32 bytes after the scales."""
-    d, dmin = half(row, at), half(row, at + 2)
-    high = at + 16
-    nibbles = at + 48 if fifth else at + 16
-    for c in range(4):
-        s1, m1 = scale_min(row, at + 4, 2 * c)
-        s2, m2 = scale_min(row, at + 4, 2 * c + 1)
-        d1, o1 = d * _float(s1), dmin * _float(m1)
-        d2, o2 = d * _float(s2), dmin * _float(m2)
-        for k in range(32):
-            b = byte(row, nibbles + 32 * c + k)
-            lo, hi = b & 15, b >> 4
-            if fifth:
-                h = byte(row, high + k)
-                lo += ((h >> (2 * c)) & 1) << 4
-                hi += ((h >> (2 * c + 1)) & 1) << 4
-            out[64 * c + k] = d1 * _float(lo) - o1
-            out[64 * c + 32 + k] = d2 * _float(hi) - o2
-
-
-@njit(inline="always")
-def _q6_k(row, at, out):  # pragma: no cover
-    """Two halves of 128 weights: 64 bytes of low nibbles, 32 of 2-bit high pairs and 8
-    int8 scales (one per 16 weights) each; d last."""
-    d = half(row, at + 208)
-    for part in range(2):
-        low, high, scales, y = at + 64 * part, at + 128 + 32 * part, at + 192 + 8 * part, 128 * part
-        for k in range(32):
-            s = k // 16
-            h = byte(row, high + k)
-            a, b = byte(row, low + k), byte(row, low + k + 32)
-            q = ((a & 15) | ((h & 3) << 4), (b & 15) | (((h >> 2) & 3) << 4),
-                 (a >> 4) | (((h >> 4) & 3) << 4), (b >> 4) | (((h >> 6) & 3) << 4))  # fmt: skip
-            for i in range(4):
-                scale = d * _float(_signed(byte(row, scales + s + 2 * i)))
-                out[y + 32 * i + k] = scale * _float(q[i] - 32)
-
-
-@njit(inline="always")
-def decode_block(type_id, row, at, out):  # pragma: no cover
-    """Write the block at byte `at` of `row` (uint8) as float32 into out[:block_size]."""
-    if type_id == Q8_0:
-        _q8_0(row, at, out)
-    elif type_id == Q4_0:
-        d = half(row, at)
-        _q4(row, at + 2, d, np.float32(-8.0) * d, out)
-    elif type_id == Q4_1:
-        _q4(row, at + 4, half(row, at), half(row, at + 2), out)
-    elif type_id == Q5_0:
-        d = half(row, at)
-        _q5(row, at + 2, d, np.float32(-16.0) * d, out)
-    elif type_id == Q5_1:
-        _q5(row, at + 4, half(row, at), half(row, at + 2), out)
-    elif type_id == Q6_K:
-        _q6_k(row, at, out)
+def _row_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
+    """[(32 float32 lanes, their first weight)] of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block."""
+    _, weights_at, offset, has_min, is_bytes, high_at = _ROW_BLOCKS[type_id]
+    if is_bytes:
+        ints = builder.sext(_load_vector(builder, data, at, weights_at, _I8, _N), _SHORTS)
     else:
-        _q45_k(row, at, type_id == Q5_K, out)
+        ints = _nibbles(builder, _load_vector(builder, data, at, weights_at, _I8, 16))
+        if high_at:
+            ints = builder.or_(ints, _fifth_bits(builder, data, at, high_at))
+        ints = builder.sub(ints, ir.Constant(_SHORTS, [offset] * _N))
+    floats = builder.fmul(builder.sitofp(ints, _WIDE), _splat(builder, _half(builder, data, at)))
+    if has_min:
+        m = _half(builder, data, builder.add(at, _i64(2)))
+        floats = builder.fadd(floats, _splat(builder, m))
+    return [(floats, 0)]
+
+
+def _k_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
+    """[(32 float32 lanes, their first weight)] of a Q4_K / Q5_K / Q6_K block."""
+    lines, nibbles, high_bits, mask, offset = _K_BLOCKS[type_id]
+    if offset:  # Q6_K: d * s per 16 weights
+        ints = builder.sext(_load_vector(builder, data, at, 192, _I8, 16), ir.VectorType(_I16, 16))
+        d = _half(builder, data, builder.add(at, _i64(208)))
+        scales = builder.fmul(builder.sitofp(ints, ir.VectorType(_F32, 16)), _splat(builder, d, 16))
+        mins = None
+    else:  # Q4_K, Q5_K: d * s and dmin * m per 32 weights
+        fields = _six_bit_fields(builder, data, at)
+        d, dmin = (_half(builder, data, builder.add(at, _i64(k))) for k in (0, 2))
+        eight = ir.VectorType(_F32, 8)
+        scales, mins = (builder.fmul(builder.sitofp(f, eight), _splat(builder, s, 8))
+                        for f, s in zip(fields, (d, dmin), strict=True))  # fmt: skip
+
+    def field(byte_at, shift, field_mask):  # type: ignore[no-untyped-def]
+        raw = builder.zext(_load_vector(builder, data, at, byte_at, _I8, _N), _SHORTS)
+        raw = builder.lshr(raw, ir.Constant(_SHORTS, [shift] * _N))
+        return builder.and_(raw, ir.Constant(_SHORTS, [field_mask] * _N))
+
+    out = []
+    for low, low_shift, high, high_shift, first_weight, first, second in lines:
+        ints = field(nibbles + low, low_shift, 15)
+        if mask:
+            bits = field(high_bits + high, high_shift, mask)
+            ints = builder.or_(ints, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
+        ints = builder.sub(ints, ir.Constant(_SHORTS, [offset] * _N))
+        floats = builder.fmul(builder.sitofp(ints, _WIDE), _spread(builder, scales, first, second))
+        if mins is not None:
+            floats = builder.fsub(floats, _spread(builder, mins, first, second))
+        out.append((floats, first_weight))
+    return out
+
+
+def _store(builder, pointer, floats, as_bf16):  # type: ignore[no-untyped-def]
+    """Store 32 float32 lanes at `pointer`: as they are, or as bfloat16 bits rounded to
+    nearest even (finite values: the weights are)."""
+    if not as_bf16:
+        builder.store(floats, builder.bitcast(pointer, _WIDE.as_pointer()), align=4)
+        return
+    bits = builder.bitcast(floats, _INTS)
+    sixteen = ir.Constant(_INTS, [16] * _N)
+    odd = builder.and_(builder.lshr(bits, sixteen), ir.Constant(_INTS, [1] * _N))
+    rounded = builder.add(builder.add(bits, ir.Constant(_INTS, [0x7FFF] * _N)), odd)
+    halves = builder.trunc(builder.lshr(rounded, sixteen), _SHORTS)
+    builder.store(halves, builder.bitcast(pointer, _SHORTS.as_pointer()), align=2)
+
+
+@intrinsic
+def unpack_block(typingctx, q, at, out, out_at, type_id):  # pragma: no cover
+    """Write the weights of the block at byte `at` of q (uint8, C-contiguous) into
+    out[out_at : out_at + block size]: float32, or bfloat16 bits (uint16). type_id: a
+    literal GGML type id."""
+    if not (isinstance(q, types.Array) and q.dtype == types.uint8 and q.layout == "C"):
+        return None
+    if not (isinstance(out, types.Array) and out.layout == "C"
+            and out.dtype in (types.float32, types.uint16)):  # fmt: skip
+        return None
+    if not isinstance(type_id, types.IntegerLiteral):
+        return None
+    kind = type_id.literal_value
+    if kind not in _ROW_BLOCKS and kind not in _K_BLOCKS:
+        return None
+    as_bf16 = out.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        at = context.cast(builder, args[1], sig.args[1], types.int64)
+        target = context.make_array(sig.args[2])(context, builder, args[2]).data
+        out_at = context.cast(builder, args[3], sig.args[3], types.int64)
+        lines = (_row_block_lines if kind in _ROW_BLOCKS else _k_block_lines)(
+            builder, data, at, kind
+        )
+        for floats, first_weight in lines:
+            pointer = builder.gep(target, [builder.add(out_at, _i64(first_weight))])
+            _store(builder, pointer, floats, as_bf16)
+        return context.get_dummy_value()
+
+    return types.none(q, at, out, out_at, type_id), codegen
+
+
+@njit(inline="always")
+def _unpack_blocks(row, block_size, block_bytes, out, type_id):  # pragma: no cover
+    for b in range(out.shape[0] // block_size):
+        unpack_block(row, b * block_bytes, out, b * block_size, type_id)
+
+
+@njit(inline="always")
+def _unpack_row(row, type_id, block_size, block_bytes, out):  # pragma: no cover
+    """Every block of `row` into `out` (the ids as literals: a loop compiled for each)."""
+    if type_id == Q8_0:
+        _unpack_blocks(row, block_size, block_bytes, out, 8)
+    elif type_id == Q4_0:
+        _unpack_blocks(row, block_size, block_bytes, out, 2)
+    elif type_id == Q4_1:
+        _unpack_blocks(row, block_size, block_bytes, out, 3)
+    elif type_id == Q5_0:
+        _unpack_blocks(row, block_size, block_bytes, out, 6)
+    elif type_id == Q5_1:
+        _unpack_blocks(row, block_size, block_bytes, out, 7)
+    elif type_id == Q4_K:
+        _unpack_blocks(row, block_size, block_bytes, out, 12)
+    elif type_id == Q5_K:
+        _unpack_blocks(row, block_size, block_bytes, out, 13)
+    else:
+        _unpack_blocks(row, block_size, block_bytes, out, 14)
 
 
 @njit(cache=True, parallel=True)
 def dequantize_rows(blocks, type_id, block_size, block_bytes, row_ids, out):  # pragma: no cover
-    """out[i] = row `row_ids[i]` of `blocks` as float32.
+    """out[i] = row `row_ids[i]` of `blocks`, split over the threads by rows.
 
-    blocks: uint8 [rows, row_bytes]; row_ids: int64 [n]; out: float32 [n, in_features].
+    blocks: uint8 [rows, row_bytes]; row_ids: int64 [n]; out: [n, in_features], float32,
+    or bfloat16 bits (uint16), C-contiguous.
     """
     for i in prange(row_ids.shape[0]):
-        row = blocks[row_ids[i]]
-        for b in range(out.shape[1] // block_size):
-            decode_block(type_id, row, b * block_bytes, out[i, b * block_size :])
+        _unpack_row(blocks[row_ids[i]], type_id, block_size, block_bytes, out[i])

@@ -3,7 +3,7 @@
 
 Each row of a weight `[out_features, in_features]` is `in_features // block_size` blocks
 back to back, as a GGUF file stores it; a row's bytes are read where they lie. How a block
-turns into numbers is `blocks.py`'s `decode_block`, keyed by `type_id`. Standard library
+turns into numbers is `blocks.py`'s `unpack_block`, keyed by `type_id`. Standard library
 only.
 """
 

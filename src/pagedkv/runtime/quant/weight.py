@@ -3,34 +3,38 @@
     rows <= few_rows   `dots.block_products`: the rows quantized to integers, integer
                        products with each block read in place (a decode step, bound by
                        reading the weight: it is read in its packed size)
-    otherwise          tiles of output rows dequantized to float32 and multiplied by torch's
-                       matmul, one tile at a time (prefill, bound by arithmetic): no dense
-                       copy of the whole weight is ever made
+    otherwise          tiles of output rows written out by `blocks.dequantize_rows` and
+                       multiplied by torch's matmul, one tile at a time (prefill, bound by
+                       arithmetic): no dense copy of the whole weight is ever made
 
-A fused projection (q|k|v, gate|up) holds one part per checkpoint tensor, each in its own
-format (a Q4_K_M file mixes Q4_K and Q6_K within a layer). The many-row product sums in
-float32; the few-row one in integers, scaled in float32. A bfloat16 input gives the float32
-result rounded once.
+A tile is bfloat16 where the input is and the CPU multiplies bfloat16 (oneDNN with
+AVX512-BF16 or AMX): the weights rounded to bfloat16 as a "none" model's are at load, and
+multiplied by the same, faster product; else float32. A fused projection (q|k|v, gate|up) holds
+one part per checkpoint tensor, each in its own format (a Q4_K_M file mixes Q4_K and Q6_K
+within a layer). Either product sums in float32 (the few-row one in integers, scaled in
+float32) and rounds a bfloat16 result once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv.ops import checks
-from pagedkv.ops.cpu.arrays import sync_threads
+from pagedkv.ops.cpu.arrays import as_numpy, sync_threads
 from pagedkv.runtime.quant import blocks, dots
 from pagedkv.runtime.quant.formats import BlockFormat
 from pagedkv.runtime.threads import workers_spin
 
 TILE_BYTES = 1 << 22
-"""Float32 bytes of a dequantized tile: a few MiB, so a tile stays in the L2/L3 cache
-between its dequantization and its matmul."""
+"""Bytes of a dequantized tile: a few MiB, so that a tile stays in the cache between its
+dequantization and its matmul, and each matmul is long enough that its start is small."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,14 @@ class QuantPart:
 
     def dequantize(self, row_ids: np.ndarray, in_features: int) -> Tensor:
         """row_ids: int64 [n] -> float32 [n, in_features]."""
-        out = torch.empty(len(row_ids), in_features, dtype=torch.float32)
+        return self.dequantize_into(row_ids, torch.empty(len(row_ids), in_features))
+
+    def dequantize_into(self, row_ids: np.ndarray, out: Tensor) -> Tensor:
+        """out[i] = row row_ids[i]; row_ids: int64 [n], out: float32 or bfloat16 [n,
+        in_features], C-contiguous. Returns out."""
         f = self.format
         blocks.dequantize_rows(
-            self.blocks, f.type_id, f.block_size, f.block_bytes, row_ids, out.numpy()
+            self.blocks, f.type_id, f.block_size, f.block_bytes, row_ids, as_numpy(out)
         )
         return out
 
@@ -91,7 +99,19 @@ class QuantWeight:
 
     def dequantize(self) -> Tensor:
         """The whole weight as float32 [out_features, in_features] (a reference)."""
-        return torch.cat([p.dequantize(np.arange(p.rows), self.in_features) for p in self.parts])
+        return self.dequantize_span(0, torch.empty(self.out_features, self.in_features))
+
+    def dequantize_span(self, first: int, out: Tensor) -> Tensor:
+        """Rows first, first + 1, ... of the weight, across its parts, into out: float32 or
+        bfloat16 [n, in_features], C-contiguous. Returns out."""
+        start, end = 0, first + out.shape[0]
+        for part in self.parts:
+            low, high = max(first, start), min(end, start + part.rows)
+            if low < high:
+                ids = np.arange(low - start, high - start)
+                part.dequantize_into(ids, out[low - first : high - first])
+            start += part.rows
+        return out
 
     def rows(self, row_ids: Tensor) -> Tensor:
         """row_ids: int64 [n] -> float32 [n, in_features] (an embedding lookup)."""
@@ -108,18 +128,21 @@ class QuantWeight:
         return out
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x: [num_tokens, in_features] -> x @ weight.T (+ bias), in x's dtype, tile by tile."""
-        x32 = _checked(x, self.in_features).float()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        tile = max(1, TILE_BYTES // (4 * self.in_features))
-        start = 0
-        for part in self.parts:
-            for first in range(0, part.rows, tile):
-                ids = np.arange(first, min(part.rows, first + tile))
-                weights = part.dequantize(ids, self.in_features)
-                out[:, start + first : start + first + len(ids)] = x32 @ weights.T
-            start += part.rows
-        return _finish(out, bias, x.dtype)
+        """x: [num_tokens, in_features] -> x @ weight.T (+ bias), in x's dtype, a tile of
+        output rows at a time (in `tile_dtype(x.dtype)`; a tile may span parts)."""
+        dtype = tile_dtype(_checked(x, self.in_features).dtype)
+        xt, bias = x.to(dtype), None if bias is None else bias.to(dtype)
+        sync_threads()  # the tiles are written by as many threads as multiply them
+        size = max(1, TILE_BYTES // (dtype.itemsize * self.in_features))
+        tile = torch.empty(min(size, self.out_features), self.in_features, dtype=dtype)
+        if size >= self.out_features:  # one tile: its product is the result
+            return F.linear(xt, self.dequantize_span(0, tile), bias).to(x.dtype)
+        out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+        for first in range(0, self.out_features, size):
+            rows = slice(first, min(first + size, self.out_features))
+            weights = self.dequantize_span(first, tile[: rows.stop - first])
+            out[:, rows] = F.linear(xt, weights, None if bias is None else bias[rows])
+        return out.to(x.dtype)
 
     def few_rows(self, x: Tensor, bias: Tensor | None, parallel_work: float) -> Tensor:
         """`matmul` for a few rows of x, from the blocks in place (`dots.block_products`),
@@ -152,6 +175,21 @@ def few_rows_product(weight: QuantWeight, bias: Tensor | None, parallel_work: in
     split over every thread where the workers spin, else from `parallel_work`."""
     threshold: float = 0 if workers_spin() else parallel_work or math.inf
     return lambda x: weight.few_rows(x, bias, threshold)
+
+
+def tile_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of `QuantWeight.matmul`'s tiles for an input of `dtype`: bfloat16 where
+    the input is and oneDNN multiplies it on this CPU, else float32."""
+    if dtype == torch.bfloat16 and _onednn_bf16():
+        return dtype
+    return torch.float32
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def _checked(x: Tensor, in_features: int) -> Tensor:
