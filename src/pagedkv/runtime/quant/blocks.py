@@ -37,14 +37,14 @@ from numba.extending import intrinsic
 
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.quant.vectors import (
-    _K_BLOCKS,
-    _ROW_BLOCKS,
-    _fifth_bits,
-    _half,
-    _i64,
-    _load_vector,
-    _nibbles,
-    _six_bit_fields,
+    K_BLOCKS,
+    ROW_BLOCKS,
+    fifth_bits,
+    half_at,
+    i64,
+    load_vector,
+    nibbles,
+    six_bit_fields,
 )
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
@@ -79,38 +79,38 @@ def _spread(builder, floats, first, second):  # type: ignore[no-untyped-def]
 
 def _row_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
     """[(32 float32 lanes, their first weight)] of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block."""
-    _, weights_at, offset, has_min, is_bytes, high_at = _ROW_BLOCKS[type_id]
+    _, weights_at, offset, has_min, is_bytes, high_at = ROW_BLOCKS[type_id]
     if is_bytes:
-        ints = builder.sext(_load_vector(builder, data, at, weights_at, _I8, _N), _SHORTS)
+        ints = builder.sext(load_vector(builder, data, at, weights_at, _I8, _N), _SHORTS)
     else:
-        ints = _nibbles(builder, _load_vector(builder, data, at, weights_at, _I8, 16))
+        ints = nibbles(builder, load_vector(builder, data, at, weights_at, _I8, 16))
         if high_at:
-            ints = builder.or_(ints, _fifth_bits(builder, data, at, high_at))
+            ints = builder.or_(ints, fifth_bits(builder, data, at, high_at))
         ints = builder.sub(ints, ir.Constant(_SHORTS, [offset] * _N))
-    floats = builder.fmul(builder.sitofp(ints, _WIDE), _splat(builder, _half(builder, data, at)))
+    floats = builder.fmul(builder.sitofp(ints, _WIDE), _splat(builder, half_at(builder, data, at)))
     if has_min:
-        m = _half(builder, data, builder.add(at, _i64(2)))
+        m = half_at(builder, data, builder.add(at, i64(2)))
         floats = builder.fadd(floats, _splat(builder, m))
     return [(floats, 0)]
 
 
 def _k_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
     """[(32 float32 lanes, their first weight)] of a Q4_K / Q5_K / Q6_K block."""
-    lines, nibbles, high_bits, mask, offset = _K_BLOCKS[type_id]
+    lines, nibbles, high_bits, mask, offset = K_BLOCKS[type_id]
     if offset:  # Q6_K: d * s per 16 weights
-        ints = builder.sext(_load_vector(builder, data, at, 192, _I8, 16), ir.VectorType(_I16, 16))
-        d = _half(builder, data, builder.add(at, _i64(208)))
+        ints = builder.sext(load_vector(builder, data, at, 192, _I8, 16), ir.VectorType(_I16, 16))
+        d = half_at(builder, data, builder.add(at, i64(208)))
         scales = builder.fmul(builder.sitofp(ints, ir.VectorType(_F32, 16)), _splat(builder, d, 16))
         mins = None
     else:  # Q4_K, Q5_K: d * s and dmin * m per 32 weights
-        fields = _six_bit_fields(builder, data, at)
-        d, dmin = (_half(builder, data, builder.add(at, _i64(k))) for k in (0, 2))
+        fields = six_bit_fields(builder, data, at)
+        d, dmin = (half_at(builder, data, builder.add(at, i64(k))) for k in (0, 2))
         eight = ir.VectorType(_F32, 8)
         scales, mins = (builder.fmul(builder.sitofp(f, eight), _splat(builder, s, 8))
                         for f, s in zip(fields, (d, dmin), strict=True))  # fmt: skip
 
     def field(byte_at, shift, field_mask):  # type: ignore[no-untyped-def]
-        raw = builder.zext(_load_vector(builder, data, at, byte_at, _I8, _N), _SHORTS)
+        raw = builder.zext(load_vector(builder, data, at, byte_at, _I8, _N), _SHORTS)
         raw = builder.lshr(raw, ir.Constant(_SHORTS, [shift] * _N))
         return builder.and_(raw, ir.Constant(_SHORTS, [field_mask] * _N))
 
@@ -155,7 +155,7 @@ def unpack_block(typingctx, q, at, out, out_at, type_id):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
     kind = type_id.literal_value
-    if kind not in _ROW_BLOCKS and kind not in _K_BLOCKS:
+    if kind not in ROW_BLOCKS and kind not in K_BLOCKS:
         return None
     as_bf16 = out.dtype == types.uint16
 
@@ -164,11 +164,11 @@ def unpack_block(typingctx, q, at, out, out_at, type_id):  # pragma: no cover
         at = context.cast(builder, args[1], sig.args[1], types.int64)
         target = context.make_array(sig.args[2])(context, builder, args[2]).data
         out_at = context.cast(builder, args[3], sig.args[3], types.int64)
-        lines = (_row_block_lines if kind in _ROW_BLOCKS else _k_block_lines)(
+        lines = (_row_block_lines if kind in ROW_BLOCKS else _k_block_lines)(
             builder, data, at, kind
         )
         for floats, first_weight in lines:
-            pointer = builder.gep(target, [builder.add(out_at, _i64(first_weight))])
+            pointer = builder.gep(target, [builder.add(out_at, i64(first_weight))])
             _store(builder, pointer, floats, as_bf16)
         return context.get_dummy_value()
 

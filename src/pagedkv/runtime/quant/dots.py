@@ -18,14 +18,13 @@ as `pagedkv.runtime.kernel_cache` says.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-from pagedkv.ops.cpu.bf16 import as_float32
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
 from pagedkv.runtime import kernel_cache
-from pagedkv.runtime.quant.blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from pagedkv.runtime.quant.formats import FORMATS_BY_TYPE
-from pagedkv.runtime.quant.vectors import dot_row, half, idot_k_block, k_mins_dot
+from pagedkv.runtime.quant.vectors import dot_rows
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
@@ -37,40 +36,11 @@ scale: at most 4096 in magnitude, Q6_K's) and activation are summed in an int32:
 the most that cannot overflow it."""
 
 
-@njit(inline="always")
-def _q45_k(row, at, xq, base, xd, sums, type_id):  # pragma: no cover
-    """Q4_K or Q5_K (`blocks._q45_k` has the layout)."""
-    products = idot_k_block(row, at, xq, base, type_id)
-    offsets = k_mins_dot(row, at, sums, base // 32)
-    return half(row, at) * xd * np.float32(products) - half(row, at + 2) * offsets
-
-
-@njit(inline="always")
-def _q6_k(row, at, xq, base, xd, sums):  # pragma: no cover
-    """Q6_K (`blocks._q6_k` has the layout): a signed scale per 16 weights; the weights'
-    offset of 32 taken off before the product."""
-    products = idot_k_block(row, at, xq, base, Q6_K)
-    return half(row, at + 208) * xd * np.float32(products)
-
-
-@njit(inline="always")
-def _q4_k(row, at, xq, base, xd, sums):  # pragma: no cover
-    return _q45_k(row, at, xq, base, xd, sums, Q4_K)
-
-
-@njit(inline="always")
-def _q5_k(row, at, xq, base, xd, sums):  # pragma: no cover
-    return _q45_k(row, at, xq, base, xd, sums, Q5_K)
-
-
 def _rows(
     type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end
 ):  # pragma: no cover
     """`block_products` for one format, `type_id` a literal: compiled once per format."""
     raise NotImplementedError("compiled only")
-
-
-_DOTS = {Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
 
 
 @overload(_rows, prefer_literal=True)
@@ -79,32 +49,29 @@ def _rows_impl(
 ):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
-    if type_id.literal_value in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):  # the whole row in one vector loop
-        return lambda type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, \
-            end: _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end)  # fmt: skip
-    block_dot = _DOTS[type_id.literal_value]
-    fmt = FORMATS_BY_TYPE[type_id.literal_value]
-    step, stride = fmt.block_size, fmt.block_bytes  # constants of the compiled variant
 
     def rows_of(type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end):
-        rows, size = xq.shape
+        rows = xq.shape[0]
+        if rows == 1:  # a loop of its own: with the others' constants it kept fewer registers
+            for n in range(first, end):
+                out[0, col + n] = dot_rows(blocks[n], xq, xd, sums, 0, type_id, 1)[0]
+            return
         for n in range(first, end):
             row = blocks[n]
-            for m in range(rows):
-                xm, dm, sm = xq[m], xd[m], sums[m]
-                total = np.float32(0.0)
-                for b in range(size // step):
-                    total += block_dot(row, b * stride, xm, b * step, dm[b], sm)
-                out[m, col + n] = total
+            m = 0
+            while m + 4 <= rows:  # each weight block unpacked once for four input rows
+                a, b, c, d = dot_rows(row, xq, xd, sums, m, type_id, 4)
+                out[m, col + n], out[m + 1, col + n] = a, b
+                out[m + 2, col + n], out[m + 3, col + n] = c, d
+                m += 4
+            if m + 2 <= rows:
+                a, b = dot_rows(row, xq, xd, sums, m, type_id, 2)
+                out[m, col + n], out[m + 1, col + n] = a, b
+                m += 2
+            if m < rows:
+                out[m, col + n] = dot_rows(row, xq, xd, sums, m, type_id, 1)[0]
 
     return rows_of
-
-
-@njit(inline="always")
-def _row_dots(type_id, xq, xd, sums, blocks, out, col, first, end):  # pragma: no cover
-    for n in range(first, end):
-        for m in range(xq.shape[0]):
-            out[m, col + n] = dot_row(blocks[n], xq[m], xd[m], sums[m], type_id)
 
 
 @njit(cache=True, fastmath=True)
@@ -168,19 +135,40 @@ def quantize_into(x, group, levels, xq, xd):  # pragma: no cover
 
     x: [rows, in_features], float32 or bfloat16 bits (uint16); xq: int16 [rows,
     in_features]; xd: float32 [rows, in_features // group]. Without fast-math: wherever it
-    is compiled in, the same bits.
+    is compiled in, the same bits. The largest magnitude is found as the largest of the
+    values' bits without their sign (the same order as the magnitudes'), which LLVM takes in
+    vector lanes where it keeps a float maximum scalar.
     """
     rows, size = x.shape
     for m in range(rows):
+        values, out = x[m], xq[m]
         for g in range(size // group):
-            largest = np.float32(0.0)
-            for k in range(g * group, (g + 1) * group):
-                largest = max(largest, abs(as_float32(x[m, k])))
-            scale = largest / np.float32(levels)
+            base = g * group
+            largest = np.uint32(0)
+            for k in range(group):
+                largest = max(largest, _magnitude_bits(values[base + k]))
+            scale = bits_as_float32(largest) / np.float32(levels)
             inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
             xd[m, g] = scale
-            for k in range(g * group, (g + 1) * group):
-                xq[m, k] = np.int16(np.rint(as_float32(x[m, k]) * inverse))
+            for k in range(group):
+                out[base + k] = np.int16(np.rint(as_float32(values[base + k]) * inverse))
+
+
+@intrinsic
+def _magnitude_bits(typingctx, value):  # pragma: no cover
+    """The float32 bits (uint32) of |value|: a float32, or bfloat16 bits (uint16)."""
+    if value not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        if sig.args[0] == types.float32:
+            bits = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
+            return bits
+        bits = builder.and_(builder.zext(args[0], i32), ir.Constant(i32, 0x7FFF))
+        return builder.shl(bits, ir.Constant(i32, 16))
+
+    return types.uint32(value), codegen
 
 
 def x_sums(x: np.ndarray) -> np.ndarray:
