@@ -22,7 +22,7 @@ pytest.importorskip("gguf")
 # Both paths quantize the same activations, but the norms' statistic is summed in another
 # order than torch's: an activation may land one integer step apart now and then, and in
 # bfloat16 a value one rounding step. Relative to the tensor's largest magnitude.
-TOL = {torch.float32: 5e-4, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 
 
 def _pair(path, dtype, k_quants):

@@ -42,6 +42,7 @@ from pagedkv.runtime.quant.vectors import (
     fifth_bits,
     half_at,
     i64,
+    k_line_weights,
     load_vector,
     nibbles,
     six_bit_fields,
@@ -96,10 +97,10 @@ def _row_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def
 
 def _k_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
     """[(32 float32 lanes, their first weight)] of a Q4_K / Q5_K / Q6_K block."""
-    lines, nibbles, high_bits, mask, offset = K_BLOCKS[type_id]
+    lines, _, nibbles, high_bits, mask, offset, d_at = K_BLOCKS[type_id]
     if offset:  # Q6_K: d * s per 16 weights
         ints = builder.sext(load_vector(builder, data, at, 192, _I8, 16), ir.VectorType(_I16, 16))
-        d = half_at(builder, data, builder.add(at, i64(208)))
+        d = half_at(builder, data, builder.add(at, i64(d_at)))
         scales = builder.fmul(builder.sitofp(ints, ir.VectorType(_F32, 16)), _splat(builder, d, 16))
         mins = None
     else:  # Q4_K, Q5_K: d * s and dmin * m per 32 weights
@@ -109,18 +110,10 @@ def _k_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
         scales, mins = (builder.fmul(builder.sitofp(f, eight), _splat(builder, s, 8))
                         for f, s in zip(fields, (d, dmin), strict=True))  # fmt: skip
 
-    def field(byte_at, shift, field_mask):  # type: ignore[no-untyped-def]
-        raw = builder.zext(load_vector(builder, data, at, byte_at, _I8, _N), _SHORTS)
-        raw = builder.lshr(raw, ir.Constant(_SHORTS, [shift] * _N))
-        return builder.and_(raw, ir.Constant(_SHORTS, [field_mask] * _N))
-
     out = []
-    for low, low_shift, high, high_shift, first_weight, first, second in lines:
-        ints = field(nibbles + low, low_shift, 15)
-        if mask:
-            bits = field(high_bits + high, high_shift, mask)
-            ints = builder.or_(ints, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
-        ints = builder.sub(ints, ir.Constant(_SHORTS, [offset] * _N))
+    for line in lines:
+        first_weight, first, second = line[4:]
+        ints = k_line_weights(builder, data, at, line, (nibbles, high_bits, mask, offset))
         floats = builder.fmul(builder.sitofp(ints, _WIDE), _spread(builder, scales, first, second))
         if mins is not None:
             floats = builder.fsub(floats, _spread(builder, mins, first, second))

@@ -180,7 +180,16 @@ def _k_scales(builder, data, base, offset, d_at):  # type: ignore[no-untyped-def
 def _k_line(builder, data, base, line, layout, scales):  # type: ignore[no-untyped-def]
     """A K-quant block's line of 32 weights (an entry of `_Q45_LINES` / `_Q6_LINES`), less
     their offset and times their scales, as 32 int16 lanes."""
-    low, low_shift, high, high_shift, _, first, second = line
+    _, _, _, _, _, first, second = line
+    spread = ir.Constant(_INTS, [first] * 16 + [second] * 16)
+    weights = k_line_weights(builder, data, base, line, layout)
+    return builder.mul(weights, builder.shuffle_vector(scales, scales, spread))
+
+
+def k_line_weights(builder, data, base, line, layout):  # type: ignore[no-untyped-def]
+    """A K-quant block's line of 32 weights less their offset, as 32 int16 lanes. layout:
+    (the nibbles' and the high bits' offsets in a block, the high bits' mask, the offset)."""
+    low, low_shift, high, high_shift = line[:4]
     nibbles, high_bits, mask, offset = layout
 
     def field(at, shift, field_mask):  # type: ignore[no-untyped-def]
@@ -192,9 +201,7 @@ def _k_line(builder, data, base, line, layout, scales):  # type: ignore[no-untyp
     if mask:
         bits = field(high_bits + high, high_shift, mask)
         weights = builder.or_(weights, builder.shl(bits, ir.Constant(_SHORTS, [4] * _N)))
-    weights = builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
-    spread = ir.Constant(_INTS, [first] * 16 + [second] * 16)
-    return builder.mul(weights, builder.shuffle_vector(scales, scales, spread))
+    return builder.sub(weights, ir.Constant(_SHORTS, [offset] * _N))
 
 
 def _add_scaled(builder, total, ints, scale):  # type: ignore[no-untyped-def]
