@@ -31,12 +31,15 @@ def test_quantize_is_symmetric_per_row_and_zero_safe() -> None:
     assert ((back - rows).abs() <= 0.5 * step * 1.01 + 1e-6).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_write_kv_quantizes_each_row_as_the_reference_does(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     pools = [torch.zeros(6, 4, 2, 16, dtype=torch.int8) for _ in range(2)]
     scales = [torch.zeros(6, 4, 2, dtype=torch.float16) for _ in range(2)]
-    key, value = (torch.randn(9, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    # rows from 1e-6 to 1e4 in size (ties and float16's subnormal scales), one all zero
+    sizes = torch.logspace(-6, 4, 9, dtype=torch.float64)[:, None, None]
+    key, value = ((torch.randn(9, 2, 16, generator=gen) * sizes).to(dtype) for _ in range(2))
+    key[4, 1] = 0.0
     slots = torch.tensor([0, 5, -1, 23, 7, 8, 9, -1, 12])
     write_kv(key, value, *pools, slots, key_scales=scales[0], value_scales=scales[1])
     keep = slots >= 0
@@ -47,6 +50,27 @@ def test_write_kv_quantizes_each_row_as_the_reference_does(dtype: torch.dtype) -
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert pools[0].view(-1, 2, 16)[untouched].abs().sum() == 0
+
+
+def test_int8_write_kv_takes_strided_rows_and_int32_slots_and_rejects_a_slot_past_the_end():
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.zeros(4, 4, 2, 8, dtype=torch.int8) for _ in range(2)]
+    scales = {name: torch.zeros(4, 4, 2, dtype=torch.float16) for name in ("key", "value")}
+    key = torch.randn(6, 2, 8, generator=gen).bfloat16()[::2]  # every other token
+    value = torch.randn(3, 2, 8, generator=gen).bfloat16()
+    slots = torch.tensor([5, -1, 15], dtype=torch.int32)
+    write_kv(key, value, *pools, slots, key_scales=scales["key"], value_scales=scales["value"])
+    data, row_scales = quantize(key)
+    assert torch.equal(pools[0][1, 1], data[0]) and torch.equal(pools[0][3, 3], data[2])
+    assert torch.equal(scales["key"][3, 3], row_scales[2])
+    assert torch.equal(pools[1][3, 3], quantize(value)[0][2])
+    before = [t.clone() for t in (*pools, *scales.values())]
+    past = r"^slot_mapping: expected slots < .* = 16, got .*\[2\] = 16"
+    with pytest.raises(ValueError, match=past):
+        write_kv(value, key, *pools, torch.tensor([0, 1, 16]), key_scales=scales["key"],
+                 value_scales=scales["value"])  # fmt: skip
+    after = (*pools, *scales.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a row written"
 
 
 def test_int8_attention_stays_close_to_the_float_cache() -> None:
