@@ -84,7 +84,8 @@ def test_int8_attention_stays_close_to_the_float_cache() -> None:
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24)]
+    "heads,kv_heads,head_dim",
+    [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24), (16, 2, 128)],
 )
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_int8_decode_kernel_head_layouts(heads, kv_heads, head_dim, query_dtype) -> None:
@@ -131,28 +132,29 @@ def test_int8_caches_require_their_scales() -> None:
                  torch.zeros(1, dtype=torch.int64), **q8.scales)  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim", [8, 24, 64, 72])
-def test_accumulate_tile_adds_each_heads_weighted_v_rows_and_nothing_else(head_dim) -> None:
-    """The int8 accumulate step's vector code: whole vectors and a masked last one, every
-    head of the group from the same four V rows, no element outside the heads' rows."""
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 72, 136])
+def test_accumulate_rows_adds_each_heads_scaled_v_rows_and_nothing_else(head_dim) -> None:
+    """The int8 accumulate step's vector code: rows in passes of 64 elements with a masked
+    last vector, heads in blocks of four and the rest, every head from the same V rows
+    times their scales, no element outside the heads' rows."""
     import numpy as np
     from numba import njit
 
-    from pagedkv.ops.cpu.tiles import accumulate_tile
+    from pagedkv.ops.cpu.tiles import accumulate_rows
 
     @njit
-    def tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at):  # pragma: no cover
-        accumulate_tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at)
+    def rows(v, scales, slots, n, known, g, w, acc, h0, num_heads):  # pragma: no cover
+        accumulate_rows(v, v, scales, slots, n, known, g, w, acc, h0, num_heads)
 
     rng = np.random.default_rng(head_dim)
     v = rng.integers(-127, 128, (10, 2, head_dim)).astype(np.int8)
-    w = rng.standard_normal((3, 8)).astype(np.float32)
-    acc = rng.standard_normal((5, head_dim)).astype(np.float32)
-    slots, g = [7, 2, 9, 4], 1
-    v_at = tuple(s * 2 * head_dim + g * head_dim for s in slots)
+    scales = rng.uniform(0.01, 2, (10, 2)).astype(np.float16)
+    w = rng.standard_normal((7, 8)).astype(np.float32)
+    acc = rng.standard_normal((7, head_dim)).astype(np.float32)
+    slots, g = np.array([7, 2, 9, 4, 0, 5, 3, 1], dtype=np.int64), 1
     expected = acc.astype(np.float64)
-    rows = v[slots, g].astype(np.float64)  # [4, D]
-    expected[1:4] += w[:, 2:6].astype(np.float64) @ rows
-    tile(v, v_at, head_dim, w, 2, 8, 3, acc, head_dim)  # heads' rows 1..3, tokens 2..5 of w
-    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(acc[[0, 4]], expected[[0, 4]].astype(np.float32))
+    weighted = w[1:6, :6].astype(np.float64) * scales[slots[:6], g].astype(np.float64)
+    expected[1:6] += weighted @ v[slots[:6], g].astype(np.float64)
+    rows(v, scales.view(np.uint16), slots, 6, 8, g, w, acc, 1, 5)  # heads 1..5, tokens 0..5
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-3)
+    np.testing.assert_array_equal(acc[[0, 6]], expected[[0, 6]].astype(np.float32))
