@@ -1,12 +1,13 @@
 """Vector code for an int8 cache's accumulate step, written as LLVM IR (Numba's `intrinsic`).
 
-`accumulate_tile` converts four V rows to float32 once for every head of a KV head's group
-and adds them, weighted, into each head's output row. A Numba loop with one output row (what
-LLVM vectorizes well) converts them once per head: two instructions per 16 elements and
-head beside one multiply-add, most of the loop's work.
+`accumulate_rows` adds a span's weighted V rows into the output rows of a KV head's group
+with the sums in registers for the whole span: per token, each V vector is converted to
+float32 once for every head, and each head's weight (times the token's V scale) broadcast
+once. A Numba loop keeps one output row per pass (what LLVM vectorizes well): it converts
+each V vector once per head and loads and stores the sums at every token.
 
-Rows are read in vectors of `LANES` elements; the last one of a row whose length is not a
-multiple is read masked, so no vector reaches past the row.
+Rows are read in vectors of `LANES` elements, masked: lanes past the row are neither read
+nor written, and a pass's vectors past it (a row of 72 in passes of 64) read nothing.
 Numba's extension API only, as `bf16.py`.
 """
 
@@ -17,11 +18,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagedkv.ops.cpu.bf16 import declare, pointer
+from pagedkv.ops.cpu.bf16 import declare
 
 LANES = 16
-TOKENS = 4
-"""V rows per tile (the span loops take four tokens at once)."""
 _F32, _I1, _I8, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(32),
                               ir.IntType(64))  # fmt: skip
 _FAST = ("fast",)
@@ -52,34 +51,6 @@ def _masked_load(builder: ir.IRBuilder, ptr: ir.Value, elem: ir.Type, mask: ir.V
     return builder.call(fn, [ptr, ir.Constant(_I32, 1), mask, ir.Constant(vec, None)])
 
 
-def _load(builder: ir.IRBuilder, ptr: ir.Value, elem: ir.Type, mask: ir.Value | None) -> ir.Value:
-    """<LANES x elem> from `ptr`: all lanes where `mask` is None, else `_masked_load`."""
-    if mask is not None:
-        return _masked_load(builder, ptr, elem, mask)
-    return builder.load(builder.bitcast(ptr, _vec(elem).as_pointer()), align=1)
-
-
-def _store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value | None) -> None:
-    """`value` to `ptr`: all lanes where `mask` is None, else `_masked_store`."""
-    if mask is not None:
-        _masked_store(builder, value, ptr, mask)
-    else:
-        builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=4)
-
-
-def _chunks(builder: ir.IRBuilder, length: ir.Value, body) -> None:  # type: ignore[no-untyped-def]
-    """body(first, mask) for each vector of a row of `length` (int64) elements: whole
-    vectors with mask None (plain loads and stores), then the rest, if any, with its lane
-    mask."""
-    lanes = ir.Constant(_I64, LANES)
-    whole = builder.sdiv(length, lanes)
-    with cgutils.for_range(builder, whole) as loop:
-        body(builder.mul(loop.index, lanes), None)
-    first = builder.mul(whole, lanes)
-    with builder.if_then(builder.icmp_signed("<", first, length), likely=False):
-        body(first, _lane_mask(builder, first, length))
-
-
 def _masked_store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
     vec = value.type
     name = f"llvm.masked.store.v{LANES}{_suffix(vec.element)}.p0"
@@ -90,12 +61,6 @@ def _masked_store(builder: ir.IRBuilder, value: ir.Value, ptr: ir.Value, mask: i
 
 def _suffix(elem: ir.Type) -> str:
     return "f32" if elem == _F32 else f"i{elem.width}"
-
-
-def _row(context, builder, arr_type, arr, at, at_type, first, elem):  # type: ignore[no-untyped-def]
-    """Pointer to arr.flat[at + first] as `elem`*."""
-    offset = builder.add(context.cast(builder, at, at_type, types.int64), first)
-    return pointer(context, builder, arr_type, arr, offset, types.int64, elem)
 
 
 def _is_row_array(t: types.Type, dtypes: tuple[types.Type, ...]) -> bool:
