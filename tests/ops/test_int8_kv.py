@@ -158,3 +158,24 @@ def test_accumulate_rows_adds_each_heads_scaled_v_rows_and_nothing_else(head_dim
     rows(v, scales.view(np.uint16), slots, 6, 8, g, w, acc, 1, 5)  # heads 1..5, tokens 0..5
     np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-3)
     np.testing.assert_array_equal(acc[[0, 6]], expected[[0, 6]].astype(np.float32))
+
+
+def test_accumulate_rows_drops_weights_that_a_scale_makes_subnormal() -> None:
+    """A weight times its V scale below float32's smallest normal adds nothing (subnormal
+    operands take the CPU's slow path); one just above it is kept."""
+    import numpy as np
+    from numba import njit
+
+    from pagedkv.ops.cpu.tiles import accumulate_rows
+
+    @njit
+    def rows(v, scales, slots, n, w, acc):  # pragma: no cover
+        accumulate_rows(v, v, scales, slots, n, n, 0, w, acc, 0, 2)
+
+    v = np.full((4, 1, 16), 100, dtype=np.int8)
+    scales = np.full((4, 1), 0.5, dtype=np.float16)
+    w = np.array([[1.5e-38] * 4, [3e-38] * 4], dtype=np.float32)  # x 0.5: below, above 2^-126
+    acc = np.zeros((2, 16), dtype=np.float32)
+    rows(v, scales.view(np.uint16), np.arange(4, dtype=np.int64), 4, w, acc)
+    assert not acc[0].any()
+    np.testing.assert_allclose(acc[1], 4 * 1.5e-38 * 100, rtol=1e-5)

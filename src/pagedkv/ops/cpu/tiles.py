@@ -24,6 +24,8 @@ LANES = 16
 _F32, _I1, _I8, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(32),
                               ir.IntType(64))  # fmt: skip
 _FAST = ("fast",)
+_SMALLEST_NORMAL = 1.1754943508222875e-38
+"""float32's smallest normal number, 2^-126."""
 
 
 def _vec(t: ir.Type, n: int = LANES) -> ir.VectorType:
@@ -169,7 +171,7 @@ class _Tile:
                 at = builder.add(builder.mul(builder.add(self.head, ir.Constant(_I64, i)),
                                              r.w_stride), t.index)  # fmt: skip
                 weight = builder.fmul(builder.load(builder.gep(r.w, [at])), scale, flags=_FAST)
-                weight = _splat(builder, weight, _F32)
+                weight = _splat(builder, _flushed(builder, weight), _F32)
                 for c in range(CHUNKS):
                     total = self.sums[i * CHUNKS + c]
                     product = builder.fmul(weight, values[c], flags=_FAST)
@@ -194,6 +196,17 @@ class _Tile:
                 at = builder.add(base, builder.mul(line.index, ir.Constant(_I64, 64)))
                 builder.call(fn, [builder.gep(r.k, [at])] + [ir.Constant(_I32, x)
                                                              for x in (0, 2, 1)])  # fmt: skip
+
+
+def _flushed(builder: ir.IRBuilder, weight: ir.Value) -> ir.Value:
+    """A weight smaller in magnitude than float32's smallest normal as 0. A softmax weight
+    far below the largest times a V scale under 1 lands there, and every product and sum
+    with such a subnormal operand takes the CPU's slow path (a model's attention, unlike
+    random data, has many such tokens)."""
+    fabs = declare(builder.module, "llvm.fabs.f32", _F32, [_F32])
+    size = builder.call(fabs, [weight])
+    tiny = builder.fcmp_ordered("<", size, ir.Constant(_F32, _SMALLEST_NORMAL))
+    return builder.select(tiny, ir.Constant(_F32, 0.0), weight)
 
 
 def _per_count(builder: ir.IRBuilder, left: ir.Value, body) -> None:  # type: ignore[no-untyped-def]
