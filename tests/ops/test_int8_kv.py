@@ -31,12 +31,15 @@ def test_quantize_is_symmetric_per_row_and_zero_safe() -> None:
     assert ((back - rows).abs() <= 0.5 * step * 1.01 + 1e-6).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_write_kv_quantizes_each_row_as_the_reference_does(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     pools = [torch.zeros(6, 4, 2, 16, dtype=torch.int8) for _ in range(2)]
     scales = [torch.zeros(6, 4, 2, dtype=torch.float16) for _ in range(2)]
-    key, value = (torch.randn(9, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    # rows from 1e-6 to 1e4 in size (ties and float16's subnormal scales), one all zero
+    sizes = torch.logspace(-6, 4, 9, dtype=torch.float64)[:, None, None]
+    key, value = ((torch.randn(9, 2, 16, generator=gen) * sizes).to(dtype) for _ in range(2))
+    key[4, 1] = 0.0
     slots = torch.tensor([0, 5, -1, 23, 7, 8, 9, -1, 12])
     write_kv(key, value, *pools, slots, key_scales=scales[0], value_scales=scales[1])
     keep = slots >= 0
@@ -47,6 +50,27 @@ def test_write_kv_quantizes_each_row_as_the_reference_does(dtype: torch.dtype) -
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert pools[0].view(-1, 2, 16)[untouched].abs().sum() == 0
+
+
+def test_int8_write_kv_takes_strided_rows_and_int32_slots_and_rejects_a_slot_past_the_end():
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.zeros(4, 4, 2, 8, dtype=torch.int8) for _ in range(2)]
+    scales = {name: torch.zeros(4, 4, 2, dtype=torch.float16) for name in ("key", "value")}
+    key = torch.randn(6, 2, 8, generator=gen).bfloat16()[::2]  # every other token
+    value = torch.randn(3, 2, 8, generator=gen).bfloat16()
+    slots = torch.tensor([5, -1, 15], dtype=torch.int32)
+    write_kv(key, value, *pools, slots, key_scales=scales["key"], value_scales=scales["value"])
+    data, row_scales = quantize(key)
+    assert torch.equal(pools[0][1, 1], data[0]) and torch.equal(pools[0][3, 3], data[2])
+    assert torch.equal(scales["key"][3, 3], row_scales[2])
+    assert torch.equal(pools[1][3, 3], quantize(value)[0][2])
+    before = [t.clone() for t in (*pools, *scales.values())]
+    past = r"^slot_mapping: expected slots < .* = 16, got .*\[2\] = 16"
+    with pytest.raises(ValueError, match=past):
+        write_kv(value, key, *pools, torch.tensor([0, 1, 16]), key_scales=scales["key"],
+                 value_scales=scales["value"])  # fmt: skip
+    after = (*pools, *scales.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a row written"
 
 
 def test_int8_attention_stays_close_to_the_float_cache() -> None:
@@ -60,7 +84,8 @@ def test_int8_attention_stays_close_to_the_float_cache() -> None:
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24)]
+    "heads,kv_heads,head_dim",
+    [(4, 2, 72), (9, 3, 64), (10, 2, 40), (14, 2, 16), (3, 3, 24), (16, 2, 128)],
 )
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_int8_decode_kernel_head_layouts(heads, kv_heads, head_dim, query_dtype) -> None:
@@ -107,28 +132,50 @@ def test_int8_caches_require_their_scales() -> None:
                  torch.zeros(1, dtype=torch.int64), **q8.scales)  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim", [8, 24, 64, 72])
-def test_accumulate_tile_adds_each_heads_weighted_v_rows_and_nothing_else(head_dim) -> None:
-    """The int8 accumulate step's vector code: whole vectors and a masked last one, every
-    head of the group from the same four V rows, no element outside the heads' rows."""
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 72, 136])
+def test_accumulate_rows_adds_each_heads_scaled_v_rows_and_nothing_else(head_dim) -> None:
+    """The int8 accumulate step's vector code: rows in passes of 64 elements with a masked
+    last vector, heads in blocks of four and the rest, every head from the same V rows
+    times their scales, no element outside the heads' rows."""
     import numpy as np
     from numba import njit
 
-    from pagedkv.ops.cpu.tiles import accumulate_tile
+    from pagedkv.ops.cpu.tiles import accumulate_rows
 
     @njit
-    def tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at):  # pragma: no cover
-        accumulate_tile(v, v_at, head_dim, w, w_at, w_stride, num_heads, acc, acc_at)
+    def rows(v, scales, slots, n, known, g, w, acc, h0, num_heads):  # pragma: no cover
+        accumulate_rows(v, v, scales, slots, n, known, g, w, acc, h0, num_heads)
 
     rng = np.random.default_rng(head_dim)
     v = rng.integers(-127, 128, (10, 2, head_dim)).astype(np.int8)
-    w = rng.standard_normal((3, 8)).astype(np.float32)
-    acc = rng.standard_normal((5, head_dim)).astype(np.float32)
-    slots, g = [7, 2, 9, 4], 1
-    v_at = tuple(s * 2 * head_dim + g * head_dim for s in slots)
+    scales = rng.uniform(0.01, 2, (10, 2)).astype(np.float16)
+    w = rng.standard_normal((7, 8)).astype(np.float32)
+    acc = rng.standard_normal((7, head_dim)).astype(np.float32)
+    slots, g = np.array([7, 2, 9, 4, 0, 5, 3, 1], dtype=np.int64), 1
     expected = acc.astype(np.float64)
-    rows = v[slots, g].astype(np.float64)  # [4, D]
-    expected[1:4] += w[:, 2:6].astype(np.float64) @ rows
-    tile(v, v_at, head_dim, w, 2, 8, 3, acc, head_dim)  # heads' rows 1..3, tokens 2..5 of w
-    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(acc[[0, 4]], expected[[0, 4]].astype(np.float32))
+    weighted = w[1:6, :6].astype(np.float64) * scales[slots[:6], g].astype(np.float64)
+    expected[1:6] += weighted @ v[slots[:6], g].astype(np.float64)
+    rows(v, scales.view(np.uint16), slots, 6, 8, g, w, acc, 1, 5)  # heads 1..5, tokens 0..5
+    np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-3)
+    np.testing.assert_array_equal(acc[[0, 6]], expected[[0, 6]].astype(np.float32))
+
+
+def test_accumulate_rows_drops_weights_that_a_scale_makes_subnormal() -> None:
+    """A weight times its V scale below float32's smallest normal adds nothing (subnormal
+    operands take the CPU's slow path); one just above it is kept."""
+    import numpy as np
+    from numba import njit
+
+    from pagedkv.ops.cpu.tiles import accumulate_rows
+
+    @njit
+    def rows(v, scales, slots, n, w, acc):  # pragma: no cover
+        accumulate_rows(v, v, scales, slots, n, n, 0, w, acc, 0, 2)
+
+    v = np.full((4, 1, 16), 100, dtype=np.int8)
+    scales = np.full((4, 1), 0.5, dtype=np.float16)
+    w = np.array([[1.5e-38] * 4, [3e-38] * 4], dtype=np.float32)  # x 0.5: below, above 2^-126
+    acc = np.zeros((2, 16), dtype=np.float32)
+    rows(v, scales.view(np.uint16), np.arange(4, dtype=np.int64), 4, w, acc)
+    assert not acc[0].any()
+    np.testing.assert_allclose(acc[1], 4 * 1.5e-38 * 100, rtol=1e-5)

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.ops import checks
-from pagedkv.ops.cpu import kernels
+from pagedkv.ops.cpu import int8, kernels
 from pagedkv.ops.cpu.arrays import as_numpy, checked_slots, sync_threads
 from pagedkv.ops.metadata import AttentionMetadata
-from pagedkv.ops.quantize import KVScales, dequantize, quantize
+from pagedkv.ops.quantize import KVScales, dequantize
 from pagedkv.ops.reference import attention_mask
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.threads import workers_spin
@@ -236,33 +236,46 @@ def write_kv(
     slot_mapping: torch.Tensor,
     scales: KVScales | None = None,
 ) -> None:
-    """See `AttentionBackend.write_kv`: one `index_copy_` per pool (and per scale pool),
-    whose rows are the slots of ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+    """See `AttentionBackend.write_kv`: one `index_copy_` per pool, whose rows are the slots
+    of ``[num_blocks * block_size, num_kv_heads, head_dim]``; into an int8 cache one
+    compiled pass that quantizes each row where it is stored (`int8.store_rows`).
     Checked before anything is written, so a bad batch leaves the cache as it was."""
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    slots, low = checked_slots(slot_mapping, num_slots)
-    if low < 0:  # padding rows are skipped
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
     pools = [key_cache, value_cache, *(scales or ())]
+    if scales is not None and all(pool.is_contiguous() for pool in pools):
+        past = int8.store_rows(
+            _row_values(key), _row_values(value), *(as_numpy(pool) for pool in pools),
+            as_numpy(slot_mapping.long()),
+        )  # fmt: skip
+        if past >= 0:
+            raise checks.slot_past_end(slot_mapping, past, num_slots)
+        return
+    slots, low = checked_slots(slot_mapping, num_slots)
     if not all(pool.is_contiguous() for pool in pools):
         from pagedkv.ops import reference
 
         reference.write_kv(key, value, key_cache, value_cache, slots, scales)
         return
-    rows = [key, value]
-    if scales is not None:
-        (key, key_scales), (value, value_scales) = quantize(key), quantize(value)
-        rows = [key, value, key_scales, value_scales]
-    for pool, new in zip(pools, rows, strict=True):
+    if low < 0:  # padding rows are skipped
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for pool, new in zip(pools, (key, value), strict=True):
         pool.view(num_slots, *pool.shape[2:]).index_copy_(0, slots, new)
+
+
+def _row_values(rows: torch.Tensor) -> np.ndarray:
+    """K or V rows [n, num_kv_heads, head_dim] as `int8.store_rows` reads them: float32, or
+    bfloat16 as its bits; other dtypes are converted to float32 (as `quantize` takes them)."""
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        rows = rows.float()
+    return as_numpy(rows.contiguous())
 
 
 def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
     """Load or compile the kernel variants that caches of this dtype use (the plan; for
-    float32 and bfloat16 both decode kernels too); say so on stderr when it compiles. The
-    other kernel dtype's variants are left to an engine that runs it: building both would
-    keep a first start waiting for code it never runs."""
+    the kernel dtypes both decode kernels too, for int8 its write); say so on stderr when
+    it compiles. The other kernel dtype's variants are left to an engine that runs it:
+    building both would keep a first start waiting for code it never runs."""
     dtype = key_cache.dtype
     name = str(dtype).removeprefix("torch.")
     # Other dtypes run the plan alone, which any earlier warm-up built.
@@ -273,7 +286,7 @@ def warmup(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -
 
 def _compile(dtype: torch.dtype) -> None:
     """Run the plan on a tiny cache of `dtype` (a decode of one 1-token sequence); for a
-    kernel dtype each decode kernel too."""
+    kernel dtype each decode kernel too, and for int8 the quantizing write."""
     cache = torch.zeros(1, 1, 1, 8, dtype=dtype)
     metadata = AttentionMetadata.build([[0]], [1], [1], [0])
     p = plan(metadata, cache, 1, None)
@@ -284,3 +297,6 @@ def _compile(dtype: torch.dtype) -> None:
     for parallel in (False, True):
         p.parallel = parallel
         run(torch.zeros(1, 1, 8, dtype=query_dtype), cache, cache, p, 1.0, scales)
+    if scales is not None:  # the quantizing write, from rows of either model dtype
+        for rows in (torch.zeros(1, 1, 8), torch.zeros(1, 1, 8, dtype=torch.bfloat16)):
+            write_kv(rows, rows, cache, cache, torch.zeros(1, dtype=torch.int64), scales)

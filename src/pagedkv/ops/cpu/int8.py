@@ -16,7 +16,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from pagedkv.ops.cpu.bf16 import as_float32, prefetch_line
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, prefetch_line
+from pagedkv.runtime import kernel_cache
+
+kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
 
 QMAX = 127
 FLOAT16_MAX = 65504.0
@@ -128,15 +131,65 @@ def _store_row_impl(cache, scales, slot, g, row):  # pragma: no cover
 
 
 @njit(cache=True)
+def store_rows(keys, values, key_cache, value_cache, key_scales, value_scales,
+               slots):  # fmt: skip  # pragma: no cover
+    """Quantize token t's K and V rows (keys, values: [n, KV, D] float32 or bfloat16 bits)
+    into slot slots[t] of the int8 caches ([num_blocks, block_size, KV, D]) and their
+    scales ([num_blocks, block_size, KV] float16 bits); tokens whose slot is negative are
+    skipped. Returns the first t whose slot lies past the caches, having written nothing,
+    else -1."""
+    block_size = key_cache.shape[1]
+    for t in range(slots.shape[0]):
+        if slots[t] >= key_cache.shape[0] * block_size:
+            return t
+    for t in range(slots.shape[0]):
+        if slots[t] < 0:
+            continue
+        b, at = slots[t] // block_size, slots[t] % block_size
+        for g in range(keys.shape[1]):
+            _quantize_row(key_cache[b, at, g], key_scales[b], at, g, keys[t, g])
+            _quantize_row(value_cache[b, at, g], value_scales[b], at, g, values[t, g])
+    return -1
+
+
+@njit(cache=True)
 def _quantize_row(out, scales, slot, g, row):  # pragma: no cover
     """out (int8 [D]) = row quantized; scales[slot, g] = its float16 scale. IEEE float32
     throughout (no fastmath): the bytes match `pagedkv.ops.quantize.quantize`'s."""
-    amax = np.float32(0.0)
-    for d in range(row.shape[0]):
-        amax = max(amax, abs(as_float32(row[d])))
-    bits = float32_to_half_bits(min(amax / np.float32(QMAX), np.float32(FLOAT16_MAX)))
+    bits = float32_to_half_bits(min(_abs_max(row) / np.float32(QMAX), np.float32(FLOAT16_MAX)))
     scales[slot, g] = bits
     s = half_bits_as_float32(bits)
+    if not s > 0:  # an all-zero row (or one with a NaN)
+        out[:] = 0
+        return
     for d in range(row.shape[0]):
-        q = np.rint(as_float32(row[d]) / s) if s > 0 else np.float32(0.0)
+        q = np.rint(as_float32(row[d]) / s)
         out[d] = np.int8(min(max(q, np.float32(-QMAX)), np.float32(QMAX)))
+
+
+@njit(cache=True)
+def _abs_max(row):  # pragma: no cover
+    """max |row[d]| as float32 (exact): the largest magnitude's bits, found as integers,
+    which LLVM vectorizes (a float maximum it leaves scalar); a NaN's bits win."""
+    top = np.uint32(0)
+    for d in range(row.shape[0]):
+        top = max(top, _magnitude_bits(row[d]))
+    return bits_as_float32(top)
+
+
+@intrinsic
+def _magnitude_bits(typingctx, x):  # pragma: no cover
+    """The bits of |x| as uint32, for x float32 or bfloat16 bits (uint16): for magnitudes,
+    the integer order is the float order."""
+    if x not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        if sig.args[0] == types.float32:
+            bits = builder.bitcast(args[0], i32)
+        else:
+            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
+
+    return types.uint32(x), codegen
