@@ -47,7 +47,7 @@ class CpuTuning:
 
     matvec_rows_float32: int = 8
     matvec_rows_bfloat16: int = 4
-    tile_rows_bfloat16: int = 64
+    tile_rows_bfloat16: int = 128
     fused_decode_rows: int = 16
     parallel_work: int = 2_000_000
     prefetch_bytes: int = 2048
