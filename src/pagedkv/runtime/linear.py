@@ -3,14 +3,19 @@ machine (`Linear.use_products`), one call per product on the step path.
 
     rows <= few_rows   the matrix-vector kernel (`products.linear_rows`): each weight
                        row read once, on the calling thread or on every one
+    rows <= tile_rows  bfloat16 with the kernels on (`tuning.tile_rows_bfloat16`): the
+                       tiled kernel (`products.tiled_rows`), four weight rows by four
+                       input rows at a time
     otherwise          oneDNN (`onednn=True`) on the plain float32 or bfloat16 weight;
                        else torch's `F.linear`
 
 Every weight is held once, plain, where the loader put it: the matrix-vector kernel, the
 compiled decoder stack and oneDNN all read that one tensor. oneDNN reorders a plain
-bfloat16 weight into its blocked layout on each call (a buffer freed after the call); a
-packed copy kept for it would sit beside the plain one, since the kernels read the plain
-one and the loader's single mapping of every weight keeps a replaced weight's pages.
+bfloat16 weight into its blocked layout on each call (a buffer freed after the call),
+which at a few dozen rows costs as much as the product; the tiled kernel takes those rows
+on the plain weight. A packed copy kept for oneDNN would sit beside the plain one, since
+the kernels read the plain one and the loader's single mapping of every weight keeps a
+replaced weight's pages.
 
 A weight held in GGML blocks (`use_blocks`, `pagedkv.runtime.quant`) has no plain copy:
 its few-row and many-row products are `QuantWeight`'s.
@@ -74,6 +79,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.few_rows = 0  # products of at most this many rows go to `matvec`
         self.matvec: Callable[[Tensor], Tensor] | None = None
+        self.tile_rows = 0  # products of at most this many rows (past few_rows) to `tiled`
+        self.tiled: Callable[[Tensor], Tensor] | None = None
         self.onednn = False
         self.blocks: QuantWeight | None = None
 
@@ -99,7 +106,9 @@ class Linear(nn.Module):
 
     def use_products(self, few_rows: int, onednn: bool, tuning: CpuTuning | None = None) -> None:
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
-        never; its knobs from `tuning`), oneDNN past them (else torch); all read `weight`."""
+        never; its knobs from `tuning`), then the tiled kernel up to
+        `tuning.tile_rows_bfloat16` where `products.tiles_apply` and `few_rows` > 0, oneDNN
+        past them (else torch); all read `weight`."""
         if self.blocks is not None:
             work = (tuning or CpuTuning()).parallel_work
             self.few_rows, self.matvec = few_rows, few_rows_product(self.blocks, self.bias, work)
@@ -109,15 +118,26 @@ class Linear(nn.Module):
             from pagedkv.runtime.products import linear_rows  # Numba: loaded where it runs
 
             self.few_rows, self.matvec = few_rows, linear_rows(weight, self.bias, tuning)
+            self._use_tiles(weight, tuning or CpuTuning())
         # With a bias, oneDNN adds it before rounding and torch's bfloat16 matmul may not:
         # the bits could differ, so biased bfloat16 layers stay with torch.
         self.onednn = onednn and can_pack(weight.dtype, weight.device)
         self.onednn &= not (weight.dtype == torch.bfloat16 and self.bias is not None)
 
+    def _use_tiles(self, weight: Tensor, tuning: CpuTuning) -> None:
+        """The tiled kernel past `few_rows`, where it multiplies `weight`."""
+        from pagedkv.runtime.products import tiled_rows, tiles_apply
+
+        if tiles_apply(weight, self.bias) and tuning.tile_rows_bfloat16 > self.few_rows:
+            self.tile_rows, self.tiled = tuning.tile_rows_bfloat16, tiled_rows(weight, tuning)
+
     def forward(self, x: Tensor) -> Tensor:
         """x: [num_tokens, in_features] in the weight's dtype -> [num_tokens, out_features]."""
-        if x.shape[0] <= self.few_rows:
+        rows = x.shape[0]
+        if rows <= self.few_rows:
             return self.matvec(x)  # type: ignore[misc]
+        if rows <= self.tile_rows:
+            return self.tiled(x)  # type: ignore[misc]
         if self.blocks is not None:
             return self.blocks.matmul(x, self.bias)
         if self.onednn:

@@ -1,11 +1,16 @@
-"""A few rows' product on the CPU (`linear_rows`): the matrix-vector kernel of `matvec.py`
-on the calling thread, or split over every thread where that pays."""
+"""Products of a few rows on the CPU, on the plain weight: the matrix-vector kernel of
+`matvec.py` (`linear_rows`), and for bfloat16 past a decode step's few rows the tiled
+kernel of `tiles.py` (`tiled_rows`); each on the calling thread, or split over every thread
+where that pays."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from types import ModuleType
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,11 +45,7 @@ def linear_rows(
     flat_weight = as_numpy(weight)
     flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
     out_features = weight.shape[0]
-    parts = sync_threads()
-    if parallel is None:
-        min_work: float = 0 if workers_spin() else tuning.parallel_work
-    else:
-        min_work = 0 if parallel else math.inf
+    parts, min_work = sync_threads(), _min_work(tuning, parallel)
 
     def product(x: Tensor) -> Tensor:
         if x.dtype != weight.dtype:
@@ -59,3 +60,62 @@ def linear_rows(
         return out
 
     return product
+
+
+def tiles_apply(weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether `tiled_rows` multiplies `weight`: bfloat16 without a bias, rows a multiple
+    of 32 elements long, on a CPU with AVX512-BF16's dot product."""
+    from pagedkv.ops.cpu.bf16 import HAS_DOT
+
+    bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    return HAS_DOT and bf16 and bias is None and weight.shape[1] % 32 == 0
+
+
+def tiled_rows(
+    weight: Tensor, tuning: CpuTuning | None = None, parallel: bool | None = None
+) -> Callable[[Tensor], Tensor]:
+    """`x -> F.linear(x, weight)` by `tiles.py`'s kernel, where `tiles_apply`: float32 sums
+    rounded once, each output's bits the same whatever the other rows and the threads.
+    The weight is read in place.
+
+    Args:
+        weight: [out_features, in_features], C-contiguous bfloat16 on the CPU.
+        tuning, parallel: as `linear_rows` takes them.
+    """
+    tiles = _tiles()
+    flat_weight = as_numpy(weight)
+    out_features = weight.shape[0]
+    parts, min_work = sync_threads(), _min_work(tuning or CpuTuning(), parallel)
+
+    def product(x: Tensor) -> Tensor:
+        if x.dtype != weight.dtype:
+            raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        flat_x = as_numpy(x.contiguous())
+        if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
+            tiles.tiles_parallel(flat_x, flat_weight, as_numpy(out), parts)
+        else:
+            tiles.tiles(flat_x, flat_weight, as_numpy(out))
+        return out
+
+    return product
+
+
+@functools.cache
+def _tiles() -> ModuleType:
+    """`tiles.py`, its kernels compiled (or loaded) by a call on the smallest arrays, when
+    the model is set up rather than at its first product."""
+    from pagedkv.runtime import tiles  # compiled for AVX512-BF16 only
+
+    x, out = np.zeros((1, 32), np.uint16), np.empty((1, 1), np.uint16)
+    tiles.tiles(x, x, out)
+    tiles.tiles_parallel(x, x, out, 1)
+    return tiles
+
+
+def _min_work(tuning: CpuTuning, parallel: bool | None) -> float:
+    """Multiply-adds from which a product is split over every thread: `tuning`'s
+    `parallel_work` (0 where the workers spin), or as `parallel` says."""
+    if parallel is None:
+        return 0 if workers_spin() else tuning.parallel_work
+    return 0 if parallel else math.inf

@@ -27,6 +27,10 @@ class CpuTuning:
         matvec_rows_float32, matvec_rows_bfloat16: products of at most this many rows go to
             the matrix-vector kernel (`products.linear_rows`); past them it is bound by
             arithmetic, not by reading the weight, and oneDNN's matmul is as fast.
+        tile_rows_bfloat16: bfloat16 products of more rows than the matrix-vector kernel's
+            and at most this many go to the tiled kernel (`products.tiled_rows`) on the
+            plain weight; past them to oneDNN, whose reorder of the weight on every call
+            is then a small part of the product.
         fused_decode_rows: decode steps of at most this many rows run the compiled decoder
             stack (`decode.decode_layers`), where every product of the step shares one
             parallel region.
@@ -43,6 +47,7 @@ class CpuTuning:
 
     matvec_rows_float32: int = 8
     matvec_rows_bfloat16: int = 4
+    tile_rows_bfloat16: int = 128
     fused_decode_rows: int = 16
     parallel_work: int = 2_000_000
     prefetch_bytes: int = 2048
