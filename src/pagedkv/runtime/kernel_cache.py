@@ -35,8 +35,8 @@ KERNEL_FILES = tuple(
         "ops/cpu/kernels.py", "ops/cpu/bf16.py", "ops/cpu/spans.py", "ops/cpu/softmax.py",
         "ops/cpu/int8.py", "ops/cpu/int8_spans.py", "ops/cpu/tiles.py",
         "runtime/matvec.py", "runtime/stack.py", "runtime/rows.py", "runtime/phase_products.py",
-        "runtime/atomics.py", "runtime/quant/blocks.py", "runtime/quant/dots.py",
-        "runtime/quant/vectors.py", "runtime/quant/formats.py",
+        "runtime/atomics.py", "runtime/bf16_tiles.py", "runtime/quant/blocks.py",
+        "runtime/quant/dots.py", "runtime/quant/vectors.py", "runtime/quant/formats.py",
     )
 )  # fmt: skip
 """The files of compiled code and those they import: Numba's cache does not see a callee's

@@ -1,6 +1,6 @@
 """Products of a few rows on the CPU, on the plain weight: the matrix-vector kernel of
 `matvec.py` (`linear_rows`), and for bfloat16 past a decode step's few rows the tiled
-kernel of `tiles.py` (`tiled_rows`); each on the calling thread, or split over every thread
+kernel of `bf16_tiles.py` (`tiled_rows`); each on the calling thread, or split over every thread
 where that pays."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def tiles_apply(weight: Tensor, bias: Tensor | None) -> bool:
 def tiled_rows(
     weight: Tensor, tuning: CpuTuning | None = None, parallel: bool | None = None
 ) -> Callable[[Tensor], Tensor]:
-    """`x -> F.linear(x, weight)` by `tiles.py`'s kernel, where `tiles_apply`: float32 sums
+    """`x -> F.linear(x, weight)` by `bf16_tiles.py`'s kernel, where `tiles_apply`: float32 sums
     rounded once, each output's bits the same whatever the other rows and the threads.
     The weight is read in place.
 
@@ -103,9 +103,9 @@ def tiled_rows(
 
 @functools.cache
 def _tiles() -> ModuleType:
-    """`tiles.py`, its kernels compiled (or loaded) by a call on the smallest arrays, when
+    """`bf16_tiles.py`, its kernels compiled (or loaded) by a call on the smallest arrays, when
     the model is set up rather than at its first product."""
-    from pagedkv.runtime import tiles  # compiled for AVX512-BF16 only
+    from pagedkv.runtime import bf16_tiles as tiles  # compiled for AVX512-BF16 only
 
     x, out = np.zeros((1, 32), np.uint16), np.empty((1, 1), np.uint16)
     tiles.tiles(x, x, out)

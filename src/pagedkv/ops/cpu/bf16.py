@@ -100,14 +100,14 @@ def bits_as_float32(typingctx, bits):  # pragma: no cover
     return types.float32(types.uint32), codegen
 
 
-class _BFloat16(ir.Type):
+class BFloat16(ir.Type):
     """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
 
     def _to_string(self) -> str:
         return "bfloat"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BFloat16)
+        return isinstance(other, BFloat16)
 
     def __hash__(self) -> int:
         return hash("bfloat")
@@ -144,7 +144,7 @@ def dot32(typingctx, a, a_at, b, b_at, groups):  # pragma: no cover
 
     def codegen(context, builder, sig, args):
         f32x16 = ir.VectorType(_F32, _LANES)
-        bf16x32 = ir.VectorType(_BFloat16(), 2 * _LANES)
+        bf16x32 = ir.VectorType(BFloat16(), 2 * _LANES)
         i64 = ir.IntType(64)
         dot = declare(builder.module, "llvm.x86.avx512bf16.dpbf16ps.512", f32x16,
                        [f32x16, bf16x32, bf16x32])  # fmt: skip

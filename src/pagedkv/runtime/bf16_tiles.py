@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagedkv.ops.cpu.bf16 import declare, pointer, prefetch_line
+from pagedkv.ops.cpu.bf16 import BFloat16, declare, pointer, prefetch_line
 from pagedkv.runtime import kernel_cache
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
@@ -30,19 +30,6 @@ TILE = 4
 _LANES = 16
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
-
-
-class _BFloat16(ir.Type):
-    """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BFloat16)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
 
 
 def _sum_lanes(builder, vectors):  # type: ignore[no-untyped-def]
@@ -97,7 +84,7 @@ def dot_tile(typingctx, w, x, dest, w_rows, x_rows, dest_rows, groups):  # pragm
 
     def codegen(context, builder, sig, args):
         f32x16 = ir.VectorType(_F32, _LANES)
-        bf16x32 = ir.VectorType(_BFloat16(), 2 * _LANES)
+        bf16x32 = ir.VectorType(BFloat16(), 2 * _LANES)
         dot = declare(builder.module, "llvm.x86.avx512bf16.dpbf16ps.512", f32x16,
                       [f32x16, bf16x32, bf16x32])  # fmt: skip
         lines = [_row_pointers(context, builder, sig, args, a, bf16x32) for a in (0, 1)]
