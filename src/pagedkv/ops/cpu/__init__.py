@@ -243,7 +243,7 @@ def write_kv(
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     pools = [key_cache, value_cache, *(scales or ())]
     if scales is not None and all(pool.is_contiguous() for pool in pools):
-        past = int8.store_rows(
+        past = int8.store_rows(  # type: ignore[call-arg]
             _row_values(key), _row_values(value), *(as_numpy(pool) for pool in pools),
             as_numpy(slot_mapping.long()),
         )  # fmt: skip
