@@ -13,8 +13,9 @@ from helpers import make_hf_model
 
 from pagedkv import LLM
 from pagedkv.cli import main
-from pagedkv.cli.tune import FUSED_CANDIDATES, MATVEC_CANDIDATES
+from pagedkv.cli.tune import FUSED_CANDIDATES, MATVEC_CANDIDATES, TILE_CANDIDATES, tile_rows
 from pagedkv.runtime import matvec, tuning
+from pagedkv.runtime.linear import can_pack
 from pagedkv.runtime.products import linear_rows
 from pagedkv.runtime.tuning import CpuTuning, tuning_path
 
@@ -85,12 +86,21 @@ def test_tune_writes_a_file_the_engine_reads(tmp_path, capsys):
     measured = CpuTuning.load(path)
     assert measured.matvec_rows_float32 in (0, *MATVEC_CANDIDATES)
     assert measured.fused_decode_rows in (0, *FUSED_CANDIDATES)
+    if can_pack(torch.bfloat16, torch.device("cpu")):
+        tiles, few = measured.tile_rows_bfloat16, measured.matvec_rows_bfloat16
+        assert tiles in (0, *TILE_CANDIDATES) and (tiles == 0 or tiles > few)
+    else:
+        assert measured.tile_rows_bfloat16 == CpuTuning().tile_rows_bfloat16
     untouched = {"parallel_work", "prefetch_bytes", "spin_ticks", "long_wait_ticks"}
     for name in untouched:
         assert getattr(measured, name) == getattr(CpuTuning(), name)
     out = capsys.readouterr().out
     assert str(path) in out
     assert all(spec.name in out for spec in dataclasses.fields(measured))
+
+
+def test_no_tiled_rows_where_the_matrix_vector_kernel_takes_none():
+    assert tile_rows(CpuTuning(matvec_rows_bfloat16=0), repeats=1) == 0
 
 
 def test_tune_refuses_a_bad_repeat_count(capsys):

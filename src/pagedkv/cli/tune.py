@@ -5,6 +5,8 @@ A short sweep, with the engine's own code on a small random model in each kernel
 
     matvec rows        r rows of a layer's product: the matrix-vector kernel against
                        oneDNN; the kernel keeps the rows up to the last r it wins
+    tile rows          (bfloat16) r rows past those: the tiled kernel against oneDNN;
+                       likewise
     fused decode rows  a decode step of r sequences: the compiled decoder stack against
                        the layers one by one; likewise
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 MATVEC_CANDIDATES = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+TILE_CANDIDATES = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FUSED_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32)
 _MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
@@ -82,6 +85,9 @@ def measure(repeats: int) -> Any:
         matvec_rows_float32=rows[torch.float32],
         matvec_rows_bfloat16=rows.get(torch.bfloat16, CpuTuning().matvec_rows_bfloat16),
     )
+    if torch.bfloat16 in rows:
+        tiles = tile_rows(tuning, repeats)
+        tuning = dataclasses.replace(tuning, tile_rows_bfloat16=tiles)
     fused = min(fused_decode_rows(dtype, tuning, repeats) for dtype in dtypes)
     return dataclasses.replace(tuning, fused_decode_rows=fused)
 
@@ -111,6 +117,31 @@ def faster(first: Callable[[], Any], second: Callable[[], Any], repeats: int) ->
 
 def matvec_rows(dtype: Any, repeats: int) -> int:
     """The matrix-vector kernel's rows on an MLP-sized product of `dtype` weights."""
+    kernel, onednn = _mlp_layers(dtype)
+    kernel.use_products(max(MATVEC_CANDIDATES), onednn=True)
+    onednn.use_products(0, onednn=True)
+    return last_win(MATVEC_CANDIDATES, _layer_wins(kernel, onednn, dtype, repeats))
+
+
+def tile_rows(tuning: Any, repeats: int) -> int:
+    """The tiled kernel's rows on an MLP-sized bfloat16 product, past `tuning`'s
+    matrix-vector rows (0 where oneDNN wins from the first, or where the matrix-vector
+    kernel takes no rows: layers use the tiled kernel only after it)."""
+    import torch
+
+    few = tuning.matvec_rows_bfloat16
+    if few == 0:
+        return 0
+    tiled, onednn = _mlp_layers(torch.bfloat16)
+    widest = dataclasses.replace(tuning, tile_rows_bfloat16=max(TILE_CANDIDATES))
+    tiled.use_products(few, onednn=True, tuning=widest)
+    onednn.use_products(few, onednn=True, tuning=dataclasses.replace(tuning, tile_rows_bfloat16=0))
+    candidates = [rows for rows in TILE_CANDIDATES if rows > few]
+    return last_win(candidates, _layer_wins(tiled, onednn, torch.bfloat16, repeats))
+
+
+def _mlp_layers(dtype: Any) -> list[Any]:
+    """Two `Linear` layers of an MLP's shape with the same random `dtype` weight."""
     import torch
 
     from pagedkv.runtime.linear import Linear
@@ -118,14 +149,18 @@ def matvec_rows(dtype: Any, repeats: int) -> int:
     layers = [Linear(_HIDDEN, 2 * _INTERMEDIATE, False, dtype=dtype) for _ in range(2)]
     for layer in layers:
         layer.weight.data.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
-    layers[0].use_products(max(MATVEC_CANDIDATES), onednn=True)
-    layers[1].use_products(0, onednn=True)
+    return layers
+
+
+def _layer_wins(first: Any, second: Any, dtype: Any, repeats: int) -> Callable[[int], bool]:
+    """rows -> whether `first` multiplies that many rows at most as slowly as `second`."""
+    import torch
 
     def wins(rows: int) -> bool:
         x = torch.randn(rows, _HIDDEN).to(dtype)
-        return faster(lambda: layers[0].forward(x), lambda: layers[1].forward(x), repeats)
+        return faster(lambda: first.forward(x), lambda: second.forward(x), repeats)
 
-    return last_win(MATVEC_CANDIDATES, wins)
+    return wins
 
 
 def fused_decode_rows(dtype: Any, tuning: Any, repeats: int) -> int:

@@ -44,22 +44,13 @@ def linear_rows(
     prefetch = tuning.prefetch_bytes
     flat_weight = as_numpy(weight)
     flat_bias = as_numpy(torch.empty(0, dtype=weight.dtype) if bias is None else bias.detach())
-    out_features = weight.shape[0]
-    parts, min_work = sync_threads(), _min_work(tuning, parallel)
-
-    def product(x: Tensor) -> Tensor:
-        if x.dtype != weight.dtype:
-            raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
-        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
-            matvec.matvec_parallel(
-                as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), parts, prefetch
-            )
-        else:
-            matvec.matvec(as_numpy(x.contiguous()), flat_weight, flat_bias, as_numpy(out), prefetch)
-        return out
-
-    return product
+    parts = sync_threads()
+    return _product(
+        weight,
+        lambda x, out: matvec.matvec(x, flat_weight, flat_bias, out, prefetch),
+        lambda x, out: matvec.matvec_parallel(x, flat_weight, flat_bias, out, parts, prefetch),
+        _min_work(tuning, parallel),
+    )
 
 
 def tiles_apply(weight: Tensor, bias: Tensor | None) -> bool:
@@ -82,20 +73,32 @@ def tiled_rows(
         weight: [out_features, in_features], C-contiguous bfloat16 on the CPU.
         tuning, parallel: as `linear_rows` takes them.
     """
-    tiles = _tiles()
-    flat_weight = as_numpy(weight)
-    out_features = weight.shape[0]
-    parts, min_work = sync_threads(), _min_work(tuning or CpuTuning(), parallel)
+    tiles, flat_weight, parts = _tiles(), as_numpy(weight), sync_threads()
+    return _product(
+        weight,
+        lambda x, out: tiles.tiles(x, flat_weight, out),
+        lambda x, out: tiles.tiles_parallel(x, flat_weight, out, parts),
+        _min_work(tuning or CpuTuning(), parallel),
+    )
+
+
+def _product(
+    weight: Tensor,
+    serial: Callable[[np.ndarray, np.ndarray], None],
+    parallel: Callable[[np.ndarray, np.ndarray], None],
+    min_work: float,
+) -> Callable[[Tensor], Tensor]:
+    """`x -> x @ weight.T` by a kernel that writes into `out` ([rows, out_features]): on the
+    calling thread, or `parallel` where there is more than one thread and the product is
+    at least `min_work` multiply-adds."""
+    out_features, size, parts = weight.shape[0], weight.numel(), sync_threads()
 
     def product(x: Tensor) -> Tensor:
         if x.dtype != weight.dtype:
             raise checks.fail("x", f"the weight's dtype {weight.dtype}", x.dtype)
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-        flat_x = as_numpy(x.contiguous())
-        if parts > 1 and x.shape[0] * flat_weight.size >= min_work:
-            tiles.tiles_parallel(flat_x, flat_weight, as_numpy(out), parts)
-        else:
-            tiles.tiles(flat_x, flat_weight, as_numpy(out))
+        split = parts > 1 and x.shape[0] * size >= min_work
+        (parallel if split else serial)(as_numpy(x.contiguous()), as_numpy(out))
         return out
 
     return product
