@@ -27,7 +27,7 @@ eager compile` adds transformers on the same prompts, in the same process and ro
 (`transformers_runner.py`: a static cache, the decode step eager or `torch.compile`d).
 
 Variants (`--variant NAME:field=value,...`, `EngineArgs` fields) run alternately in one
-process; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
+process, in reverse order every other round; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
 The OpenMP wait policy is the process's (`OMP_WAIT_POLICY=ACTIVE python ...` for spinning
 workers, which let one user's products run on every thread); llama.cpp runs with its own
 runtime's default (`llamacpp_runner` does not pass the wait-policy variables on).
@@ -155,8 +155,11 @@ def bench_model(
         # Each round against the bandwidth of its own minute: on a shared VM it moves by a
         # quarter between minutes, and one figure for the run would move every bound with it.
         bandwidths.append(read_bandwidth("cpu"))
+        # Odd rounds take the variants in reverse: the first one runs right after the
+        # bandwidth read and inherits the state (threads' back-off, caches) it leaves.
+        order = list(llms.items())[:: -1 if round_index % 2 else 1]
         for batch in args.batches:
-            for name, llm in llms.items():
+            for name, llm in order:
                 prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
                            for _ in range(batch)]  # fmt: skip
                 run = run_batch(llm, prompts, args.new_tokens, f"r{round_index}b{batch}")
