@@ -145,16 +145,9 @@ def decode_layers(
     for name, t in (("hidden", hidden), ("key_pool", key_pool)):
         if t.dtype != weights.dtype and not (name == "key_pool" and t.dtype == torch.int8):
             raise checks.fail(name, f"the weights' dtype {weights.dtype}", t.dtype)
-    if scale_pools is not None:
-        checks.check_scales((scale_pools[0][0], scale_pools[1][0]), key_pool[0])
-    elif key_pool.dtype == torch.int8:
-        raise checks.fail("scale_pools", "the scales of the int8 pools", None)
+    key_scales, value_scales = _scale_rows(scale_pools, key_pool)
     slots, _ = checked_slots(slot_mapping, plan.cache_shape[0] * plan.cache_shape[1])
     pool_rows = (key_pool.shape[0], -1, key_pool.shape[3], key_pool.shape[4])
-    key_scales, value_scales = (
-        (None, None) if scale_pools is None
-        else (as_numpy(t.view(key_pool.shape[0], -1, key_pool.shape[3])) for t in scale_pools)
-    )  # fmt: skip
     threads = _team.threads(sync_threads())
     final = torch.empty_like(hidden)
     head = weights.head if with_head else without_rows(weights.head)  # an empty phase
@@ -170,6 +163,33 @@ def decode_layers(
     )  # fmt: skip
     _team.record(threads, went_alone)
     return final, (logits if with_head else None)
+
+
+def _scale_rows(
+    scale_pools: KVScales | None, key_pool: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """The int8 pools' scales as the stack reads them, uint16 bits [num_layers, num_slots,
+    num_kv_heads] (NumPy views of the whole pools, checked as such); (None, None) beside a
+    float cache.
+
+    Raises:
+        ValueError: scales beside a float cache, none beside an int8 one, or a pool not
+            contiguous float16 of key_pool's [num_layers, num_blocks, block_size, num_kv_heads].
+    """
+    if (scale_pools is None) != (key_pool.dtype != torch.int8):
+        expected = "the scales of the int8 pools" if scale_pools is None else "None"
+        raise checks.fail("scale_pools", f"{expected} beside a {key_pool.dtype} cache",
+                          None if scale_pools is None else "scales")  # fmt: skip
+    if scale_pools is None:
+        return None, None
+    shape = key_pool.shape[:4]
+    rows = []
+    for name, t in zip(("key", "value"), scale_pools, strict=True):
+        if t.shape != shape or t.dtype != torch.float16 or not t.is_contiguous():
+            raise checks.fail(f"scale_pools ({name})", f"contiguous float16 {tuple(shape)}",
+                              f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+        rows.append(as_numpy(t).reshape(shape[0], -1, shape[3]))
+    return rows[0], rows[1]
 
 
 class TeamBackoff:
