@@ -30,7 +30,7 @@ class FusedDecodeExecutor:
     attention backend's plan (a decode step); gives any other to `layers`.
 
     The LM head joins the compiled call at most at `head_rows` rows, as it would go to the
-    matrix-vector kernel outside it; for more, `logits` (oneDNN's matmul) runs it after.
+    few-row product outside it (`CpuTuning.few_rows`); for more, `logits` runs it after.
     """
 
     def __init__(
@@ -66,7 +66,9 @@ class FusedDecodeExecutor:
         )  # fmt: skip
         return cls(
             layers, weights, logits, max_rows=tuning.fused_decode_rows,
-            head_rows=tuning.matvec_rows(str(weights.dtype).removeprefix("torch.")),
+            head_rows=tuning.few_rows(
+                str(weights.dtype).removeprefix("torch."), isinstance(head, QuantWeight)
+            ),
             knobs=tuning.kernel_knobs(),
         )  # fmt: skip
 
