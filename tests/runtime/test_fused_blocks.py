@@ -108,6 +108,20 @@ def test_the_head_joins_the_stack_up_to_block_rows(tmp_path, count_fused):
     assert count_fused == [8] * 5
 
 
+@torch.inference_mode()
+def test_steps_past_fused_decode_rows_run_the_stack_in_blocks(tmp_path, count_fused):
+    """Twenty decode rows: past `fused_decode_rows` and `block_rows`, within
+    `block_decode_rows`: the layers in the compiled call, the LM head's tiles after it."""
+    path = tmp_path / "model.gguf"
+    write_gguf(make_hf_model(tmp_path, "llama"), path, "Q4_0")
+    plain, fused = _pair(path, torch.float32, k_quants=False)
+    tuning = CpuTuning()
+    assert max(tuning.fused_decode_rows, tuning.block_rows) < 20 <= tuning.block_decode_rows
+    assert fused.executor.max_rows == tuning.block_decode_rows
+    _decode_both(plain, fused, torch.float32, lengths=(3, 4) * 10)
+    assert count_fused == [20] * 5
+
+
 def test_projections_and_head_are_all_plain_or_all_in_blocks():
     fmt = FORMATS["Q8_0"]
     blocks = QuantWeight([QuantPart(fmt, random_blocks(fmt, 32, 32))], 32)

@@ -39,6 +39,9 @@ class CpuTuning:
         fused_decode_rows: decode steps of at most this many rows run the compiled decoder
             stack (`decode.decode_layers`), where every product of the step shares one
             parallel region.
+        block_decode_rows: `fused_decode_rows` for a model whose weights are in GGML
+            blocks: the layer path dequantizes every weight into tiles each step, which
+            the stack's integer products never do.
         parallel_work: multiply-adds (rows x weight elements) from which a few rows' product
             is split over every thread where the OpenMP workers sleep between parallel
             calls (waking one costs more than a small product gains).
@@ -53,8 +56,9 @@ class CpuTuning:
     matvec_rows_float32: int = 8
     matvec_rows_bfloat16: int = 4
     tile_rows_bfloat16: int = 128
-    block_rows: int = 12
+    block_rows: int = 16
     fused_decode_rows: int = 16
+    block_decode_rows: int = 32
     parallel_work: int = 2_000_000
     prefetch_bytes: int = 2048
     spin_ticks: int = 50_000
