@@ -18,11 +18,16 @@ def test_buckets_cover_every_count_with_few_sizes(limit: int) -> None:
     assert sizes[:9] == list(range(9)), "up to 8 rows run as they are"
     for n, size in enumerate(sizes):
         assert n <= size <= max(8, 1.25 * n), f"{n} -> {size}: at most 25 % padding"
+        assert n <= 512 or size <= 1.125 * n, f"{n} -> {size}: at most 12.5 % past 512"
         assert bucket_num_tokens(size) == size, f"{size} is a bucket of its own"
     assert sizes == sorted(sizes), "monotone"
     distinct = len(set(sizes))
-    assert distinct <= 9 + 4 * (limit.bit_length() - 4), f"{distinct} sizes up to {limit}"
-    assert [bucket_num_tokens(n) for n in (9, 17, 100, 1025)] == [10, 20, 112, 1280]
+    doublings_past_512 = limit.bit_length() - 10
+    bound = 9 + 4 * (limit.bit_length() - 4) + 4 * doublings_past_512
+    assert distinct <= bound, f"{distinct} sizes up to {limit}"
+    assert [bucket_num_tokens(n) for n in (9, 17, 100, 513, 1025, 1589)] == [
+        10, 20, 112, 576, 1152, 1664,
+    ]  # fmt: skip
 
 
 def _prompts(seed: int, num: int, vocab: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ from pagedkv.models.fused_executor import FusedDecodeExecutor
 from pagedkv.runtime import decode, stack
 from pagedkv.runtime.quant.formats import FORMATS
 from pagedkv.runtime.quant.weight import QuantPart, QuantWeight
+from pagedkv.runtime.tuning import CpuTuning
 
 pytest.importorskip("gguf")
 
@@ -40,11 +41,11 @@ def _pair(path, dtype, k_quants):
     return plain, fused
 
 
-def _decode_both(plain, fused, dtype):
-    """A prefill of two sequences, then decode steps of both; the logits and caches of each
-    step compared, the tokens the same."""
+def _decode_both(plain, fused, dtype, lengths=(13, 21)):
+    """A prefill of sequences of `lengths` tokens, then decode steps of them all; the logits
+    and caches of each step compared, the tokens the same."""
     batches = [PagedBatch(model, seed=3) for model in (plain, fused)]
-    prompts = {0: prompt(13, seed=5), 1: prompt(21, seed=6)}
+    prompts = {seq: prompt(n, seed=5 + seq) for seq, n in enumerate(lengths)}
     for _ in range(6):
         logits = [
             batch.step(model, prompts) for batch, model in zip(batches, (plain, fused), strict=True)
@@ -88,6 +89,37 @@ def test_mixed_k_quant_parts_match_layer_by_layer(tmp_path, dtype, count_fused):
     )
     _decode_both(plain, fused, dtype)
     assert count_fused == [2] * 5
+
+
+@torch.inference_mode()
+def test_the_head_joins_the_stack_up_to_block_rows(tmp_path, count_fused):
+    """Eight decode rows: past the matrix-vector kernel's rows, within `block_rows`, so
+    the LM head's integer products run inside the compiled call; the layer path's head
+    takes the same products (`Linear.few_rows`)."""
+    path = tmp_path / "model.gguf"
+    write_gguf(make_hf_model(tmp_path, "llama"), path, "Q8_0")
+    plain, fused = _pair(path, torch.bfloat16, k_quants=False)
+    rows = CpuTuning().block_rows
+    assert CpuTuning().matvec_rows("bfloat16") < 8 <= rows
+    assert fused.executor.head_rows == rows
+    head = plain.lm_head if plain.lm_head is not None else plain.tied_head
+    assert head.blocks is not None and head.few_rows == rows
+    _decode_both(plain, fused, torch.bfloat16, lengths=range(6, 14))
+    assert count_fused == [8] * 5
+
+
+@torch.inference_mode()
+def test_steps_past_fused_decode_rows_run_the_stack_in_blocks(tmp_path, count_fused):
+    """Twenty decode rows: past `fused_decode_rows` and `block_rows`, within
+    `block_decode_rows`: the layers in the compiled call, the LM head's tiles after it."""
+    path = tmp_path / "model.gguf"
+    write_gguf(make_hf_model(tmp_path, "llama"), path, "Q4_0")
+    plain, fused = _pair(path, torch.float32, k_quants=False)
+    tuning = CpuTuning()
+    assert max(tuning.fused_decode_rows, tuning.block_rows) < 20 <= tuning.block_decode_rows
+    assert fused.executor.max_rows == tuning.block_decode_rows
+    _decode_both(plain, fused, torch.float32, lengths=(3, 4) * 10)
+    assert count_fused == [20] * 5
 
 
 def test_projections_and_head_are_all_plain_or_all_in_blocks():

@@ -28,14 +28,17 @@ def bucket_num_tokens(num_tokens: int) -> int:
     steps are bucketed.
 
     Exact up to 8, then rounded up to a multiple of a quarter of the power of two below
-    (9 -> 10, 17 -> 20, 100 -> 112, 1025 -> 1280): four sizes per doubling, at most 25 %
-    padding. oneDNN (bfloat16 on the CPU) builds and caches a primitive per matmul shape;
-    a step's token count is new almost every step, and past its cache's capacity the
-    churn grows the process without bound. Bucketed, a 2048-token budget gives ~40 sizes.
+    (9 -> 10, 17 -> 20, 100 -> 112): four sizes per doubling, at most 25 % padding; past
+    512, an eighth (1025 -> 1152, 1589 -> 1664): at most 12.5 %, where padding rows cost
+    whole prefill rows of arithmetic. oneDNN (bfloat16 on the CPU) builds and caches a
+    primitive per matmul shape; a step's token count is new almost every step, and past
+    its cache's capacity the churn grows the process without bound. Bucketed, a
+    2048-token budget gives ~50 sizes.
     """
     if num_tokens <= 8:
         return num_tokens
-    step = 1 << ((num_tokens - 1).bit_length() - 3)
+    fraction_bits = 4 if num_tokens > 512 else 3
+    step = 1 << ((num_tokens - 1).bit_length() - fraction_bits)
     return -(-num_tokens // step) * step
 
 

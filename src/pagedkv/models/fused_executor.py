@@ -30,7 +30,7 @@ class FusedDecodeExecutor:
     attention backend's plan (a decode step); gives any other to `layers`.
 
     The LM head joins the compiled call at most at `head_rows` rows, as it would go to the
-    matrix-vector kernel outside it; for more, `logits` (oneDNN's matmul) runs it after.
+    few-row product outside it (`CpuTuning.few_rows`); for more, `logits` runs it after.
     """
 
     def __init__(
@@ -59,14 +59,17 @@ class FusedDecodeExecutor:
         tuning: CpuTuning,
     ) -> FusedDecodeExecutor:
         """The executor over `layers`' weights, plain or in blocks (read in place), and
-        `head`, [vocab, hidden], held as they are, with `tuning`'s rows and knobs."""
+        `head`, [vocab, hidden], held as they are, with `tuning`'s rows (`fused_decode_rows`,
+        or `block_decode_rows` in blocks) and knobs."""
         weights = DecoderWeights.create(
             [_layer_weights(layer) for layer in layers.layers], layers.norm.weight, head,
             layers.norm.eps,
         )  # fmt: skip
+        in_blocks = isinstance(head, QuantWeight)
         return cls(
-            layers, weights, logits, max_rows=tuning.fused_decode_rows,
-            head_rows=tuning.matvec_rows(str(weights.dtype).removeprefix("torch.")),
+            layers, weights, logits,
+            max_rows=tuning.block_decode_rows if in_blocks else tuning.fused_decode_rows,
+            head_rows=tuning.few_rows(str(weights.dtype).removeprefix("torch."), in_blocks),
             knobs=tuning.kernel_knobs(),
         )  # fmt: skip
 

@@ -213,9 +213,10 @@ class CausalLM(nn.Module):
         Args:
             matvec: products of a few rows (`tuning.matvec_rows`) in the matrix-vector
                 kernel, on one thread or on all.
-            fused_decode: decode steps of at most `tuning.fused_decode_rows` rows through
-                every layer, the final norm and the LM head in one compiled call, where
-                `fused_decode_applies` (one rank, and Llama's layer in every layer).
+            fused_decode: decode steps of at most `tuning.fused_decode_rows` rows
+                (`block_decode_rows` on weights in GGML blocks) through every layer, the
+                final norm and the LM head in one compiled call, where `fused_decode_applies`
+                (one rank, and Llama's layer in every layer).
             onednn: every other product through oneDNN (`runtime.linear.Linear`).
             tuning: the knobs (default: `CpuTuning()`).
             kv_cache_dtype: the KV cache's dtype where it is not the model's (int8), so that

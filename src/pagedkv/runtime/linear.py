@@ -108,10 +108,12 @@ class Linear(nn.Module):
         """Choose this layer's products: the matrix-vector kernel up to `few_rows` rows (0:
         never; its knobs from `tuning`), then the tiled kernel up to
         `tuning.tile_rows_bfloat16` where `products.tiles_apply` and `few_rows` > 0, oneDNN
-        past them (else torch); all read `weight`."""
+        past them (else torch); all read `weight`. A weight in blocks takes its integer
+        products up to `tuning.block_rows` rows instead (where `few_rows` > 0)."""
         if self.blocks is not None:
-            work = (tuning or CpuTuning()).parallel_work
-            self.few_rows, self.matvec = few_rows, few_rows_product(self.blocks, self.bias, work)
+            tuning = tuning or CpuTuning()
+            self.few_rows = tuning.block_rows if few_rows else 0
+            self.matvec = few_rows_product(self.blocks, self.bias, tuning.parallel_work)
             return
         weight = self.weight.detach()
         if few_rows:

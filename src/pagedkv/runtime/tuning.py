@@ -31,9 +31,17 @@ class CpuTuning:
             and at most this many go to the tiled kernel (`products.tiled_rows`) on the
             plain weight; past them to oneDNN, whose reorder of the weight on every call
             is then a small part of the product.
+        block_rows: products of at most this many rows on a weight held in GGML blocks take
+            the integer block products (`QuantWeight.few_rows`), inside the compiled
+            decoder stack (its LM head) and out of it; past them the dequantized tiles
+            (`QuantWeight.matmul`): the integer products decode each weight once per four
+            input rows, the tiles once per product.
         fused_decode_rows: decode steps of at most this many rows run the compiled decoder
             stack (`decode.decode_layers`), where every product of the step shares one
             parallel region.
+        block_decode_rows: `fused_decode_rows` for a model whose weights are in GGML
+            blocks: the layer path dequantizes every weight into tiles each step, which
+            the stack's integer products never do.
         parallel_work: multiply-adds (rows x weight elements) from which a few rows' product
             is split over every thread where the OpenMP workers sleep between parallel
             calls (waking one costs more than a small product gains).
@@ -48,7 +56,9 @@ class CpuTuning:
     matvec_rows_float32: int = 8
     matvec_rows_bfloat16: int = 4
     tile_rows_bfloat16: int = 128
+    block_rows: int = 16
     fused_decode_rows: int = 16
+    block_decode_rows: int = 32
     parallel_work: int = 2_000_000
     prefetch_bytes: int = 2048
     spin_ticks: int = 50_000
@@ -63,6 +73,11 @@ class CpuTuning:
     def matvec_rows(self, dtype_name: str) -> int:
         """The matrix-vector kernel's row limit for weights of `dtype_name` ("float32")."""
         return self.matvec_rows_bfloat16 if dtype_name == "bfloat16" else self.matvec_rows_float32
+
+    def few_rows(self, dtype_name: str, in_blocks: bool) -> int:
+        """The row limit of a few-row product: `block_rows` for a weight in GGML blocks,
+        else the matrix-vector kernel's for weights of `dtype_name`."""
+        return self.block_rows if in_blocks else self.matvec_rows(dtype_name)
 
     def kernel_knobs(self) -> tuple[int, int, int]:
         """(prefetch_bytes, spin_ticks, long_wait_ticks), as the compiled kernels take them."""
