@@ -100,6 +100,25 @@ def bits_as_float32(typingctx, bits):  # pragma: no cover
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def magnitude_bits(typingctx, x):  # pragma: no cover
+    """The float32 bits of |x| as uint32, for x float32 or bfloat16 bits (uint16): for
+    magnitudes the integer order is the float order, and an integer maximum LLVM takes in
+    vector lanes where it keeps a float maximum scalar."""
+    if x not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        if sig.args[0] == types.float32:
+            bits = builder.bitcast(args[0], i32)
+        else:
+            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
+
+    return types.uint32(x), codegen
+
+
 class BFloat16(ir.Type):
     """LLVM's `bfloat`, which llvmlite's IR builder does not name."""
 

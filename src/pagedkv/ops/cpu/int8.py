@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, prefetch_line
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, magnitude_bits, prefetch_line
 from pagedkv.runtime import kernel_cache
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
@@ -173,23 +173,5 @@ def _abs_max(row):  # pragma: no cover
     which LLVM vectorizes (a float maximum it leaves scalar); a NaN's bits win."""
     top = np.uint32(0)
     for d in range(row.shape[0]):
-        top = max(top, _magnitude_bits(row[d]))
+        top = max(top, magnitude_bits(row[d]))
     return bits_as_float32(top)
-
-
-@intrinsic
-def _magnitude_bits(typingctx, x):  # pragma: no cover
-    """The bits of |x| as uint32, for x float32 or bfloat16 bits (uint16): for magnitudes,
-    the integer order is the float order."""
-    if x not in (types.float32, types.uint16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        if sig.args[0] == types.float32:
-            bits = builder.bitcast(args[0], i32)
-        else:
-            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-        return builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
-
-    return types.uint32(x), codegen

@@ -18,11 +18,10 @@ as `pagedkv.runtime.kernel_cache` says.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32
+from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, magnitude_bits
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.quant.vectors import dot_rows
 
@@ -146,29 +145,12 @@ def quantize_into(x, group, levels, xq, xd):  # pragma: no cover
             base = g * group
             largest = np.uint32(0)
             for k in range(group):
-                largest = max(largest, _magnitude_bits(values[base + k]))
+                largest = max(largest, magnitude_bits(values[base + k]))
             scale = bits_as_float32(largest) / np.float32(levels)
             inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
             xd[m, g] = scale
             for k in range(group):
                 out[base + k] = np.int16(np.rint(as_float32(values[base + k]) * inverse))
-
-
-@intrinsic
-def _magnitude_bits(typingctx, value):  # pragma: no cover
-    """The float32 bits (uint32) of |value|: a float32, or bfloat16 bits (uint16)."""
-    if value not in (types.float32, types.uint16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        if sig.args[0] == types.float32:
-            bits = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
-            return bits
-        bits = builder.and_(builder.zext(args[0], i32), ir.Constant(i32, 0x7FFF))
-        return builder.shl(bits, ir.Constant(i32, 16))
-
-    return types.uint32(value), codegen
 
 
 def x_sums(x: np.ndarray) -> np.ndarray:
