@@ -3,6 +3,7 @@ pool, create the manager and runner."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any
@@ -77,10 +78,22 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
 
 def serve_rank(args: EngineArgs, launch: Launch) -> None:
     """A worker rank: join the group, build this rank's share, run the steps rank 0
-    broadcasts until it sends None, then leave."""
+    broadcasts until it sends None, then leave.
+
+    The group's connections are closed before the rank records that it left: rank 0 then
+    tears its end down with no peer closing underneath it (which can abort a process in
+    gloo's threads, `workers._shut_down`)."""
     device = rank_device(args.device, launch)
     tp = join_group(launch, device, [])
-    config = create_engine_config(args, ModelConfig.from_hf(args.model), device)
+    store, rank = tp.store, tp.rank
+    _run_steps(args, create_engine_config(args, ModelConfig.from_hf(args.model), device), tp)
+    del tp  # with the runner gone, the group's last reference
+    dist.destroy_process_group()
+    gc.collect()
+    store.set(left_key(rank), "1")  # rank 0 may leave now
+
+
+def _run_steps(args: EngineArgs, config: EngineConfig, tp: TensorParallel) -> None:
     runner = build_rank_runner(args, config, tp)
     tier = create_rank_tier(config, runner.kv_cache, tp)
     while (message := tp.broadcast_object()) is not None:
@@ -89,8 +102,6 @@ def serve_rank(args: EngineArgs, launch: Launch) -> None:
         else:  # rank 0 sends tier messages only with its tier on, as this rank's is
             assert tier is not None, f"a prefix cache tier message without a tier: {message}"
             tier.handle(message)
-    dist.destroy_process_group()
-    tp.store.set(left_key(tp.rank), "1")  # rank 0 may leave now (`workers._shut_down`)
 
 
 def create_engine_config(args: EngineArgs, model_config: ModelConfig, device: str) -> EngineConfig:
