@@ -68,6 +68,15 @@ def declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
 
 
+def splat(builder: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """`value` in every lane of a <lanes x value's type> vector."""
+    i32 = ir.IntType(32)
+    one = builder.insert_element(
+        ir.Constant(ir.VectorType(value.type, lanes), None), value, ir.Constant(i32, 0)
+    )
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
 def pointer(context, builder, arr_type, arr, offset, offset_type, to):  # type: ignore[no-untyped-def]
     """Address of element `offset` of a C-contiguous array, cast to a pointer to `to`."""
     data = context.make_array(arr_type)(context, builder, arr).data

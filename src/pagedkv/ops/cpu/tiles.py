@@ -18,7 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagedkv.ops.cpu.bf16 import declare
+from pagedkv.ops.cpu.bf16 import declare, splat
 
 LANES = 16
 _F32, _I1, _I8, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(32),
@@ -36,13 +36,7 @@ def _lane_mask(builder: ir.IRBuilder, first: ir.Value, length: ir.Value) -> ir.V
     """<LANES x i1>: lane i is on where first + i < length (int64 scalars)."""
     lanes = ir.Constant(_vec(_I32), list(range(LANES)))
     room = builder.trunc(builder.sub(length, first), _I32)  # head_dim fits an int32
-    return builder.icmp_signed("<", lanes, _splat(builder, room, _I32))
-
-
-def _splat(builder: ir.IRBuilder, x: ir.Value, t: ir.Type) -> ir.Value:
-    """x in every lane of a <LANES x t>."""
-    one = builder.insert_element(ir.Constant(_vec(t), None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(_vec(_I32), [0] * LANES))
+    return builder.icmp_signed("<", lanes, splat(builder, room, LANES))
 
 
 def _masked_load(builder: ir.IRBuilder, ptr: ir.Value, elem: ir.Type, mask: ir.Value) -> ir.Value:
@@ -171,7 +165,7 @@ class _Tile:
                 at = builder.add(builder.mul(builder.add(self.head, ir.Constant(_I64, i)),
                                              r.w_stride), t.index)  # fmt: skip
                 weight = builder.fmul(builder.load(builder.gep(r.w, [at])), scale, flags=_FAST)
-                weight = _splat(builder, _flushed(builder, weight), _F32)
+                weight = splat(builder, _flushed(builder, weight), LANES)
                 for c in range(CHUNKS):
                     total = self.sums[i * CHUNKS + c]
                     product = builder.fmul(weight, values[c], flags=_FAST)

@@ -35,6 +35,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from pagedkv.ops.cpu.bf16 import splat
 from pagedkv.runtime import kernel_cache
 from pagedkv.runtime.quant.vectors import (
     K_BLOCKS,
@@ -67,12 +68,6 @@ _N = 32
 _SHORTS, _INTS, _WIDE = (ir.VectorType(t, _N) for t in (_I16, _I32, _F32))
 
 
-def _splat(builder, value, n=_N):  # type: ignore[no-untyped-def]
-    vector = ir.VectorType(value.type, n)
-    one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-
 def _spread(builder, floats, first, second):  # type: ignore[no-untyped-def]
     """32 lanes of a small float vector: element `first` in the first 16, `second` after."""
     return builder.shuffle_vector(floats, floats, ir.Constant(_INTS, [first] * 16 + [second] * 16))
@@ -88,10 +83,11 @@ def _row_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def
         if high_at:
             ints = builder.or_(ints, fifth_bits(builder, data, at, high_at))
         ints = builder.sub(ints, ir.Constant(_SHORTS, [offset] * _N))
-    floats = builder.fmul(builder.sitofp(ints, _WIDE), _splat(builder, half_at(builder, data, at)))
+    d = half_at(builder, data, at)
+    floats = builder.fmul(builder.sitofp(ints, _WIDE), splat(builder, d, _N))
     if has_min:
         m = half_at(builder, data, builder.add(at, i64(2)))
-        floats = builder.fadd(floats, _splat(builder, m))
+        floats = builder.fadd(floats, splat(builder, m, _N))
     return [(floats, 0)]
 
 
@@ -101,13 +97,13 @@ def _k_block_lines(builder, data, at, type_id):  # type: ignore[no-untyped-def]
     if offset:  # Q6_K: d * s per 16 weights
         ints = builder.sext(load_vector(builder, data, at, 192, _I8, 16), ir.VectorType(_I16, 16))
         d = half_at(builder, data, builder.add(at, i64(d_at)))
-        scales = builder.fmul(builder.sitofp(ints, ir.VectorType(_F32, 16)), _splat(builder, d, 16))
+        scales = builder.fmul(builder.sitofp(ints, ir.VectorType(_F32, 16)), splat(builder, d, 16))
         mins = None
     else:  # Q4_K, Q5_K: d * s and dmin * m per 32 weights
         fields = six_bit_fields(builder, data, at)
         d, dmin = (half_at(builder, data, builder.add(at, i64(k))) for k in (0, 2))
         eight = ir.VectorType(_F32, 8)
-        scales, mins = (builder.fmul(builder.sitofp(f, eight), _splat(builder, s, 8))
+        scales, mins = (builder.fmul(builder.sitofp(f, eight), splat(builder, s, 8))
                         for f, s in zip(fields, (d, dmin), strict=True))  # fmt: skip
 
     out = []

@@ -24,6 +24,8 @@ from numba import types
 from numba.core import cgutils, codegen, config
 from numba.extending import intrinsic
 
+from pagedkv.ops.cpu.bf16 import declare, splat
+
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _N = 32
 _SHORTS, _INTS = ir.VectorType(_I16, _N), ir.VectorType(_I32, _N)
@@ -36,15 +38,11 @@ HAS_MADD = "+avx512bw" in _FEATURES.split(",")
 same sum from 32-bit products."""
 
 
-def _declare(module: ir.Module, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
-    return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, params), name)
-
-
 def _madd(builder, weights, xs):  # type: ignore[no-untyped-def]
     """16 int32 lanes, lane j = weights[2j] * xs[2j] + weights[2j + 1] * xs[2j + 1], from 32
     int16 lanes (each product and pair sum fits an int32)."""
     if HAS_MADD:
-        madd = _declare(builder.module, "llvm.x86.avx512.pmaddw.d.512", _PAIRS, [_SHORTS] * 2)
+        madd = declare(builder.module, "llvm.x86.avx512.pmaddw.d.512", _PAIRS, [_SHORTS] * 2)
         return builder.call(madd, [weights, xs])
     products = builder.mul(builder.sext(weights, _INTS), builder.sext(xs, _INTS))
     even, odd = (builder.shuffle_vector(products, products, ir.Constant(
@@ -172,7 +170,7 @@ def _k_scales(builder, data, base, offset, d_at):  # type: ignore[no-untyped-def
     d_dmin = _halves(builder, data, base)
     scales, mins = six_bit_fields(builder, data, base)
     eight = ir.VectorType(ir.FloatType(), 8)
-    dmin = _splat(builder, builder.extract_element(d_dmin, ir.Constant(_I32, 1)), eight)
+    dmin = splat(builder, builder.extract_element(d_dmin, ir.Constant(_I32, 1)), 8)
     d = builder.extract_element(d_dmin, ir.Constant(_I32, 0))
     return d, scales, builder.fmul(builder.sitofp(mins, eight), dmin)
 
@@ -206,7 +204,7 @@ def k_line_weights(builder, data, base, line, layout):  # type: ignore[no-untype
 
 def _add_scaled(builder, total, ints, scale):  # type: ignore[no-untyped-def]
     """*total (16 float lanes) += ints (16 int32 lanes) * scale."""
-    scaled = builder.fmul(builder.sitofp(ints, _FLOATS), _splat(builder, scale, _FLOATS))
+    scaled = builder.fmul(builder.sitofp(ints, _FLOATS), splat(builder, scale, 16))
     builder.store(builder.fadd(builder.load(total), scaled), total)
 
 
@@ -238,12 +236,6 @@ def _halves(builder, data, at):  # type: ignore[no-untyped-def]
     halves = builder.bitcast(wide, ir.VectorType(ir.HalfType(), 8))
     pair = builder.shuffle_vector(halves, halves, ir.Constant(ir.VectorType(_I32, 2), [0, 1]))
     return builder.fpext(pair, ir.VectorType(ir.FloatType(), 2))
-
-
-def _splat(builder, value, vector):  # type: ignore[no-untyped-def]
-    one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(_I32, 0))
-    mask = ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count)
-    return builder.shuffle_vector(one, one, mask)
 
 
 def load_vector(builder, data, base, at, element, n):  # type: ignore[no-untyped-def]
@@ -372,7 +364,7 @@ def half_at(builder, data, at):  # type: ignore[no-untyped-def]
 def _float_sum(builder, vector):  # type: ignore[no-untyped-def]
     """The sum of a vector's float lanes, in any order (LLVM adds halves)."""
     name = f"llvm.vector.reduce.fadd.v{vector.type.count}f32"
-    reduce = _declare(builder.module, name, ir.FloatType(), [ir.FloatType(), vector.type])
+    reduce = declare(builder.module, name, ir.FloatType(), [ir.FloatType(), vector.type])
     return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), vector], fastmath=("reassoc",))
 
 
