@@ -46,8 +46,7 @@ class CpuTuning:
             is split over every thread where the OpenMP workers sleep between parallel
             calls (waking one costs more than a small product gains).
         prefetch_bytes: how far ahead of the weight row being multiplied its lines are asked
-            for, as data read once; 0: each line just before it is read, which leaves the
-            streaming to the hardware prefetcher and only keeps the line out of the caches.
+            for, as data read once.
         spin_ticks: cycles a thread of the decoder stack spins waiting for the others
             before it yields its core.
         long_wait_ticks: cycles of waiting after which another thread is taken to be off
@@ -61,7 +60,7 @@ class CpuTuning:
     fused_decode_rows: int = 16
     block_decode_rows: int = 32
     parallel_work: int = 2_000_000
-    prefetch_bytes: int = 0
+    prefetch_bytes: int = 2048
     spin_ticks: int = 50_000
     long_wait_ticks: int = 3_000_000
 
