@@ -22,8 +22,9 @@ an argument: a module constant would be frozen into the cached machine code) as 
 once (`prefetch_once`, x86's `prefetchnta`). A decode step streams every weight through the
 caches; fetched the ordinary way they push out of L2 and L3 all that the step reads next:
 the KV cache, the step's buffers and, after the call, the interpreter's code and objects.
-Asked for this way they leave most of that in place. (Not for one float32 input row: see
-`_products_widened`.)
+Asked for this way they leave most of that in place. With one input row the lines are
+asked for just as they are read (`_products_dot`), or not at all (float32:
+`_products_widened`).
 """
 
 from __future__ import annotations
@@ -114,9 +115,13 @@ def _products_dot(x, weight, bias, out, first, end, prefetch):  # pragma: no cov
     weight row is read from the L1 cache), the last `size % 32` elements one by one."""
     rows, size = x.shape
     groups = size // 32
+    # With one input row the loop streams the weight as fast as memory gives it, and the
+    # hardware prefetcher keeps ahead of it: lines asked for ahead only compete with its
+    # requests. The hint on the line about to be read still keeps it out of the caches.
+    ahead = prefetch if rows > 1 else 0
     for n in range(first, end):
         at = n * size  # weight row n's first element
-        _prefetch_ahead(weight, at, size, prefetch)
+        _prefetch_ahead(weight, at, size, ahead)
         shift = as_float32(bias[n]) if bias.shape[0] else np.float32(0.0)
         for m in range(rows):
             total = dot32(weight, at, x, m * size, groups)
