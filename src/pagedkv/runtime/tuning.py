@@ -47,7 +47,7 @@ class CpuTuning:
             calls (waking one costs more than a small product gains).
         prefetch_bytes: how far ahead of the weight row being multiplied its lines are asked
             for, as data read once, in products of several input rows (one row asks for
-            each line as it is read: `matvec._products_dot`).
+            each line as it is read: `matvec.products`).
         spin_ticks: cycles a thread of the decoder stack spins waiting for the others
             before it yields its core.
         long_wait_ticks: cycles of waiting after which another thread is taken to be off
