@@ -27,7 +27,8 @@ eager compile` adds transformers on the same prompts, in the same process and ro
 (`transformers_runner.py`: a static cache, the decode step eager or `torch.compile`d).
 
 Variants (`--variant NAME:field=value,...`, `EngineArgs` fields) run alternately in one
-process, in reverse order every other round; `--breakdown` adds where a batch-1 decode step's time goes (`latency_parts.py`).
+process, in reverse order every other round; `--breakdown` adds where a batch-1 decode
+step's time goes (`latency_parts.py`).
 The OpenMP wait policy is the process's (`OMP_WAIT_POLICY=ACTIVE python ...` for spinning
 workers, which let one user's products run on every thread); llama.cpp runs with its own
 runtime's default (`llamacpp_runner` does not pass the wait-policy variables on).

@@ -49,6 +49,7 @@ def linear_rows(
         weight,
         lambda x, out: matvec.matvec(x, flat_weight, flat_bias, out, prefetch),
         lambda x, out: matvec.matvec_parallel(x, flat_weight, flat_bias, out, parts, prefetch),
+        parts,
         _min_work(tuning, parallel),
     )
 
@@ -78,6 +79,7 @@ def tiled_rows(
         weight,
         lambda x, out: tiles.tiles(x, flat_weight, out),
         lambda x, out: tiles.tiles_parallel(x, flat_weight, out, parts),
+        parts,
         _min_work(tuning or CpuTuning(), parallel),
     )
 
@@ -86,12 +88,13 @@ def _product(
     weight: Tensor,
     serial: Callable[[np.ndarray, np.ndarray], None],
     parallel: Callable[[np.ndarray, np.ndarray], None],
+    parts: int,
     min_work: float,
 ) -> Callable[[Tensor], Tensor]:
     """`x -> x @ weight.T` by a kernel that writes into `out` ([rows, out_features]): on the
-    calling thread, or `parallel` where there is more than one thread and the product is
-    at least `min_work` multiply-adds."""
-    out_features, size, parts = weight.shape[0], weight.numel(), sync_threads()
+    calling thread, or `parallel` (over `parts` threads) where there is more than one and
+    the product is at least `min_work` multiply-adds."""
+    out_features, size = weight.shape[0], weight.numel()
 
     def product(x: Tensor) -> Tensor:
         if x.dtype != weight.dtype:
