@@ -2,7 +2,11 @@
 middleware, before the body is read) and the counts a body may carry (before tokenizing).
 
 A body over `max_request_body_bytes` is a 413: at once when its ``Content-Length`` says
-so, else as soon as the bytes received pass the limit (a chunked body is never read whole).
+so, else as soon as the bytes received pass the limit (a chunked body is never kept whole).
+Before answering, the rest of the body is read and dropped for up to `DRAIN_SECONDS`, as
+web servers linger on close: most clients send the whole body before they read an answer,
+and closing a socket that still holds unread bytes resets the connection, which discards
+the 413 already sent on the client's side.
 Any other limit is a 400 that names the field, the limit and the given value. Both are
 counted in `pagedkv_rejected_requests_total` (reasons ``payload_too_large`` and ``limit``).
 """
@@ -10,6 +14,8 @@ counted in `pagedkv_rejected_requests_total` (reasons ``payload_too_large`` and 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +23,10 @@ if TYPE_CHECKING:  # the CLI builds its flags from this module without loading t
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from pagedkv.server.metrics import ServerMetrics
+
+
+DRAIN_SECONDS = 5.0
+"""How long a refused request's remaining body is read and dropped before the 413."""
 
 
 def _limit(default: int, help: str) -> Any:
@@ -78,19 +88,21 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._refuse(scope, receive, send, length.decode("latin-1"))
+            await self._refuse(scope, receive, send, length.decode("latin-1"), body_left=True)
             return
         received = 0
         too_large = False
+        body_left = True
 
         async def limited_receive() -> Message:
             # Past the limit the app sees a disconnect: it stops reading and its answer is
             # dropped in favour of the 413.
-            nonlocal received, too_large
+            nonlocal received, too_large, body_left
             if too_large:
                 return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
+                body_left = message.get("more_body", False)
                 received += len(message.get("body", b""))
                 too_large = received > self.max_bytes
                 if too_large:
@@ -107,9 +119,12 @@ class BodyLimitMiddleware:
             if not too_large:
                 raise
         if too_large:
-            await self._refuse(scope, receive, send, f"more than {self.max_bytes}")
+            given = f"more than {self.max_bytes}"
+            await self._refuse(scope, receive, send, given, body_left=body_left)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, given: str) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, given: str, *, body_left: bool
+    ) -> None:
         from starlette.responses import JSONResponse
 
         from pagedkv.server.protocol import ErrorInfo, ErrorResponse
@@ -123,4 +138,18 @@ class BodyLimitMiddleware:
         )
         response = JSONResponse(ErrorResponse(error=info).model_dump(), status_code=413)
         response.headers["Connection"] = "close"
+        if body_left:
+            await _drain(receive)
         await response(scope, receive, send)
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the request's remaining body, for at most `DRAIN_SECONDS`."""
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
