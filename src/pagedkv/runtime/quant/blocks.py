@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 
 from pagedkv.ops.cpu.bf16 import splat
 from pagedkv.runtime import kernel_cache
+from pagedkv.runtime.quant.literal import format_switch
 from pagedkv.runtime.quant.vectors import (
     K_BLOCKS,
     ROW_BLOCKS,
@@ -50,17 +51,6 @@ from pagedkv.runtime.quant.vectors import (
 )
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
-
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (
-    2,
-    3,
-    6,
-    7,
-    8,
-    12,
-    13,
-    14,
-)  # GGML type ids (`formats.py`)
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -165,30 +155,14 @@ def unpack_block(typingctx, q, at, out, out_at, type_id):  # pragma: no cover
 
 
 @njit(inline="always")
-def _unpack_blocks(row, block_size, block_bytes, out, type_id):  # pragma: no cover
+def _unpack_blocks(type_id, args):  # pragma: no cover
+    """Every block of a row into out; args: (row, block_size, block_bytes, out)."""
+    row, block_size, block_bytes, out = args
     for b in range(out.shape[0] // block_size):
         unpack_block(row, b * block_bytes, out, b * block_size, type_id)
 
 
-@njit(inline="always")
-def _unpack_row(row, type_id, block_size, block_bytes, out):  # pragma: no cover
-    """Every block of `row` into `out` (the ids as literals: a loop compiled for each)."""
-    if type_id == Q8_0:
-        _unpack_blocks(row, block_size, block_bytes, out, 8)
-    elif type_id == Q4_0:
-        _unpack_blocks(row, block_size, block_bytes, out, 2)
-    elif type_id == Q4_1:
-        _unpack_blocks(row, block_size, block_bytes, out, 3)
-    elif type_id == Q5_0:
-        _unpack_blocks(row, block_size, block_bytes, out, 6)
-    elif type_id == Q5_1:
-        _unpack_blocks(row, block_size, block_bytes, out, 7)
-    elif type_id == Q4_K:
-        _unpack_blocks(row, block_size, block_bytes, out, 12)
-    elif type_id == Q5_K:
-        _unpack_blocks(row, block_size, block_bytes, out, 13)
-    else:
-        _unpack_blocks(row, block_size, block_bytes, out, 14)
+_unpack_row = format_switch(_unpack_blocks)
 
 
 @njit(cache=True, parallel=True)
@@ -199,4 +173,4 @@ def dequantize_rows(blocks, type_id, block_size, block_bytes, row_ids, out):  # 
     or bfloat16 bits (uint16), C-contiguous.
     """
     for i in prange(row_ids.shape[0]):
-        _unpack_row(blocks[row_ids[i]], type_id, block_size, block_bytes, out[i])
+        _unpack_row(type_id, (blocks[row_ids[i]], block_size, block_bytes, out[i]))

@@ -23,6 +23,7 @@ from numba.extending import overload
 
 from pagedkv.ops.cpu.bf16 import as_float32, bits_as_float32, magnitude_bits
 from pagedkv.runtime import kernel_cache
+from pagedkv.runtime.quant.literal import format_switch
 from pagedkv.runtime.quant.vectors import dot_rows
 
 kernel_cache.use_shared_cache()  # before the first `cache=True` decorator
@@ -35,21 +36,19 @@ scale: at most 4096 in magnitude, Q6_K's) and activation are summed in an int32:
 the most that cannot overflow it."""
 
 
-def _rows(
-    type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end
-):  # pragma: no cover
-    """`block_products` for one format, `type_id` a literal: compiled once per format."""
+def _rows(type_id, args):  # pragma: no cover
+    """`block_products` for one format, `type_id` a literal: compiled once per format; args:
+    `block_products`' after type_id."""
     raise NotImplementedError("compiled only")
 
 
 @overload(_rows, prefer_literal=True)
-def _rows_impl(
-    type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end
-):  # pragma: no cover
+def _rows_impl(type_id, args):  # pragma: no cover
     if not isinstance(type_id, types.IntegerLiteral):
         return None
 
-    def rows_of(type_id, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end):
+    def rows_of(type_id, args):
+        xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end = args
         rows = xq.shape[0]
         if rows == 1:  # a loop of its own: with the others' constants it kept fewer registers
             for n in range(first, end):
@@ -73,6 +72,9 @@ def _rows_impl(
     return rows_of
 
 
+_by_format = format_switch(_rows)
+
+
 @njit(cache=True, fastmath=True)
 def block_products(
     xq, xd, sums, blocks, type_id, block_size, block_bytes, out, col, first, end
@@ -84,23 +86,8 @@ def block_products(
     [rows, in_features // 32] (`x_sums`); blocks: uint8 [num_out, row_bytes] in format
     `type_id`; out: float32 [rows, >= col + num_out] (other columns untouched).
     """
-    # The ids as literals: `_rows` compiles a variant for each.
-    if type_id == 8:
-        _rows(8, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 2:
-        _rows(2, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 3:
-        _rows(3, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 6:
-        _rows(6, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 7:
-        _rows(7, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 12:
-        _rows(12, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    elif type_id == 13:
-        _rows(13, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
-    else:
-        _rows(14, xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
+    args = (xq, xd, sums, blocks, block_size, block_bytes, out, col, first, end)
+    _by_format(type_id, args)
 
 
 @njit(cache=True, fastmath=True, parallel=True)
