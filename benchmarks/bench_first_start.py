@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import print_table, write_results
+from _common import print_table, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPILE_LINE = "compiling CPU kernels once"
@@ -129,15 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     print_table(rows, ["side", "dtype", "cold_compile_line_s", "cold_first_text_s",
                        "cold_end_s", "warm_first_text_s", "warm_end_s", "compile_s"])  # fmt: skip
-    name, out_dir = "bench_first_start", None
-    if args.output is not None:
-        name, out_dir = args.output.stem, args.output.parent
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config["model"] = model
     runs_out = [{"side": s, "dtype": d, "rounds": res} for (s, d), res in runs.items()]
-    path = write_results(name, config=config, results={"rows": rows, "runs": runs_out},
-                         out_dir=out_dir)  # fmt: skip
-    print(f"wrote {path}")
+    results = {"rows": rows, "runs": runs_out}
+    print(f"wrote {write_run('bench_first_start', args, results, model=model)}")
 
 
 if __name__ == "__main__":

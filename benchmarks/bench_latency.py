@@ -64,7 +64,7 @@ from typing import Any  # noqa: E402
 import llamacpp_runner  # noqa: E402 (benchmarks/ is on sys.path)
 import torch  # noqa: E402
 import transformers_runner  # noqa: E402
-from _common import print_table, write_results  # noqa: E402
+from _common import print_table, write_run  # noqa: E402
 from bench_attention import read_bandwidth  # noqa: E402
 from bench_engine import FULL_MODEL, QUICK_MODEL, _set_threads, matmul_parameters  # noqa: E402
 from latency_parts import layer_parts, step_parts  # noqa: E402
@@ -313,14 +313,9 @@ def main(argv: list[str] | None = None) -> None:
                "decode_vs_llamacpp", "decode_vs_llamacpp_paired", "ttft_vs_llamacpp",
                "bandwidth_gbs"]  # fmt: skip
     print_table(rows, columns)
-    name, out_dir = "bench_latency", None
-    if args.output is not None:
-        name, out_dir = args.output.stem, args.output.parent
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config["block_size"] = BLOCK_SIZE
-    config["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
-    config["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")
-    path = write_results(name, config=config, results=rows, out_dir=out_dir)
+    path = write_run("bench_latency", args, rows, block_size=BLOCK_SIZE,
+                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                     gomp_spincount=os.environ.get("GOMP_SPINCOUNT"))  # fmt: skip
     print(f"wrote {path}")
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import llamacpp_runner
-from _common import model_or_smollm2, print_table, write_results
+from _common import model_or_smollm2, print_table, write_run
 from bench_engine import _set_threads
 
 from pagedkv import LLM, SamplingParams
@@ -204,12 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = rows_for(args, args.text.read_text(encoding="utf-8"), Path(tmp))
     print(f"{args.model.name}, {args.text.name}, n_ctx {args.ctx}")
     print_table([_shown(row) for row in rows])
-    name, out_dir = "bench_perplexity", None
-    if args.output is not None:
-        name, out_dir = args.output.stem, args.output.parent
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = write_results(name, config=config, results=rows, out_dir=out_dir)
-    print(f"wrote {path}")
+    print(f"wrote {write_run('bench_perplexity', args, rows)}")
 
 
 if __name__ == "__main__":

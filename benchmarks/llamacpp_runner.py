@@ -1,9 +1,9 @@
-"""llama.cpp as the anchor of `bench_latency.py`, `bench_engine.py` and `bench_perplexity.py`:
-a GGUF given, or written from the same Hugging Face directory by its own converter; latency
-timed by its own `llama-batched-bench`, throughput by its `llama-server` answering concurrent
-HTTP requests, perplexity by its `llama-perplexity`. Nothing of llama.cpp lives in this
-repository; pass the directory of a build's binaries. The converter needs the `gguf` and
-`sentencepiece` packages.
+"""llama.cpp as the anchor of `bench_latency.py`, `bench_engine.py`, `bench_perplexity.py`
+and `bench_drift.py`: a GGUF given, or written from the same Hugging Face directory by its
+own converter; latency timed by its own `llama-batched-bench`, throughput by its
+`llama-server` answering concurrent HTTP requests, perplexity by its `llama-perplexity`,
+next-token logprobs by its server. Nothing of llama.cpp lives in this repository; pass the
+directory of a build's binaries. The converter needs the `gguf` and `sentencepiece` packages.
 """
 
 from __future__ import annotations
@@ -166,6 +166,20 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
     if reply.get("tokens_predicted") != max_tokens:
         raise RuntimeError(f"llama-server: expected {max_tokens} tokens, got {reply!r:.500}")
     return list(reply.get("tokens") or [])
+
+
+def next_logprobs(url: str, prompt: list[int], top: int) -> dict[int, float]:
+    """The `top` most likely next tokens after `prompt` (token ids) and their logprobs, from
+    the raw distribution (`/completion` with `n_probs`; the prompt cache on, so that
+    consecutive prefixes of one sequence extend it)."""
+    body = {"prompt": prompt, "n_predict": 1, "n_probs": top, "temperature": 0.0,
+            "cache_prompt": True}  # fmt: skip
+    request = urllib.request.Request(f"{url}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=600) as response:
+        reply = json.load(response)
+    entries = reply["completion_probabilities"][0]["top_logprobs"]
+    return {int(e["id"]): float(e["logprob"]) for e in entries}
 
 
 def serve_concurrently(
