@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import time
 
 import httpx
@@ -51,6 +52,23 @@ def test_a_10mb_body_is_413_within_a_second(limited) -> None:
     after = limited.metrics()['pagedkv_rejected_requests_total{reason="payload_too_large"}']
     assert after == before + 1
     _healthy(limited.url)
+
+
+def test_a_client_that_sends_the_whole_body_first_still_reads_the_413(limited) -> None:
+    # The answer comes as soon as the length is seen; a client that pauses, then sends the
+    # rest before reading (as most do) must not meet a reset that discards the answer.
+    body = _padded_body()
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
+        head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        sock.sendall(head.encode() + body[: 1 << 20])
+        time.sleep(0.5)
+        sock.sendall(body[1 << 20 :])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"request_too_large" in answer
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(limited) -> None:
