@@ -31,6 +31,11 @@ def _healthy(url: str) -> None:
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
 
 
+def _head(length: int, extra: str = "") -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {length}\r\n{extra}\r\n").encode()  # fmt: skip
+
+
 def _padded_body() -> bytes:
     return b'{"prompt": "' + b"a" * BIG + b'", "max_tokens": 1}'
 
@@ -59,9 +64,7 @@ def test_a_client_that_sends_the_whole_body_first_still_reads_the_413(limited) -
     # rest before reading (as most do) must not meet a reset that discards the answer.
     body = _padded_body()
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
-        head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
-        sock.sendall(head.encode() + body[: 1 << 20])
+        sock.sendall(_head(len(body)) + body[: 1 << 20])
         time.sleep(0.5)
         sock.sendall(body[1 << 20 :])
         answer = b""
@@ -69,6 +72,15 @@ def test_a_client_that_sends_the_whole_body_first_still_reads_the_413(limited) -
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"request_too_large" in answer
+
+
+def test_a_client_that_waits_for_100_continue_gets_the_413_without_sending(limited) -> None:
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
+        started = time.monotonic()
+        sock.sendall(_head(BIG, "Expect: 100-continue\r\n"))
+        answer = sock.recv(65536)
+    assert time.monotonic() - started < 1.0
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(limited) -> None:

@@ -6,7 +6,8 @@ so, else as soon as the bytes received pass the limit (a chunked body is never k
 Before answering, the rest of the body is read and dropped for up to `DRAIN_SECONDS`, as
 web servers linger on close: most clients send the whole body before they read an answer,
 and closing a socket that still holds unread bytes resets the connection, which discards
-the 413 already sent on the client's side.
+the 413 already sent on the client's side. A client that sent ``Expect: 100-continue``
+waits for the answer before it sends the body: it is answered at once.
 Any other limit is a 400 that names the field, the limit and the given value. Both are
 counted in `pagedkv_rejected_requests_total` (reasons ``payload_too_large`` and ``limit``).
 """
@@ -86,9 +87,11 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._refuse(scope, receive, send, length.decode("latin-1"), body_left=True)
+            waits = headers.get(b"expect", b"").lower() == b"100-continue"
+            await self._refuse(scope, receive, send, length.decode("latin-1"), body_left=not waits)
             return
         received = 0
         too_large = False
