@@ -63,8 +63,13 @@ QKV, ATTEND, O_PROJ, GATE_UP, DOWN, HEAD = range(6)
 PHASES = HEAD
 """Phases per layer."""
 CHUNK_WORK = 32_768
-"""Multiply-adds per input row in a claimed chunk of a product: small enough that two threads
-share a small model's projection evenly, large enough that claims (atomic adds) are rare."""
+"""Multiply-adds per input row in a claimed chunk of a product, at least: small enough that
+two threads share a small model's projection evenly, large enough that claims are rare."""
+CHUNKS_PER_THREAD = 8
+"""Chunks per thread of a phase, at most, where its product is large: each claim is an
+atomic add, a locked instruction that waits for the loads in flight, so every chunk boundary
+stalls the stream of weight reads; a few chunks a thread still let one take over the share
+of another that is late."""
 LINE = 8
 """int64 counters per cache line: each counter on its own line, so claiming one phase's
 chunks does not stall a thread polling another's."""
@@ -110,7 +115,12 @@ def decode_layers(
     num_heads = attended_size // key_pool.shape[3]
     num_items = items.shape[0]
     work = chunk_work(head, CHUNK_WORK)
-    widest = max(key_pool.shape[3], work // min(hidden, attended_size, inner))  # a chunk
+    head_dim, qkv_size = key_pool.shape[3], out_features(qkv[0])
+    widest = max(  # a chunk's outputs, at most (`_chunks`)
+        head_dim * _share(qkv_size // head_dim, threads),
+        work // min(hidden, attended_size, inner),
+        _share(max(hidden, 2 * inner, out_features(head)), threads),
+    )
     f32 = np.float32
     buffers = (
         np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
@@ -172,7 +182,7 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
     for phase in range(num_layers * PHASES + 1):
         layer = min(phase // PHASES, num_layers - 1)
         kind = phase - layer * PHASES  # after the last layer's: HEAD
-        n, step = _chunks(kind, x, weights, pools, buffers)
+        n, step = _chunks(kind, x, weights, pools, buffers, threads)
         _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, num_real,
                    slots, weights, pools, buffers, eps, scale, knobs[0])  # fmt: skip
         if not _wait(counters, phase, n, me, threads, knobs[1], knobs[2]):
@@ -180,13 +190,16 @@ def _take_part(me, threads, x, cos, sin, num_real, slots, weights, pools, buffer
 
 
 @njit(cache=True)
-def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
-    """(chunks, rows of a product per chunk) of a phase of `kind`: one for a head of q|k|v
-    or an attention item, `CHUNK_WORK` of a product; the head's phase has at least one
-    (its thread writes the final norm) even where the head has no rows."""
+def _chunks(kind, x, weights, pools, buffers, threads):  # pragma: no cover
+    """(chunks, rows of a product per chunk) of a phase of `kind`: whole heads of q|k|v, one
+    attention item, or rows of a product, `CHUNKS_PER_THREAD` a thread but no fewer rows
+    than `CHUNK_WORK` takes; the head's phase has at least one (its thread writes the final
+    norm) even where the head has no rows."""
     head_dim, items, inner = pools[0].shape[3], pools[3], buffers[10].shape[2]
     if kind == QKV:
-        return out_features(weights[1][0]) // head_dim, head_dim
+        heads = out_features(weights[1][0]) // head_dim
+        per_chunk = _share(heads, threads)
+        return -(-heads // per_chunk), per_chunk * head_dim
     if kind == ATTEND:
         return items.shape[0], 1
     if kind == O_PROJ:
@@ -197,8 +210,14 @@ def _chunks(kind, x, weights, pools, buffers):  # pragma: no cover
         size, outputs = x.shape[1], max(1, out_features(weights[10][0]))
     else:  # down
         size, outputs = inner, x.shape[1]
-    step = max(1, chunk_work(weights[5][0], CHUNK_WORK) // size)
+    step = max(1, chunk_work(weights[5][0], CHUNK_WORK) // size, _share(outputs, threads))
     return -(-outputs // step), step
+
+
+@njit(cache=True)
+def _share(outputs, threads):  # pragma: no cover
+    """Outputs per chunk where a phase of `outputs` is cut into `CHUNKS_PER_THREAD` a thread."""
+    return max(1, -(-outputs // (threads * CHUNKS_PER_THREAD)))
 
 
 @njit(cache=True, fastmath=True)
@@ -249,9 +268,11 @@ def _run_phase(kind, phase, n, step, layer, me, threads, counters, x, cos, sin, 
     while c < n:
         first = c * step
         if kind == QKV:
-            phase_products(source, weight, bias, fused, first, first + step, prefetch, chunk)
-            place_head(c, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real, slots,
-                       query, (keys, values, key_scales, value_scales))  # fmt: skip
+            end = min(outputs, first + step)
+            phase_products(source, weight, bias, fused, first, end, prefetch, chunk)
+            for h in range(first // keys.shape[2], end // keys.shape[2]):
+                place_head(h, fused, q_norm[layer], k_norm[layer], cos, sin, eps, num_real,
+                           slots, query, (keys, values, key_scales, value_scales))  # fmt: skip
         elif kind == ATTEND:
             attend_item(c, query, keys, values, key_scales, value_scales, block_tables, items,
                         block_size, scale, acc[c], row_max[c], row_sum[c])  # fmt: skip
